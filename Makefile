@@ -1,0 +1,40 @@
+# Slipstream developer entry points. Every target sets up what it needs from scratch.
+#   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
+#   make test         install everything and run the whole test suite (CI runs this)
+#   make bench-engine engine throughput vs transformers; JSON and plots under results/
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+EXTRAS ?= agent,operator,dev
+PORT ?= 8000
+RESULTS ?= results
+
+.PHONY: setup serve test test-unit lint-imports bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/slipstream serve --host 127.0.0.1 --port $(PORT)
+
+lint-imports: setup
+	$(BIN)/lint-imports
+
+test: setup lint-imports
+	$(BIN)/pytest
+
+test-unit: setup
+	$(BIN)/pytest tests/unit
+
+bench-engine: setup
+	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The node agent: engine, scheduler, parallel workers, server, router, simulator, benchmarks."""

@@ -1,0 +1,77 @@
+"""User-facing sampling parameters, validated once at the API edge.
+
+The scheduler only sees ``SamplingOptions`` (what the runner needs per token); stop strings,
+stop tokens and ``max_tokens`` are applied by the engine's output processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slipstream.agent.scheduler.batch import SamplingOptions
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return per token; 0 = only the chosen
+
+    def __post_init__(self) -> None:
+        errors = self.validation_errors()
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def validation_errors(self) -> list[str]:
+        errors = []
+        if self.max_tokens < 1:
+            errors.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            errors.append(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k == 0 or self.top_k < -1:
+            errors.append(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            errors.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            errors.append("stop strings must be non-empty")
+        return errors
+
+    def options(self) -> SamplingOptions:
+        return SamplingOptions(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                               seed=self.seed, logprobs=self.logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's output, as the engine streams it to the API layer."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Wall-clock times (time.monotonic()) for metrics: set on the final output.
+    arrival_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    error: str | None = None

@@ -1,0 +1,1 @@
+"""Tensor, stream-pipeline and KV-cache parallelism: process groups and the controller/worker transport."""

@@ -1,0 +1,1 @@
+"""Length-aware pool router with application-level fairness."""

@@ -1,0 +1,82 @@
+"""The one description that crosses from the scheduler to the model runner each iteration.
+
+    Scheduler.schedule() -> Batch (pure Python)
+        -> model runner: tensors, attention plan, forward, sampling (torch)
+        -> Scheduler.update(batch, sampled tokens)
+
+A ``Batch`` lists decodes first, then prefill chunks. Every item is a ``ScheduledChunk``: a
+contiguous run of tokens of one request, starting at ``start_pos`` in its sequence, with the
+request's whole block table. A decode is simply a chunk of one token. ``sample`` is set when
+the chunk reaches the end of the known tokens, so the runner samples the next token there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """What the runner needs to sample a request's next token. Pure data."""
+
+    temperature: float = 1.0
+    top_k: int = -1  # -1 disables
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # number of top alternatives; None = no logprobs
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int  # position of token_ids[0] in the request's sequence
+    block_ids: tuple[int, ...]  # the request's full block table after this step's allocation
+    sample: bool  # this chunk ends at the last known token: sample the next one
+    sampling: SamplingOptions = SamplingOptions()
+    num_generated: int = 0  # tokens generated so far; seeds per-position sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.sample and self.start_pos > 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Move KV blocks between device and host memory (swap preemption)."""
+
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    chunks: tuple[ScheduledChunk, ...]
+    swap_out: tuple[BlockCopy, ...] = ()  # device -> host, before the forward
+    swap_in: tuple[BlockCopy, ...] = ()  # host -> device, before the forward
+    predicted_time_s: float | None = None  # the packer's prediction, for metrics
+    meta: dict = field(default_factory=dict)  # free-form annotations for traces/metrics
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.swap_out and not self.swap_in
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.is_decode)

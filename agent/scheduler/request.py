@@ -1,0 +1,99 @@
+"""Request state, owned by the scheduler.
+
+A request is a token sequence (prompt, then generated tokens) whose KV cache is being caught
+up: ``num_computed_tokens`` chases ``num_tokens``. There are no prefill or decode phases. A
+prefill chunk is a partial grant of the missing tokens, and a decode is a grant of exactly one.
+Preemption by recompute just resets ``num_computed_tokens`` to zero and frees the blocks; the
+generated tokens stay, so the request resumes where it was and produces the same output.
+
+The engine (or the simulator) decides when a request is finished and tells the scheduler.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from slipstream.agent.scheduler.batch import SamplingOptions
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; no KV blocks held
+    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    SWAPPED = "swapped"  # preempted to host memory; resumes without recompute
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the engine failed while the request was in flight
+
+
+@dataclass(frozen=True)
+class RequestSLO:
+    """Per-request service-level objectives; ``None`` means "use the engine default"."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's scheduling state. Mutated only by the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float
+    app_id: str = "default"
+    priority: int = 0
+    slo: RequestSLO = field(default_factory=RequestSLO)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Times on the scheduler's clock, filled as the request progresses.
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV must exist before the next token can be sampled."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than one token is missing from the KV cache (prompt or recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of the full sequence (prompt followed by output)."""
+        prompt_len = self.prompt_len
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]

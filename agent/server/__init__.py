@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API, control API and Prometheus metrics."""

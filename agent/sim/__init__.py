@@ -1,0 +1,1 @@
+"""Discrete-event simulator driving the real scheduler on a performance model."""

@@ -1,0 +1,1 @@
+"""Attention backends behind one interface: a torch reference (CPU) and FlashInfer (GPU)."""

@@ -1,0 +1,51 @@
+"""The ``slipstream`` command. Each subcommand lives in its own module, imported lazily so
+that ``slipstream --help`` is instant and the operator image never imports torch.
+
+A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("slipstream.agent.server.cli", "Serve a model behind an OpenAI-compatible HTTP API."),
+    "make-tiny-model": ("slipstream.agent.engine.tiny_model",
+                        "Write a small random-weight Llama in Hugging Face format."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="Slipstream: LLM serving for mixed short/long traffic.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name)
+        # Arguments are added lazily in main(), only for the chosen subcommand.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)  # prints help or the "invalid choice" error
+        parser.print_help()
+        return 0 if not argv else 2
+    module_name, help_text = SUBCOMMANDS[argv[0]]
+    module = importlib.import_module(module_name)
+    sub_parser = argparse.ArgumentParser(prog=f"slipstream {argv[0]}", description=help_text,
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
