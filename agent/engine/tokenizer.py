@@ -6,9 +6,11 @@ into text with ``IncrementalDetokenizer`` (streamed deltas that never split a UT
 character) and ``StopChecker`` (OpenAI stop strings, never emitted).
 
 Only the ``tokenizers`` library and jinja2 are used, not ``transformers``; the behaviour
-follows ``transformers`` 5 (``tests/unit/test_tokenizer.py`` checks it on the tiny model):
-the post-processor of ``tokenizer.json`` adds BOS (rebuilt from ``add_bos_token`` and
-``add_eos_token`` when ``tokenizer_config.json`` sets them), and chat templates render in
+follows ``transformers`` 5 (``tests/unit/test_tokenizer.py`` compares them on Llama 3, Qwen2
+and Mistral style directories):
+only the post-processor of ``tokenizer.json`` adds BOS/EOS (transformers 5 ignores
+``add_bos_token`` in ``tokenizer_config.json`` when there is a ``tokenizer.json``, and real
+Llama and Mistral files carry the BOS template in it), and chat templates render in
 the same sandboxed jinja2 environment with the special tokens as variables. Decoding never
 applies ``clean_up_tokenization_spaces`` (lossy; ``transformers`` 5 skips it for BPE too).
 """
@@ -23,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
 
 # Prompt tokens decoded before the first generated one, so that a SentencePiece decoder
 # renders that token's leading space as it would inside the text.
@@ -116,11 +117,6 @@ class Tokenizer:
         config = _read_json(model_dir / "tokenizer_config.json")
         special_tokens = {name: content for name in _SPECIAL_TOKEN_NAMES
                           if (content := _token_content(config.get(name))) is not None}
-        explicit_flags = "add_bos_token" in config or "add_eos_token" in config
-        if explicit_flags or backend.post_processor is None:
-            backend.post_processor = _bos_eos_processor(
-                backend, special_tokens, bool(config.get("add_bos_token", False)),
-                bool(config.get("add_eos_token", False)))
         if config.get("split_special_tokens"):
             backend.encode_special_tokens = True
 
@@ -167,19 +163,6 @@ class Tokenizer:
         tokens are added on top (as transformers does with ``tokenize=True``)."""
         text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
-
-
-def _bos_eos_processor(backend: BackendTokenizer, special_tokens: dict[str, str],
-                       add_bos: bool, add_eos: bool):
-    """The post-processor transformers builds from ``add_bos_token``/``add_eos_token``."""
-    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
-    add_bos = add_bos and bos is not None and backend.token_to_id(bos) is not None
-    add_eos = add_eos and eos is not None and backend.token_to_id(eos) is not None
-    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-    specials = [(token, backend.token_to_id(token))
-                for token, wanted in ((bos, add_bos), (eos, add_eos)) if wanted]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 class IncrementalDetokenizer:
