@@ -10,6 +10,7 @@ It makes no policy decisions: it runs exactly the chunks it is given.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,9 @@ class ModelRunner:
         self.kv_caches = self._allocate(self.num_kv_blocks, self.device)
         self.host_kv_caches = self._allocate(num_host_blocks, torch.device("cpu"))
         self.sampler = Sampler(config.seed)
+        # Seconds spent in the model forward (and logits) by the last execute(): the rest of
+        # an engine step is scheduling, tensor preparation, sampling and output handling.
+        self.last_forward_s = 0.0
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention backend %s",
                  config.model_name, self.device, self.dtype, self.num_kv_blocks, BLOCK_SIZE,
                  self.backend.name)
@@ -78,12 +82,16 @@ class ModelRunner:
         if not batch.chunks:
             return {}
         input_ids, positions, metadata, sample_rows = self._prepare(batch)
+        started = time.perf_counter()
         self.backend.plan(metadata)
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
+        logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - started
         if not sample_rows:
             return {}
         chunks = [batch.chunks[i] for i, _ in sample_rows]
-        logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
         tokens, logprobs = self.sampler(logits, [c.sampling for c in chunks],
                                         [c.num_generated for c in chunks])
         return {chunk.request_id: SampledToken(token, logprob)
