@@ -75,7 +75,9 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class AttentionResult:
     output: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    lse_natural: torch.Tensor  # [num_tokens, num_heads], float32, natural log; -inf if no KV
+    # [num_tokens, num_heads], float32, natural log; -inf where no KV is visible. None when
+    # the caller did not ask for it (only KV-sharded attention needs it, to merge partials).
+    lse_natural: torch.Tensor | None
 
 
 class AttentionBackend(Protocol):
@@ -89,7 +91,7 @@ class AttentionBackend(Protocol):
         """Store the step's new keys/values ``[num_tokens, kv_heads, head_dim]`` in the cache."""
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float) -> AttentionResult:
+            scale: float, return_lse: bool = True) -> AttentionResult:
         """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the cache."""
 
 
@@ -122,6 +124,8 @@ def merge_many(results: list[AttentionResult]) -> AttentionResult:
     """Fold :func:`merge_states` over any number of KV shards."""
     if not results:
         raise ValueError("merge_many needs at least one partial result")
+    if any(part.lse_natural is None for part in results):
+        raise ValueError("merging partial attention needs each part's lse (return_lse=True)")
     output, lse = results[0].output, results[0].lse_natural
     for part in results[1:]:
         output, lse = merge_states(output, lse, part.output, part.lse_natural)

@@ -95,7 +95,9 @@ class FlashInferBackend:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float) -> AttentionResult:
+            scale: float, return_lse: bool = True) -> AttentionResult:
+        # FlashInfer computes the LSE alongside the output at no real cost, so it is always
+        # returned; ``return_lse`` exists for interface parity with the torch backend.
         launches = self._require_plan()
         self._plan_wrappers(query, k_cache, scale)
         num_tokens, num_heads, head_dim = query.shape

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from slipstream.kernels.attention import AttentionMetadata, AttentionResult
 
@@ -19,9 +20,10 @@ from slipstream.kernels.attention import AttentionMetadata, AttentionResult
 @dataclass(frozen=True)
 class _GatherPlan:
     slots: torch.Tensor  # [rows, kv_len] or [kv_len]: flat cache slots to read
-    mask: torch.Tensor  # True where the query may attend: [rows, 1, kv_len] or [q, kv_len]
+    mask: torch.Tensor  # True where the query may attend: [rows, 1, 1, 1, kv] or [q, kv]
     token_start: int  # first query row in the flat token dimension
     token_end: int
+    plain_causal: bool = False  # queries and KV are the same positions: standard causal mask
 
 
 def _slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
@@ -60,7 +62,9 @@ class TorchReferenceBackend:
             query_pos = metadata.query_start_pos[seq] + torch.arange(query_len, device=device)
             kv_pos = metadata.kv_start_pos[seq] + torch.arange(kv_len, device=device)
             mask = kv_pos[None, :] <= query_pos[:, None]
-            self._prefills.append(_GatherPlan(slots, mask, token, token + query_len))
+            plain_causal = (metadata.query_start_pos[seq] == metadata.kv_start_pos[seq] == 0
+                            and query_len == kv_len)
+            self._prefills.append(_GatherPlan(slots, mask, token, token + query_len, plain_causal))
             token += query_len
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,8 +77,11 @@ class TorchReferenceBackend:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float) -> AttentionResult:
+            scale: float, return_lse: bool = True) -> AttentionResult:
         self._require_plan()
+        if not return_lse:
+            return AttentionResult(output=self._run_fused(query, k_cache, v_cache, scale),
+                                   lse_natural=None)
         num_tokens, num_heads, head_dim = query.shape
         kv_heads = k_cache.shape[2]
         group = num_heads // kv_heads
@@ -107,6 +114,33 @@ class TorchReferenceBackend:
             lse[plan.token_start:plan.token_end] = row_lse.permute(2, 0, 1).reshape(
                 q_len, num_heads)
         return AttentionResult(output=output, lse_natural=lse)
+
+    def _run_fused(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        """The same attention through torch's fused SDPA kernels, without the LSE."""
+        num_tokens, num_heads, head_dim = query.shape
+        kv_heads = k_cache.shape[2]
+        k_flat = k_cache.view(-1, kv_heads, head_dim)
+        v_flat = v_cache.view(-1, kv_heads, head_dim)
+        output = torch.empty_like(query)
+        if self._decode is not None:
+            plan = self._decode
+            q = query[plan.token_start:plan.token_end].unsqueeze(2)  # [rows, heads, 1, dim]
+            keys = k_flat[plan.slots].transpose(1, 2)  # [rows, kv_heads, kv, dim]
+            values = v_flat[plan.slots].transpose(1, 2)
+            mask = plan.mask.view(q.shape[0], 1, 1, -1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+            output[plan.token_start:plan.token_end] = out.squeeze(2)
+        for plan in self._prefills:
+            q = query[plan.token_start:plan.token_end].transpose(0, 1).unsqueeze(0)
+            keys = k_flat[plan.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, kv, dim]
+            values = v_flat[plan.slots].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=None if plan.plain_causal else plan.mask,
+                is_causal=plan.plain_causal, scale=scale, enable_gqa=True)
+            output[plan.token_start:plan.token_end] = out.squeeze(0).transpose(0, 1)
+        return output
 
     def _require_plan(self) -> AttentionMetadata:
         if self._metadata is None:

@@ -91,7 +91,7 @@ def hf_continuous_batching(model, prompts: list[list[int]], new_tokens: int) -> 
                               pad_token_id=0)
     try:
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.no_grad():  # it runs its own thread, which rejects inference-mode tensors
             model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
         total = time.perf_counter() - started
     except Exception as error:  # noqa: BLE001 - report why the peer could not run

@@ -74,6 +74,10 @@ def test_paged_attention_equals_dense(decodes, prefills, seed):
     new_values = torch.cat([v[c:] for (_, v), (c, _) in zip(dense, seqs)])
     backend.write_kv(k_cache, v_cache, new_keys, new_values)
     result = backend.run(torch.cat(queries), k_cache, v_cache, 1 / math.sqrt(DIM))
+    fused = backend.run(torch.cat(queries), k_cache, v_cache, 1 / math.sqrt(DIM),
+                        return_lse=False)  # the SDPA path the model uses
+    assert fused.lse_natural is None
+    torch.testing.assert_close(fused.output, result.output, atol=1e-5, rtol=1e-5)
 
     row = 0
     for (cached, new), (keys, values), query in zip(seqs, dense, queries):

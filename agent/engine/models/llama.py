@@ -92,7 +92,7 @@ class LlamaAttention(nn.Module):
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, key, value)
-        attended = backend.run(query, k_cache, v_cache, self.scale).output
+        attended = backend.run(query, k_cache, v_cache, self.scale, return_lse=False).output
         return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
