@@ -184,10 +184,12 @@ class Generation:
         try:
             while output is not None:
                 self._timer.on_output(output)
-                yield output
                 if output.finished:
+                    # Mark before yielding: a consumer may stop at the final output.
                     finished = True
                     self._timer.finish(output, output.finish_reason or "stop")
+                yield output
+                if finished:
                     return
                 output = await anext(self._outputs, None)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import httpx
 import pytest
@@ -28,11 +29,10 @@ def test_stream_disconnect_frees_kv_blocks(server):
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
-            data_lines = 0
-            for line in resp.iter_lines():
-                data_lines += line.startswith("data: ")
-                if data_lines == 5:
-                    break
+            # Keep the iterator alive: abandoning it would close the connection right away.
+            lines = resp.iter_lines()
+            data_lines = [line for line in itertools.islice(lines, 10) if line]
+            assert len(data_lines) == 5 and all(line.startswith("data: {") for line in data_lines)
             assert server.metric(KV_USED) > baseline  # the request holds KV while streaming
         # Leaving the block closes the connection mid-stream.
     assert server.wait_for_metric(KV_USED, baseline) == baseline
