@@ -23,7 +23,17 @@ DEFAULT_HOST = "127.0.0.1"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None`` ones, whose help already says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _HelpFormatter
     model = parser.add_argument_group("model and engine")
     model.add_argument("--model", type=Path, default=None, metavar="DIR",
                        help="Hugging Face model directory (config.json, *.safetensors, "
@@ -49,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default=None,
                       help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
-    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--port", type=int, default=8000, help="TCP port")
     http.add_argument("--pool", default=None,
                       help="pool label on latency metrics (short, long, unified); default: "
                            "$SLIPSTREAM_POOL if set, else unified")
