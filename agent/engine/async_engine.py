@@ -1,0 +1,167 @@
+"""Runs the synchronous ``LLMEngine`` on a background thread for the asyncio HTTP server.
+
+    HTTP handler --generate()--> command queue --> engine thread: add / abort, step()
+    engine thread --RequestOutput--> loop.call_soon_threadsafe --> per-request asyncio.Queue
+
+All engine state is touched by the engine thread only; the server talks to it through the
+command queue. A consumer that stops iterating (client disconnect, cancellation) aborts its
+request, and the abort is applied before the next step is scheduled, so its KV blocks are free
+within one iteration. If a step raises, every in-flight request fails with an error output
+and the engine keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine import EngineStats, LLMEngine
+from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
+from slipstream.agent.scheduler.request import FinishReason, RequestSLO
+from slipstream.agent.scheduler.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    app_id: str
+    priority: int
+    slo: RequestSLO | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config, scheduler_config)
+        self.config = config
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.healthy = False
+        self._stats = self.engine.stats()
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its last step (no locking needed)."""
+        return self._stats
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+        self.healthy = True
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        self.healthy = False
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 app_id: str = "default", priority: int = 0,
+                 slo: RequestSLO | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError for bad input), then stream outputs as they are produced."""
+        if not self.healthy:
+            raise RuntimeError("the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self.engine.validate(prompt_token_ids, params)  # reads immutable config only
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str,
+                       stream: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            # Block for work only when idle; otherwise just drain what has arrived.
+            block = not engine.has_unfinished()
+            if not self._drain_commands(block):
+                break
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as error:  # noqa: BLE001 - fail the requests, keep serving
+                log.exception("engine step failed; failing in-flight requests")
+                outputs = self._fail_all(f"engine error: {error}")
+            self._stats = engine.stats()
+            for output in outputs:
+                self._deliver(output)
+        self._fail_all("the engine is shutting down")
+
+    def _drain_commands(self, block: bool) -> bool:
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if command is None:
+                return False
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(command.prompt_token_ids, command.params,
+                                            command.request_id, app_id=command.app_id,
+                                            priority=command.priority, slo=command.slo)
+                except ValueError as error:
+                    self._deliver(RequestOutput(command.request_id, [], "", 0, 0, finished=True,
+                                                finish_reason="error", error=str(error)))
+            else:
+                output = self.engine.abort(command.request_id)
+                if output is not None:
+                    self._deliver(output)
+            self._stats = self.engine.stats()
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        return [output for request_id in list(self.engine.scheduler.requests)
+                if (output := self.engine.abort(request_id, FinishReason.ERROR, message))]
+
+    def _deliver(self, output: RequestOutput) -> None:
+        target = self._streams.get(output.request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, output)

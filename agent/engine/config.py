@@ -1,0 +1,137 @@
+"""Configuration of the engine: the model's architecture (read from a Hugging Face
+``config.json``) and the engine's own knobs. Both are frozen and validated once, then passed
+explicitly to everything that needs them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a model directory needs config.json, "
+                                    "*.safetensors and tokenizer.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(f"unsupported architecture {architectures}; supported: "
+                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        # transformers 5 moved rope settings into "rope_parameters"; older configs use
+        # rope_theta + rope_scaling. Accept both.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported yet")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+            rope_scaling=RopeScaling(
+                rope_type=rope_type,
+                factor=rope.get("factor", 1.0),
+                low_freq_factor=rope.get("low_freq_factor", 1.0),
+                high_freq_factor=rope.get("high_freq_factor", 4.0),
+                original_max_position_embeddings=rope.get("original_max_position_embeddings",
+                                                          8192),
+            ),
+            sliding_window=sliding,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token over all layers, at 4 bytes per element (fp32)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    num_kv_blocks: int | None = None  # defaults to kv_cache_memory_gib worth of blocks
+    kv_cache_memory_gib: float = 1.0
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 512
+    seed: int = 0
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+        if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_dir.name

@@ -1,0 +1,209 @@
+"""The engine loop: wires tokenizer, scheduler, block manager and model runner.
+
+One step is: schedule, execute, update, then turn sampled tokens into text and decide which
+requests are finished (EOS, stop tokens, stop strings, max_tokens, the context limit).
+Finished and aborted requests give their KV blocks back before the next step is scheduled.
+
+This class is synchronous and single-threaded; ``AsyncEngine`` runs it on a background thread
+for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
+from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
+from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+
+
+@dataclass
+class _OutputState:
+    """Per-request output bookkeeping that the scheduler does not need."""
+
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    arrival_s: float
+    first_token_s: float | None = None
+    emitted_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add_token(self, token_id: int) -> tuple[str, bool]:
+        """Text that can be shown after this token, and whether a stop string matched."""
+        return self.stop_checker.feed(self.detokenizer.add_token(token_id))
+
+    def flush(self) -> str:
+        """The text still held back when the request ends for a reason other than a stop string."""
+        text, stopped = self.stop_checker.feed(self.detokenizer.flush())
+        return text if stopped else text + self.stop_checker.flush()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner = ModelRunner(config, self.model_config)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks)
+        self.scheduler = Scheduler(
+            scheduler_config or SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                                max_batched_tokens=config.max_batched_tokens),
+            self.block_manager)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.model_config.eos_token_ids)
+        self._outputs: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # Without a sliding-window kernel, attention is exact only inside the window.
+            limit = min(limit, self.model_config.sliding_window)
+        requested = self.config.max_model_len
+        if requested is not None and requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
+        return requested or limit
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a user-facing message if the request can never be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
+                f"{params.max_tokens} for the completion); shorten the prompt or max_tokens")
+        needed = blocks_for_tokens(prompt_len + params.max_tokens)
+        if needed > self.block_manager.kv_blocks_total:
+            raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
+                             f"{self.block_manager.kv_blocks_total}")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, *, app_id: str = "default",
+                    priority: int = 0, slo: RequestSLO | None = None) -> str:
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        now = self.clock()
+        self.scheduler.add(Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+            max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
+            slo=slo or RequestSLO(), sampling=params.options()))
+        self._outputs[request_id] = _OutputState(
+            params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            stop_checker=StopChecker(params.stop), arrival_s=now)
+        return request_id
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+              error: str | None = None) -> RequestOutput | None:
+        request = self.scheduler.finish(request_id, reason, self.clock())
+        state = self._outputs.pop(request_id, None)
+        if request is None or state is None:
+            return None
+        return self._final_output(request, state, [], "", error=error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            kv_blocks_used=self.block_manager.kv_blocks_used,
+            kv_blocks_total=self.block_manager.kv_blocks_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule(self.clock())
+        if batch.is_empty:
+            return []
+        sampled = self.runner.execute(batch)
+        now = self.clock()
+        self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
+        return [out for rid, token in sampled.items()
+                if (out := self._process(rid, token, now)) is not None]
+
+    def _process(self, request_id: str, sampled: SampledToken, now: float) -> RequestOutput | None:
+        request = self.scheduler.requests.get(request_id)
+        state = self._outputs.get(request_id)
+        if request is None or state is None:
+            return None
+        if state.first_token_s is None:
+            state.first_token_s = now
+        token, params = sampled.token_id, state.params
+        if sampled.logprob is not None:
+            state.logprobs.append(sampled.logprob)
+        reason: FinishReason | None = None
+        is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or (
+            token in params.stop_token_ids)
+        if is_stop_token:
+            text, reason = state.flush(), FinishReason.STOP
+        else:
+            text, hit_stop_string = state.add_token(token)
+            if hit_stop_string:
+                reason = FinishReason.STOP
+            elif request.num_output_tokens >= params.max_tokens or \
+                    request.num_tokens >= self.max_model_len:
+                text, reason = text + state.flush(), FinishReason.LENGTH
+        new_tokens = request.output_token_ids[state.emitted_tokens:]
+        state.emitted_tokens = request.num_output_tokens
+        if reason is not None:
+            self.scheduler.finish(request_id, reason, now)
+            del self._outputs[request_id]
+            return self._final_output(request, state, new_tokens, text)
+        logprobs, state.logprobs = state.logprobs, []
+        return RequestOutput(request_id=request_id, new_token_ids=new_tokens, new_text=text,
+                             num_prompt_tokens=request.prompt_len,
+                             num_output_tokens=request.num_output_tokens, logprobs=logprobs)
+
+    def _final_output(self, request: Request, state: _OutputState, new_tokens: list[int],
+                      text: str, error: str | None = None) -> RequestOutput:
+        reason = request.finish_reason.value if request.finish_reason else None
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=new_tokens, new_text=text,
+            num_prompt_tokens=request.prompt_len, num_output_tokens=request.num_output_tokens,
+            finished=True, finish_reason=reason, logprobs=state.logprobs,
+            arrival_s=state.arrival_s, first_token_s=state.first_token_s,
+            finished_s=request.finished_s, error=error)
+
+    # -- offline use ------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion; returns the generated token ids of each, in order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for output in self.step():
+                tokens[output.request_id].extend(output.new_token_ids)
+        return [tokens[rid] for rid in ids]

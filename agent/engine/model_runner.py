@@ -1,0 +1,138 @@
+"""The model runner: the only place that owns the model, the KV tensors and the device.
+
+    Batch (from the scheduler) -> flat input tensors + AttentionMetadata
+        -> model forward (attention backend reads/writes the paged KV cache)
+        -> logits at each chunk that asks to sample -> Sampler -> {request_id: SampledToken}
+
+It makes no policy decisions: it runs exactly the chunks it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.loader import load_model, resolve_dtype
+from slipstream.agent.engine.sampler import Sampler
+from slipstream.agent.engine.sampling_params import TokenLogprob
+from slipstream.agent.scheduler.batch import Batch, BlockCopy
+from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+from slipstream.kernels.attention import AttentionMetadata, select_backend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but CUDA is not available")
+    return device
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 num_host_blocks: int = 0) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model_dir, self.device, self.dtype, model_config)
+        self.backend = select_backend(self.device, config.attention_backend)
+        self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.kv_caches = self._allocate(self.num_kv_blocks, self.device)
+        self.host_kv_caches = self._allocate(num_host_blocks, torch.device("cpu"))
+        self.sampler = Sampler(config.seed)
+        # Seconds spent in the model forward (and logits) by the last execute(): the rest of
+        # an engine step is scheduling, tensor preparation, sampling and output handling.
+        self.last_forward_s = 0.0
+        log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention backend %s",
+                 config.model_name, self.device, self.dtype, self.num_kv_blocks, BLOCK_SIZE,
+                 self.backend.name)
+
+    def _default_num_blocks(self) -> int:
+        element_bytes = torch.finfo(self.dtype).bits // 8
+        bytes_per_token = self.model_config.kv_bytes_per_token // 4 * element_bytes
+        return max(1, int(self.config.kv_cache_memory_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
+
+    def _allocate(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        shape = (num_blocks, BLOCK_SIZE, self.model_config.num_kv_heads, self.model_config.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=device),
+                 torch.zeros(shape, dtype=self.dtype, device=device))
+                for _ in range(self.model_config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+        for copy in batch.swap_out:
+            self._copy_blocks(self.kv_caches, self.host_kv_caches, copy)
+        for copy in batch.swap_in:
+            self._copy_blocks(self.host_kv_caches, self.kv_caches, copy)
+        if not batch.chunks:
+            return {}
+        input_ids, positions, metadata, sample_rows = self._prepare(batch)
+        started = time.perf_counter()
+        self.backend.plan(metadata)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
+        logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - started
+        if not sample_rows:
+            return {}
+        chunks = [batch.chunks[i] for i, _ in sample_rows]
+        tokens, logprobs = self.sampler(logits, [c.sampling for c in chunks],
+                                        [c.num_generated for c in chunks])
+        return {chunk.request_id: SampledToken(token, logprob)
+                for chunk, token, logprob in zip(chunks, tokens, logprobs)}
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits ``[num_tokens, vocab]`` for every token of the batch (correctness checks and
+        profiling; serving samples only the last token of each chunk)."""
+        input_ids, positions, metadata, _ = self._prepare(batch)
+        self.backend.plan(metadata)
+        return self.model.compute_logits(
+            self.model(input_ids, positions, self.kv_caches, self.backend))
+
+    def _prepare(self, batch: Batch):
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, int]] = []  # (chunk index, flat token row)
+        for index, chunk in enumerate(batch.chunks):
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.end_pos))
+            table = chunk.block_ids
+            slots.extend(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                         for pos in range(chunk.start_pos, chunk.end_pos))
+            if chunk.sample:
+                sample_rows.append((index, len(token_ids) - 1))
+        metadata = AttentionMetadata.build(
+            query_lens=[c.num_tokens for c in batch.chunks],
+            kv_lens=[c.end_pos for c in batch.chunks],
+            query_start_pos=[c.start_pos for c in batch.chunks],
+            block_tables=[list(c.block_ids) for c in batch.chunks],
+            slot_mapping=slots, block_size=BLOCK_SIZE, device=self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return input_ids, position_tensor, metadata, sample_rows
+
+    @staticmethod
+    def _copy_blocks(source, destination, copy: BlockCopy) -> None:
+        src = torch.tensor(copy.src_block_ids, dtype=torch.int64)
+        dst = torch.tensor(copy.dst_block_ids, dtype=torch.int64)
+        for (src_k, src_v), (dst_k, dst_v) in zip(source, destination):
+            dst_k[dst.to(dst_k.device)] = src_k[src.to(src_k.device)].to(dst_k.device)
+            dst_v[dst.to(dst_v.device)] = src_v[src.to(src_v.device)].to(dst_v.device)

@@ -1,0 +1,156 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5), in reading order: model,
+decoder layer, attention, MLP, norm, rotary embedding.
+
+The model works on a flat token dimension: every sequence's new tokens of this step are
+concatenated, with their absolute ``positions``. Attention goes through a backend from
+``slipstream.kernels``, which reads and writes the paged KV cache; the model never sees block
+tables. Module and parameter names follow Hugging Face, so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.agent.engine.config import ModelConfig, RopeScaling
+from slipstream.kernels.attention import AttentionBackend
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer: k, v [num_blocks, block, kv_heads, dim]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+        return self.model(input_ids, positions, kv_caches, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, backend)
+        return self.norm(hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k_cache, v_cache, key, value)
+        attended = backend.run(query, k_cache, v_cache, self.scale).output
+        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, then scale in the input dtype.
+        as_float = hidden.float()
+        normed = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(hidden.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1 (heads), dim]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,261 @@
+"""Text <-> token ids for the engine, from a Hugging Face model directory.
+
+Sits at both ends of a request: the server renders chat messages with the model's chat
+template and encodes the prompt here; the engine's output processor turns sampled ids back
+into text with ``IncrementalDetokenizer`` (streamed deltas that never split a UTF-8
+character) and ``StopChecker`` (OpenAI stop strings, never emitted).
+
+Only the ``tokenizers`` library and jinja2 are used, not ``transformers``; the behaviour
+follows ``transformers`` 5 (``tests/unit/test_tokenizer.py`` compares them on Llama 3, Qwen2
+and Mistral style directories):
+only the post-processor of ``tokenizer.json`` adds BOS/EOS (transformers 5 ignores
+``add_bos_token`` in ``tokenizer_config.json`` when there is a ``tokenizer.json``, and real
+Llama and Mistral files carry the BOS template in it), and chat templates render in
+the same sandboxed jinja2 environment with the special tokens as variables. Decoding never
+applies ``clean_up_tokenization_spaces`` (lossy; ``transformers`` 5 skips it for BPE too).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+# Prompt tokens decoded before the first generated one, so that a SentencePiece decoder
+# renders that token's leading space as it would inside the text.
+_DETOKENIZER_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                        "cls_token", "mask_token")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {item for item in value if isinstance(item, int)}
+    return set()
+
+
+def _select_chat_template(model_dir: Path, config: dict) -> str | None:
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():  # newer transformers save the template on its own
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def compile_chat_template(source: str):
+    """Compile a chat template the way transformers does: an immutable sandbox (templates
+    come from model hubs and are untrusted), trimmed blocks, loop controls, and the helpers
+    that templates call (``raise_exception``, ``strftime_now``, a non-escaping ``tojson``)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment.from_string(source)
+
+
+class Tokenizer:
+    """A model's tokenizer, chat template and end-of-sequence ids."""
+
+    def __init__(self, backend: BackendTokenizer, special_tokens: dict[str, str],
+                 eos_token_ids: frozenset[int], chat_template: str | None) -> None:
+        self.backend = backend
+        self.special_tokens = special_tokens  # e.g. {"bos_token": "<|begin_of_text|>", ...}
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = self.token_to_id(special_tokens.get("bos_token"))
+        self.special_token_ids = frozenset(token_id for token_id, token
+                                           in backend.get_added_tokens_decoder().items()
+                                           if token.special)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{tokenizer_file} not found: Slipstream needs the Hugging Face fast-tokenizer "
+                "file tokenizer.json in the model directory (a SentencePiece tokenizer.model "
+                "alone is not supported; convert it with transformers' save_pretrained)")
+        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        special_tokens = {name: content for name in _SPECIAL_TOKEN_NAMES
+                          if (content := _token_content(config.get(name))) is not None}
+        if config.get("split_special_tokens"):
+            backend.encode_special_tokens = True
+
+        eos_ids = _as_id_set(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
+        eos_ids |= _as_id_set(_read_json(model_dir / "config.json").get("eos_token_id"))
+        eos_token_id = backend.token_to_id(special_tokens.get("eos_token") or "")
+        if eos_token_id is not None:
+            eos_ids.add(eos_token_id)
+        return cls(backend, special_tokens, frozenset(eos_ids),
+                   _select_chat_template(model_dir, config))
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the model's post-processor
+        adds (BOS for Llama 3 and Mistral, nothing for Qwen2). Special-token text in ``text``
+        is parsed as the special token, as in transformers."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_chat_template(self):
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json has no "
+                             "chat_template and there is no chat_template.jinja)")
+        return compile_chat_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """Render ``messages`` as the prompt text, like transformers'
+        ``apply_chat_template(tokenize=False)``. Extra keyword arguments (``tools``,
+        ``documents``, ...) reach the template as variables. Raises
+        ``jinja2.TemplateError`` when the template rejects the conversation."""
+        variables = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}
+        return self._compiled_chat_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """Prompt ids of a conversation. The template writes BOS itself, so no special
+        tokens are added on top (as transformers does with ``tokenize=True``)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, fed one at a time, into text deltas that are safe to stream.
+
+    Each step decodes a short window, ``ids[window_start:]``, and compares it with the
+    already emitted part of the window, ``ids[window_start:emitted_end]`` (the scheme of
+    Hugging Face text-generation-inference and vLLM). Decoding a window
+    instead of single tokens keeps the decoder's view of leading spaces, and holding back
+    text that ends in U+FFFD waits for the rest of a multi-byte character split across
+    byte-level tokens. ``flush()`` at the end of the stream emits whatever is still held
+    (a sequence that never completed then shows as U+FFFD, as in a full decode).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = list(prompt_token_ids[-_DETOKENIZER_CONTEXT_TOKENS:])
+        self._window_start = 0
+        self._emitted_end = len(self._token_ids)  # window ids whose text has been emitted
+        self.output_token_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Feed one generated id; return the new text that can be shown now (maybe "")."""
+        self._token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        return self._advance(final=False)
+
+    def add_tokens(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add_token(token_id) for token_id in token_ids)
+
+    def flush(self) -> str:
+        """At the end of the stream: the held-back text, incomplete characters included."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        emitted = self._decode(self._token_ids[self._window_start:self._emitted_end])
+        current = self._decode(self._token_ids[self._window_start:])
+        if not final:
+            grew = len(current) > len(emitted) and current.startswith(emitted)
+            if not grew or current.endswith(_REPLACEMENT_CHAR):
+                return ""
+        delta = current[len(emitted):]
+        # The next window starts where this emitted text started: a token boundary after
+        # which decoding is known to be clean, with this step's tokens as context.
+        self._window_start = self._emitted_end
+        self._emitted_end = len(self._token_ids)
+        self.text += delta
+        return delta
+
+
+class StopChecker:
+    """OpenAI stop strings over streamed text: the output ends just before the first stop
+    string, which is never emitted.
+
+    ``feed`` holds back the longest tail of the text that could still grow into a stop
+    string, so a stop string split across tokens (or across deltas) is caught before any of
+    it is shown. When the stream ends for another reason, ``flush`` returns the held tail.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop_strings = tuple(dict.fromkeys(text for text in stop if text))
+        self._held = ""
+        self.stopped = False
+        self.matched_stop: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add a text delta; return (text safe to emit now, whether a stop string matched)."""
+        if self.stopped:
+            return "", True
+        text = self._held + delta
+        match = min(((text.find(stop), stop) for stop in self.stop_strings if stop in text),
+                    default=None)
+        if match is not None:
+            self.stopped, self.matched_stop, self._held = True, match[1], ""
+            return text[:match[0]], True
+        hold = self._longest_tail_starting_a_stop(text)
+        self._held = text[len(text) - hold:]
+        return text[:len(text) - hold], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _longest_tail_starting_a_stop(self, text: str) -> int:
+        longest_stop = max((len(stop) for stop in self.stop_strings), default=0)
+        for length in range(min(len(text), longest_stop - 1), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self.stop_strings):
+                return length
+        return 0

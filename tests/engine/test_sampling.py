@@ -1,0 +1,119 @@
+"""Sampling through the whole engine: seeds, top-k/top-p, logprobs, stop conditions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.sampling_params import SamplingParams
+
+PROMPT = [11, 222, 3333, 44, 555, 66]
+OTHERS = [[5, 6, 7], list(range(100, 140)), [900] * 20]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=256))
+
+
+def run(engine, prompts, params_list):
+    ids = [engine.add_request(p, params) for p, params in zip(prompts, params_list)]
+    outputs = {rid: [] for rid in ids}
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+            if out.finished:
+                finals[out.request_id] = out
+    assert engine.block_manager.kv_blocks_used == 0
+    return [outputs[rid] for rid in ids], [finals[rid] for rid in ids]
+
+
+def tokens_of(outputs):
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    params = SamplingParams(max_tokens=20, temperature=1.3, seed=1234, ignore_eos=True)
+    alone, _ = run(engine, [PROMPT], [params])
+    crowded, _ = run(engine, [PROMPT] + OTHERS,
+                     [params] + [SamplingParams(max_tokens=20, temperature=0.8)] * 3)
+    assert tokens_of(alone[0]) == tokens_of(crowded[0])
+    other_seed, _ = run(engine, [PROMPT], [SamplingParams(max_tokens=20, temperature=1.3,
+                                                          seed=99, ignore_eos=True)])
+    assert tokens_of(other_seed[0]) != tokens_of(alone[0])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=1.0, top_k=1, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True),
+], ids=["top_k=1", "top_p~0"])
+def test_degenerate_filters_equal_greedy(engine, params):
+    greedy, _ = run(engine, [PROMPT], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True)])
+    filtered, _ = run(engine, [PROMPT], [params])
+    assert tokens_of(filtered[0]) == tokens_of(greedy[0])
+
+
+def test_top_k_only_picks_among_the_k_most_likely(engine):
+    params = SamplingParams(max_tokens=30, temperature=5.0, top_k=3, seed=7, logprobs=3,
+                            ignore_eos=True)
+    outputs, _ = run(engine, [PROMPT], [params])
+    entries = [lp for out in outputs[0] for lp in out.logprobs]
+    assert len(entries) == 30
+    for entry in entries:
+        assert entry.token_id in [token for token, _ in entry.top]
+    # A high temperature with three candidates should not always pick the top one.
+    assert any(entry.token_id != entry.top[0][0] for entry in entries)
+
+
+def test_logprobs_are_normalised_and_sorted(engine):
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=5, ignore_eos=True)
+    outputs, _ = run(engine, [PROMPT], [params])
+    for entry in (lp for out in outputs[0] for lp in out.logprobs):
+        values = [value for _, value in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert entry.token_id == entry.top[0][0]  # greedy picks the most likely token
+        assert math.isclose(entry.logprob, values[0], abs_tol=1e-6)
+        assert all(v <= 0 for v in values) and sum(math.exp(v) for v in values) <= 1 + 1e-5
+
+
+def test_stop_token_max_tokens_and_stop_string(engine):
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs, finals = run(engine, [PROMPT], [greedy])
+    tokens = tokens_of(outputs[0])
+    assert len(tokens) == 16 and finals[0].finish_reason == "length"
+    text = "".join(out.new_text for out in outputs[0])
+
+    stop_at = tokens[5]
+    _, finals = run(engine, [PROMPT], [SamplingParams(max_tokens=16, temperature=0.0,
+                                                      ignore_eos=True,
+                                                      stop_token_ids=(stop_at,))])
+    assert finals[0].finish_reason == "stop"
+    assert finals[0].num_output_tokens == tokens.index(stop_at) + 1
+
+    stop_string = text.strip()[3:7]
+    if not stop_string.strip():
+        pytest.skip("generated text has no usable stop string")
+    outputs, finals = run(engine, [PROMPT], [SamplingParams(max_tokens=16, temperature=0.0,
+                                                            ignore_eos=True,
+                                                            stop=(stop_string,))])
+    streamed = "".join(out.new_text for out in outputs[0])
+    assert finals[0].finish_reason == "stop"
+    assert stop_string not in streamed and text.startswith(streamed)
+    assert streamed == text[: text.index(stop_string)]
+
+
+def test_invalid_requests_are_rejected_before_queueing(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([10**9], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert not engine.has_unfinished()
