@@ -90,6 +90,7 @@ class RequestTimer:
                  slo: RequestSLO | None) -> None:
         self._metrics = metrics
         self._labels = (request_class, metrics.pool)
+        self._itl_s = metrics.itl_s.labels(*self._labels)  # bound once: observed per token
         self._num_prompt_tokens = num_prompt_tokens
         self._slo = slo
         self._arrival_s = time.monotonic()
@@ -105,7 +106,7 @@ class RequestTimer:
         if self._last_token_s is None:
             self._first_token_s = now_s
         else:
-            self._metrics.itl_s.labels(*self._labels).observe(now_s - self._last_token_s)
+            self._itl_s.observe(now_s - self._last_token_s)
         self._last_token_s = now_s
         self._num_output_tokens += len(output.new_token_ids)
         self._metrics.generation_tokens.inc(len(output.new_token_ids))
