@@ -1,0 +1,148 @@
+"""The HTTP front door of one serving instance: ``build_app(engine)`` returns the FastAPI app.
+
+    client --HTTP--> routes here --> completions.py / chat.py --> engine.generate()
+    Prometheus --GET /metrics--> metrics.py (engine.stats() read at scrape time)
+    kubelet probes --GET /health--> engine.healthy
+
+Request bodies are parsed by hand rather than by FastAPI's signature binding, so every
+problem (malformed JSON, a wrong field, an unknown model) comes back as a 4xx in OpenAI's
+error shape, never FastAPI's 422, and nothing a client sends can take the server down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from slipstream.agent.server.chat import create_chat_completion
+from slipstream.agent.server.completions import create_completion
+from slipstream.agent.server.config import ServerConfig
+from slipstream.agent.server.errors import (
+    APIError, bad_request, error_response, from_validation_error)
+from slipstream.agent.server.generation import ClientDisconnected, ServingContext
+from slipstream.agent.server.metrics import ServingMetrics
+from slipstream.agent.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+# nginx's code for "client closed request": logged, never seen by the (gone) client.
+STATUS_CLIENT_CLOSED_REQUEST = 499
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
+              manage_engine: bool = True) -> FastAPI:
+    """The app for ``engine``. With ``manage_engine`` the app starts and stops the engine."""
+    config = config or ServerConfig()
+    metrics = ServingMetrics(engine.stats, pool=config.pool,
+                             long_prompt_threshold_tokens=config.long_prompt_threshold_tokens)
+    ctx = ServingContext(engine=engine, metrics=metrics, config=config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.shutdown()
+
+    app = FastAPI(title="Slipstream", summary="OpenAI-compatible LLM serving",
+                  lifespan=lifespan)
+    app.state.serving = ctx
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        card = ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _parse_body(request, CompletionRequest)
+        _require_healthy(ctx)
+        return await _answer(create_completion(ctx, request, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse_body(request, ChatCompletionRequest)
+        _require_healthy(ctx)
+        return await _answer(create_chat_completion(ctx, request, body))
+
+    return app
+
+
+async def _answer(handler: Awaitable[Response]) -> Response:
+    try:
+        return await handler
+    except ClientDisconnected:
+        return Response(status_code=STATUS_CLIENT_CLOSED_REQUEST)
+
+
+def _require_healthy(ctx: ServingContext) -> None:
+    if not ctx.engine.healthy:
+        raise APIError(503, "the engine is not healthy; retry on another instance",
+                       code="engine_unhealthy")
+
+
+async def _parse_body(request: Request, model_type: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"We could not parse the JSON body of your request: {error}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model_type.model_validate(data)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = str(error.detail) if error.detail else "error"
+        if error.status_code == 404:
+            message = "Unknown endpoint. Slipstream serves /v1/completions, " \
+                      "/v1/chat/completions, /v1/models, /health and /metrics."
+        return error_response(APIError(error.status_code, message))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(bad_request(str(error)))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}",
+                                       code="internal_error"))

@@ -1,0 +1,129 @@
+"""``slipstream serve``: load a model into the engine and serve it over the OpenAI API.
+
+    argv -> EngineConfig + ServerConfig -> AsyncEngine -> build_app() -> uvicorn
+
+This is the one place the server reads environment variables:
+- ``POD_IP``: the address to bind when ``--host`` is not given. In a cluster the pod's own IP
+  comes from the downward API, so an agent is reachable by its pod address and nothing else.
+- ``SLIPSTREAM_POOL``: the ``pool`` metrics label when ``--pool`` is not given (the operator
+  sets it from the instance's pool label).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from slipstream.agent.server.config import (
+    DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
+
+DEFAULT_HOST = "127.0.0.1"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None`` ones, whose help already says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _HelpFormatter
+    model = parser.add_argument_group("model and engine")
+    model.add_argument("--model", type=Path, default=None, metavar="DIR",
+                       help="Hugging Face model directory (config.json, *.safetensors, "
+                            "tokenizer.json). Default: the embedded tiny random-weight model, "
+                            "written to the Slipstream cache on first use.")
+    model.add_argument("--served-model-name", default=None,
+                       help="the model id clients send; default: the model directory's name")
+    model.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto picks cuda when a GPU is visible")
+    model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                       default="auto", help="weight and activation dtype; auto follows the "
+                                            "model's config")
+    model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                       help="context length (prompt + output); default: the model's maximum")
+    model.add_argument("--num-kv-blocks", type=int, default=None, metavar="BLOCKS",
+                       help="paged KV cache size in 16-token blocks; default: sized from memory")
+    model.add_argument("--max-num-seqs", type=int, default=256,
+                       help="most requests running at once")
+    model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
+                       help="most tokens in one engine iteration (decodes + prefill chunks)")
+    model.add_argument("--seed", type=int, default=0, help="engine random seed")
+
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument("--host", default=None,
+                      help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
+    http.add_argument("--port", type=int, default=8000, help="TCP port")
+    http.add_argument("--pool", default=None,
+                      help="pool label on latency metrics (short, long, unified); default: "
+                           "$SLIPSTREAM_POOL if set, else unified")
+    http.add_argument("--long-prompt-threshold-tokens", type=int,
+                      default=DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, metavar="TOKENS",
+                      help="prompts this long or longer are labelled request_class=long")
+    http.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS_CAP,
+                      metavar="TOKENS",
+                      help="cap on max_tokens for requests that leave it out (they otherwise "
+                           "get the rest of the context)")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST,
+        port=args.port,
+        pool=args.pool or os.environ.get("SLIPSTREAM_POOL") or "unified",
+        long_prompt_threshold_tokens=args.long_prompt_threshold_tokens,
+        default_max_tokens_cap=args.default_max_tokens,
+        log_level=args.log_level,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Heavy imports (torch via the engine) only once we are really serving.
+    import uvicorn
+
+    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.server.api import build_app
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server_config = server_config_from_args(args)
+        engine_config = EngineConfig(
+            model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
+            device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+            max_batched_tokens=args.max_batched_tokens, seed=args.seed)
+        engine = AsyncEngine(engine_config)
+    except (ValueError, FileNotFoundError) as error:
+        logging.getLogger(__name__).error("cannot start: %s", error)
+        return 2
+    app = build_app(engine, server_config)
+    _print_banner(server_config, engine.model_name, engine.max_model_len)
+    uvicorn.run(app, host=server_config.host, port=server_config.port,
+                log_level=server_config.log_level, access_log=server_config.log_level == "debug",
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _default_model_dir() -> Path:
+    from slipstream.agent.engine.tiny_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def _print_banner(config: ServerConfig, model_name: str, max_model_len: int) -> None:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    url = f"http://{host}:{config.port}"
+    print(f"Slipstream serving {model_name!r} (context {max_model_len} tokens) at {url}/v1\n"
+          f"  metrics: {url}/metrics   health: {url}/health\n"
+          f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'", flush=True)

@@ -1,0 +1,103 @@
+"""``POST /v1/completions``: one text or token-id prompt in, generated text out.
+
+    CompletionRequest -> tokenize -> generation.prepare/start_generation
+        -> CompletionResponse (stream=false) or ``text_completion`` SSE chunks (stream=true)
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
+from slipstream.agent.server.errors import bad_request
+from slipstream.agent.server.generation import (
+    SSE_DONE, SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs,
+    engine_failure, prepare, sse_event, start_generation, tokenize)
+from slipstream.agent.server.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
+    unix_time_s)
+
+
+async def create_completion(ctx: ServingContext, http_request: Request,
+                            body: CompletionRequest) -> JSONResponse | StreamingResponse:
+    model = check_model(ctx, body.model)
+    if isinstance(body.prompt, str):
+        prompt_token_ids = await tokenize(ctx, body.prompt, add_special_tokens=True)
+    else:
+        prompt_token_ids = list(body.prompt)
+        vocab_size = getattr(ctx.engine.tokenizer, "vocab_size", None)
+        if vocab_size is not None and max(prompt_token_ids) >= vocab_size:
+            raise bad_request(f"prompt token ids must be below the vocabulary size "
+                              f"{vocab_size}", param="prompt")
+    if not prompt_token_ids:
+        raise bad_request("prompt must not be empty", param="prompt")
+    prepared = prepare(ctx, f"cmpl-{uuid.uuid4().hex}", body, prompt_token_ids,
+                       max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt")
+    generation = await start_generation(ctx, http_request, prepared)
+    if body.stream:
+        return StreamingResponse(
+            _stream(ctx, generation, prepared.request_id, model, body.logprobs is not None,
+                    prepared.include_usage_in_stream),
+            media_type="text/event-stream", headers=SSE_HEADERS)
+    outputs = await collect_outputs(http_request, generation)
+    return JSONResponse(_response(ctx, prepared.request_id, model, outputs,
+                                  body.logprobs is not None).model_dump(mode="json"))
+
+
+def _response(ctx: ServingContext, request_id: str, model: str, outputs: list[RequestOutput],
+              want_logprobs: bool) -> CompletionResponse:
+    final = outputs[-1]
+    logprobs = None
+    if want_logprobs:
+        logprobs, _ = completion_logprobs(ctx, [lp for out in outputs for lp in out.logprobs], 0)
+    choice = CompletionChoice(text="".join(out.new_text for out in outputs), logprobs=logprobs,
+                              finish_reason=final.finish_reason)
+    return CompletionResponse(id=request_id, model=model, choices=[choice],
+                              usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+
+
+async def _stream(ctx: ServingContext, generation: Generation, request_id: str, model: str,
+                  want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    created = unix_time_s()
+    text_offset = 0
+    final: RequestOutput | None = None
+    async for output in generation:
+        final = output
+        if output.finish_reason == "error":
+            yield sse_event(json.dumps(engine_failure(output).body()))
+            break
+        if not output.new_token_ids and not output.finished:
+            continue
+        logprobs = None
+        if want_logprobs:
+            logprobs, text_offset = completion_logprobs(ctx, output.logprobs, text_offset)
+        choice = CompletionChoice(text=output.new_text, logprobs=logprobs,
+                                  finish_reason=output.finish_reason if output.finished else None)
+        chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
+        yield sse_event(chunk.model_dump_json())
+    if include_usage and final is not None:
+        usage_chunk = CompletionResponse(
+            id=request_id, created=created, model=model, choices=[],
+            usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+        yield sse_event(usage_chunk.model_dump_json())
+    yield SSE_DONE
+
+
+def completion_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob],
+                        text_offset: int) -> tuple[CompletionLogprobs, int]:
+    """The legacy parallel-list shape; returns it and the text offset after its tokens."""
+    decode = ctx.engine.tokenizer.decode
+    result = CompletionLogprobs()
+    for entry in token_logprobs:
+        token_text = decode([entry.token_id])
+        result.tokens.append(token_text)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append({decode([token_id]): logprob for token_id, logprob in entry.top})
+        result.text_offset.append(text_offset)
+        text_offset += len(token_text)
+    return result, text_offset

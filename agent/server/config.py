@@ -1,0 +1,35 @@
+"""Settings of the HTTP layer, separate from the engine's: how to listen, how to label metrics,
+what to assume when a request leaves a field out. Built once (by ``slipstream serve`` or a
+test) and passed to ``build_app``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Matches the CRD's default pools.longPrefillThresholdTokens, so dashboards and the router
+# agree on what "long" means.
+DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS = 8192
+# A request without max_tokens may use the rest of the context (as vLLM does), but no more
+# than this: an unbounded default lets one careless client hold a long-context model's KV.
+DEFAULT_MAX_TOKENS_CAP = 16_384
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    pool: str = "unified"  # metrics label: which prefill pool this instance serves
+    long_prompt_threshold_tokens: int = DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS
+    default_max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.long_prompt_threshold_tokens < 1:
+            raise ValueError("long_prompt_threshold_tokens must be positive")
+        if self.default_max_tokens_cap < 1:
+            raise ValueError("default_max_tokens_cap must be positive")
+        if not self.pool:
+            raise ValueError("pool must be a non-empty label")

@@ -1,0 +1,75 @@
+"""Errors in OpenAI's JSON shape, so clients' own error handling works unchanged.
+
+Every failure the API layer knows about is raised as ``APIError`` and rendered by
+``error_response`` as ``{"error": {"message", "type", "param", "code"}}``. Pydantic's
+validation errors are turned into one readable message that names the offending field.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """A request that cannot be served, with the status and OpenAI error fields to report."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, "invalid_request_error")
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.",
+                    param="model", code="model_not_found")
+
+
+def from_validation_error(error: ValidationError) -> APIError:
+    """The first problem pydantic found, as "<field>: <what is wrong>"."""
+    first = error.errors(include_url=False)[0]
+    # Union members add their type name to the location ("prompt.str"); drop those parts.
+    location = [str(part) for part in first["loc"]
+                if not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS))]
+    param = ".".join(location) or None
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param=param)
+    if first["type"] == "missing":
+        return bad_request(f"{param}: field required", param=param)
+    message = first["msg"].removeprefix("Value error, ")
+    # A union field reports one error per member; count fields, not errors.
+    more = len({err["loc"][:1] for err in error.errors()}) - 1
+    suffix = f" (and {more} more field{'s' if more > 1 else ''} with problems)" if more else ""
+    return bad_request(f"{param}: {message}{suffix}" if param else message + suffix,
+                       param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-wrap"}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=int(error.status_code))

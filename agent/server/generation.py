@@ -1,0 +1,258 @@
+"""The part of a request's trip shared by completions and chat: checks, engine call, teardown.
+
+    validated request -> prepare(): model name, context limits, SamplingParams, SLO
+        -> start_generation(): engine.generate(), wait for the first output
+        -> Generation: iterate outputs, feed metrics, abort in the engine if the client leaves
+
+Why wait for the first output before answering: the engine reports bad requests (for example
+a prompt that does not fit the KV cache) by raising before its first output. Waiting lets a
+streaming request still get a proper 400 instead of an error inside a 200 event stream.
+
+A client that disconnects must free its KV blocks at once. While the handler waits (non-stream
+requests, and streams before the first token) a watcher on the ASGI receive channel cancels
+the wait; once streaming, Starlette cancels the response task itself. Either way the
+cancellation lands inside the engine's generator, which aborts the request, and teardown also
+calls ``engine.abort`` under a shield in case it did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
+from slipstream.agent.scheduler.request import RequestSLO
+from slipstream.agent.server.config import ServerConfig
+from slipstream.agent.server.errors import APIError, bad_request, model_not_found
+from slipstream.agent.server.metrics import RequestTimer, ServingMetrics
+from slipstream.agent.server.protocol import SloSpec, _GenerationRequest
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.async_engine import AsyncEngine
+
+T = TypeVar("T")
+# Tokenizing more than this many characters moves to a thread, off the event loop.
+_TOKENIZE_IN_THREAD_CHARS = 16_384
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    engine: AsyncEngine
+    metrics: ServingMetrics
+    config: ServerConfig
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    app_id: str
+    priority: int
+    slo: RequestSLO | None
+    include_usage_in_stream: bool
+
+
+def check_model(ctx: ServingContext, requested: str | None) -> str:
+    served = ctx.engine.model_name
+    if requested is not None and requested != served:
+        raise model_not_found(requested)
+    return served
+
+
+async def tokenize(ctx: ServingContext, text: str, *, add_special_tokens: bool) -> list[int]:
+    tokenizer = ctx.engine.tokenizer
+    if len(text) <= _TOKENIZE_IN_THREAD_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
+def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
+            prompt_token_ids: list[int], *, max_tokens: int | None, logprobs: int | None,
+            prompt_param: str, max_tokens_param: str = "max_tokens") -> PreparedRequest:
+    """Check the request against the model's limits and build what the engine takes."""
+    resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
+                                             prompt_param, max_tokens_param)
+    params = build_sampling_params(body, resolved_max_tokens, logprobs)
+    return PreparedRequest(
+        request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+        app_id=body.app_id or "default", priority=body.priority, slo=build_slo(body.slo),
+        include_usage_in_stream=body.include_usage_in_stream)
+
+
+def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None,
+                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
+    max_model_len = ctx.engine.max_model_len
+    room = max_model_len - num_prompt_tokens
+    if requested is not None and requested < 1:
+        raise bad_request(f"{max_tokens_param} must be at least 1, got {requested}",
+                          param=max_tokens_param)
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room for output. Please "
+            "shorten the prompt.", param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return min(room, ctx.config.default_max_tokens_cap)
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"prompt, {requested} for the completion). Please reduce the prompt or "
+            f"{max_tokens_param}.", param=max_tokens_param, code="context_length_exceeded")
+    return requested
+
+
+def build_sampling_params(body: _GenerationRequest, max_tokens: int,
+                          logprobs: int | None) -> SamplingParams:
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_k": -1 if body.top_k is None else body.top_k,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "seed": body.seed,
+        "stop": body.stop_strings,
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+    }
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:
+        # Messages start with the field name ("top_p must be in (0, 1], got 2.0").
+        message = str(error)
+        first_word = message.split(" ", 1)[0]
+        raise bad_request(message, param=first_word if first_word in fields else None) from None
+
+
+def build_slo(spec: SloSpec | None) -> RequestSLO | None:
+    if spec is None or (spec.ttft_s is None and spec.tpot_ms is None):
+        return None
+    tpot_s = None if spec.tpot_ms is None else spec.tpot_ms / 1000.0
+    return RequestSLO(ttft_s=spec.ttft_s, tpot_s=tpot_s)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it and raise ``ClientDisconnected`` if the client leaves first."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientDisconnected
+    return work_task.result()
+
+
+class Generation:
+    """One request's outputs, from the first (already received) to the last."""
+
+    def __init__(self, ctx: ServingContext, prepared: PreparedRequest,
+                 outputs: AsyncIterator[RequestOutput], first: RequestOutput,
+                 timer: RequestTimer) -> None:
+        self._ctx = ctx
+        self._prepared = prepared
+        self._outputs = outputs
+        self._first = first
+        self._timer = timer
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        output: RequestOutput | None = self._first
+        finished = False
+        try:
+            while output is not None:
+                self._timer.on_output(output)
+                if output.finished:
+                    # Mark before yielding: a consumer may stop at the final output.
+                    finished = True
+                    self._timer.finish(output, output.finish_reason or "stop")
+                yield output
+                if finished:
+                    return
+                output = await anext(self._outputs, None)
+        finally:
+            if not finished:
+                self._timer.finish(None, "abort")
+                with anyio.CancelScope(shield=True):
+                    await release(self._ctx, self._prepared.request_id, self._outputs)
+
+    async def collect(self) -> list[RequestOutput]:
+        async with contextlib.aclosing(self.__aiter__()) as outputs:
+            return [output async for output in outputs]
+
+
+async def release(ctx: ServingContext, request_id: str,
+                  outputs: AsyncIterator[RequestOutput]) -> None:
+    """Make sure an unfinished request holds no engine resources."""
+    with contextlib.suppress(Exception):
+        await outputs.aclose()  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):
+        await ctx.engine.abort(request_id)
+
+
+async def start_generation(ctx: ServingContext, http_request: Request,
+                           prepared: PreparedRequest) -> Generation:
+    """Submit to the engine and wait for its first output (or its refusal)."""
+    try:
+        outputs = ctx.engine.generate(prepared.request_id, prepared.prompt_token_ids,
+                                      prepared.params, app_id=prepared.app_id,
+                                      priority=prepared.priority, slo=prepared.slo)
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+    timer = ctx.metrics.start_request(len(prepared.prompt_token_ids), prepared.slo)
+    try:
+        first = await run_until_disconnect(http_request, anext(outputs))
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+    except StopAsyncIteration:
+        raise APIError(500, "the engine ended the request without output") from None
+    except ClientDisconnected:
+        timer.finish(None, "abort")
+        with anyio.CancelScope(shield=True):
+            await release(ctx, prepared.request_id, outputs)
+        raise
+    return Generation(ctx, prepared, outputs, first, timer)
+
+
+async def collect_outputs(http_request: Request, generation: Generation) -> list[RequestOutput]:
+    """All outputs of a non-streaming request; an engine failure becomes a 500."""
+    outputs = await run_until_disconnect(http_request, generation.collect())
+    if outputs[-1].finish_reason == "error":
+        raise engine_failure(outputs[-1])
+    return outputs
+
+
+# ---- server-sent events -----------------------------------------------------------------
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(json_text: str) -> bytes:
+    return b"data: " + json_text.encode() + b"\n\n"
+
+
+def engine_failure(output: RequestOutput) -> APIError:
+    return APIError(500, output.error or "the engine failed while generating", code="engine_error")

@@ -1,0 +1,335 @@
+"""Wire types of the OpenAI-compatible API: what clients send and what they get back.
+
+    HTTP JSON body -> CompletionRequest / ChatCompletionRequest (validated here)
+        -> SamplingParams + prompt tokens (server/generation.py) -> engine
+    engine RequestOutput -> CompletionResponse / ChatCompletionResponse or stream chunks
+
+Slipstream extensions travel as extra top-level JSON fields, which the official ``openai``
+client sends through ``extra_body``:
+
+    {"top_k": 20, "ignore_eos": true, "priority": 1, "app_id": "search",
+     "slo": {"ttft_s": 2.0, "tpot_ms": 50}}
+
+``slo`` is a nested object (the one scheme; no flat aliases). ``app_id`` names the tenant
+for application-level fairness and defaults to ``"default"``. Unknown fields are rejected
+with a 400 naming them, as OpenAI does, so that a misspelt SLO is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from slipstream.agent.engine.sampling_params import MAX_LOGPROBS
+
+MAX_STOP_SEQUENCES = 16
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SloSpec(_StrictModel):
+    """Per-request service-level objectives; absent fields use the engine's defaults."""
+
+    ttft_s: float | None = Field(default=None, gt=0, le=86_400)
+    tpot_ms: float | None = Field(default=None, gt=0, le=600_000)
+
+
+class StreamOptions(_StrictModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_StrictModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None  # absent: the served model
+    max_tokens: int | None = None  # absent: the rest of the context, capped by the server
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Slipstream extensions.
+    ignore_eos: bool = False
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    app_id: str | None = Field(default=None, min_length=1, max_length=256)
+    slo: SloSpec | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"only n=1 is supported, got {value}; send one request per choice")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float | None) -> float | None:
+        if value not in (None, 0.0):
+            raise ValueError("presence and frequency penalties are not supported; use 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``. One prompt: a string or a list of token ids."""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, value: Any) -> str | list[int]:
+        """Accept a string, a token id list, or a batch of exactly one of those."""
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError(f"batched prompts ({len(value)} in one request) are not "
+                                 "supported; send one request per prompt")
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("must not be empty")
+            return value
+        if not isinstance(value, list) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in value):
+            raise ValueError("must be a string or a list of integer token ids")
+        if not value:
+            raise ValueError("must not be empty")
+        if min(value) < 0:
+            raise ValueError("token ids must be non-negative")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo=true is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Clients echo assistant turns back with fields we do not use (refusal, annotations).
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, got {kind!r}")
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``. Text-only messages, formatted by the chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both set
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("must contain at least one message")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for the engine: None when logprobs are off."""
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def unix_time_s() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=unix_time_s)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=unix_time_s)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        # OpenAI sends {} in the final delta, not {"role": null, "content": null}.
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=unix_time_s)
+    owned_by: str = "slipstream"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

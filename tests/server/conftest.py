@@ -1,0 +1,118 @@
+"""A real ``slipstream serve`` process on a free port, serving a tiny model made for the
+session. Tests talk to it over HTTP only, with the official ``openai`` client or httpx."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_MODEL_LEN_TOKENS = 2048
+NUM_KV_BLOCKS = 512
+SERVED_MODEL_NAME = "tiny-test"
+POOL_LABEL = "short"
+SERVER_START_TIMEOUT_S = 180.0
+
+
+class ServerHandle:
+    """Where the server listens, plus readers for its Prometheus metrics."""
+
+    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
+        self.base_url = base_url
+        self.process = process
+        self.model = SERVED_MODEL_NAME
+
+    def openai_client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
+                             **kwargs)
+
+    def async_openai_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="unused",
+                                  max_retries=0, **kwargs)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample in ``/metrics`` (0 when the series does not exist yet)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+    def wait_for_metric(self, name: str, expected: float, timeout_s: float = 15.0,
+                        **labels: str) -> float:
+        """Poll until the metric equals ``expected``; return the last value seen."""
+        deadline = time.monotonic() + timeout_s
+        value = self.metric(name, **labels)
+        while value != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+            value = self.metric(name, **labels)
+        return value
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slipstream(*args: str) -> list[str]:
+    return [sys.executable, "-m", "slipstream.cli", *args]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_dir = tmp_path_factory.mktemp("models") / "tiny"
+    subprocess.run(_slipstream("make-tiny-model", str(model_dir)), check=True, timeout=300)
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerHandle]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "serve.log"
+    env = {**os.environ, "SLIPSTREAM_POOL": POOL_LABEL}
+    env.pop("POD_IP", None)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            _slipstream("serve", "--model", str(tiny_model_dir), "--port", str(port),
+                        "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
+                        "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
+                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning"),
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", process)
+    try:
+        _wait_until_healthy(handle, log_path)
+        yield handle
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_until_healthy(handle: ServerHandle, log_path: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise RuntimeError(f"slipstream serve exited:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"slipstream serve did not become healthy:\n{log_path.read_text()}")

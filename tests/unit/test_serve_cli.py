@@ -1,0 +1,36 @@
+"""``slipstream serve`` argument handling: where the host and pool label come from."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from slipstream.agent.server import cli
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_bind_loopback_with_unified_pool(monkeypatch):
+    monkeypatch.delenv("POD_IP", raising=False)
+    monkeypatch.delenv("SLIPSTREAM_POOL", raising=False)
+    config = cli.server_config_from_args(_parse([]))
+    assert (config.host, config.port, config.pool) == ("127.0.0.1", 8000, "unified")
+
+
+def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise(monkeypatch):
+    monkeypatch.setenv("POD_IP", "127.0.3.4")
+    monkeypatch.setenv("SLIPSTREAM_POOL", "long")
+    from_env = cli.server_config_from_args(_parse([]))
+    assert (from_env.host, from_env.pool) == ("127.0.3.4", "long")
+    from_flags = cli.server_config_from_args(_parse(["--host", "0.0.0.0", "--pool", "short"]))
+    assert (from_flags.host, from_flags.pool) == ("0.0.0.0", "short")
+
+
+def test_invalid_server_settings_are_rejected():
+    with pytest.raises(ValueError, match="port"):
+        cli.server_config_from_args(_parse(["--port", "70000"]))
