@@ -274,6 +274,13 @@ def test_stop_checker_matches_first_stop_over_any_split(data) -> None:
             break
     if not stopped:
         emitted += checker.flush()
-    found = [text.find(stop) for stop in stops if stop in text]
-    expected = text[:min(found)] if found else text
-    assert (emitted, stopped) == (expected, bool(found))
+    # Generation is causal: the output ends after the first delta that completes a stop
+    # string, just before the earliest stop string in the text seen by then.
+    expected, expect_stop, seen = text, False, ""
+    for piece in pieces:
+        seen += piece
+        starts = [seen.find(stop) for stop in stops if stop in seen]
+        if starts:
+            expected, expect_stop = seen[:min(starts)], True
+            break
+    assert (emitted, stopped) == (expected, expect_stop)
