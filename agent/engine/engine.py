@@ -19,6 +19,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -31,6 +32,20 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions_total: int
+    kvp_active_degree: int = 1  # KVP groups the widest running request spans
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one executed step looked like, for the optional ``LLMEngine.on_step`` observer.
+    Times are on the engine clock; the observer reads ``batch`` itself, so building this is
+    free when nobody observes."""
+
+    batch: Batch
+    schedule_start_s: float
+    execute_start_s: float
+    execute_end_s: float
+    forward_s: float  # the model forward inside the execution (ModelRunner.last_forward_s)
 
 
 @dataclass
@@ -73,6 +88,8 @@ class LLMEngine:
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
+        # Called on the engine thread after each executed batch (metrics); keep it cheap.
+        self.on_step: Callable[[StepStats], None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -145,11 +162,16 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule(self.clock())
+        schedule_start_s = self.clock()
+        batch = self.scheduler.schedule(schedule_start_s)
         if batch.is_empty:
             return []
+        execute_start_s = self.clock()
         sampled = self.runner.execute(batch)
         now = self.clock()
+        if self.on_step is not None:
+            self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
+                                   self.runner.last_forward_s))
         self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
                 if (out := self._process(rid, token, now)) is not None]
