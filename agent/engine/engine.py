@@ -19,7 +19,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.engine.step_stats import StepStats
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -33,19 +33,6 @@ class EngineStats:
     kv_blocks_total: int
     num_preemptions_total: int
     kvp_active_degree: int = 1  # KVP groups the widest running request spans
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    """What one executed step looked like, for the optional ``LLMEngine.on_step`` observer.
-    Times are on the engine clock; the observer reads ``batch`` itself, so building this is
-    free when nobody observes."""
-
-    batch: Batch
-    schedule_start_s: float
-    execute_start_s: float
-    execute_end_s: float
-    forward_s: float  # the model forward inside the execution (ModelRunner.last_forward_s)
 
 
 @dataclass

@@ -83,13 +83,26 @@ class ServingMetrics:
         self.generation_tokens = _counter(names.GENERATION_TOKENS, reg)
         self.slo_outcomes = _counter(names.SLO_REQUESTS, reg)
         self.in_flight = _gauge(names.REQUESTS_IN_FLIGHT, reg)
-        for request_class in ("short", "long"):  # present (as 0) before the first request
-            for phase in ("prefill", "decode"):
-                self.in_flight.labels(request_class, pool, phase)
+        self._create_children()
         self._set_constants(attainment_target)
         self.step_metrics = StepMetrics()
         reg.register(self.step_metrics)
         reg.register(EngineStatsCollector(stats_source))
+
+    def _create_children(self) -> None:
+        """Export every label combination from the start (as zeros), so rates and ratios in
+        dashboards and alerts exist before the first request of a kind arrives."""
+        for request_class in ("short", "long"):
+            labels = (request_class, self.pool)
+            for histogram in (self.ttft_s, self.tpot_s, self.itl_s, self.e2e_s):
+                histogram.labels(*labels)
+            for phase in ("prefill", "decode"):
+                self.in_flight.labels(*labels, phase)
+            for slo in ("ttft", "tpot", "all"):
+                for outcome in ("met", "missed"):
+                    self.slo_outcomes.labels(slo, outcome, *labels)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
 
     def _set_constants(self, attainment_target: float) -> None:
         _gauge(names.POOL_ROLE, self.registry).labels(self.pool).set(1)

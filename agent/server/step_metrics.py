@@ -14,15 +14,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
-
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from slipstream.agent.engine.step_stats import StepStats
 from slipstream.agent.server import metric_names as names
-
-if TYPE_CHECKING:
-    from slipstream.agent.engine.engine import StepStats
 
 
 def log_spaced_buckets(low: float, high: float, ratio: float = 2 ** 0.5) -> tuple[float, ...]:
