@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
@@ -24,12 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from slipstream.agent.engine.sampling_params import RequestOutput
+from slipstream.agent.engine.stats import EngineStats
 from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server import metric_names as names
 from slipstream.agent.server.step_metrics import StepMetrics, log_spaced_buckets
-
-if TYPE_CHECKING:
-    from slipstream.agent.engine.engine import EngineStats
 
 # Request-level latencies: TTFT SLOs run from ~100 ms (chat) to tens of seconds (1M-token
 # prefill). Token-level latencies: TPOT SLOs are tens of ms, a CPU tiny model is ~1 ms.

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slipstream.agent.engine.step_stats import StepStats
+from slipstream.agent.engine.stats import StepStats
 from slipstream.agent.server import metric_names as names
 
 

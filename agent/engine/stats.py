@@ -1,11 +1,11 @@
-"""What one executed engine step looked like, handed to the optional ``LLMEngine.on_step``
-observer (the agent's metrics) right after the batch ran.
+"""What the engine reports about itself, as pure data (no torch): the metrics layer and its
+tests import this without the model stack.
 
+    LLMEngine.stats() -> EngineStats       (a snapshot; AsyncEngine refreshes it every step)
     LLMEngine.step(): schedule -> execute -> StepStats -> on_step(stats) -> update
 
-Times are engine-clock readings, not durations, so that building one costs nothing beyond the
-clock reads the step makes anyway; the observer reads ``batch`` itself. Pure data, no torch:
-the metrics layer and its tests import it without the model stack.
+``StepStats`` holds engine-clock readings, not durations, so that building one costs nothing
+beyond the clock reads the step makes anyway; the observer reads ``batch`` itself.
 """
 
 from __future__ import annotations
@@ -13,6 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slipstream.agent.scheduler.batch import Batch
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    kvp_active_degree: int = 1  # KVP groups the widest running request spans
 
 
 @dataclass(frozen=True, slots=True)
