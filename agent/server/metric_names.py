@@ -142,8 +142,7 @@ def family_of(series_name: str) -> MetricSpec | None:
     if series_name in ALL_METRICS:
         return ALL_METRICS[series_name]
     for suffix in _HISTOGRAM_SUFFIXES:
-        base = series_name.removesuffix(suffix)
-        if base != series_name and ALL_METRICS.get(base, None) is not None \
-                and ALL_METRICS[base].type == "histogram":
-            return ALL_METRICS[base]
+        spec = ALL_METRICS.get(series_name.removesuffix(suffix))
+        if series_name.endswith(suffix) and spec is not None and spec.type == "histogram":
+            return spec
     return None
