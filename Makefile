@@ -2,6 +2,8 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
+#   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +13,8 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine clean
+.PHONY: setup serve test test-unit lint-imports bench-engine bench-metrics clean \
+	prometheus-tools dashboards
 
 setup: $(STAMP)
 
@@ -27,7 +30,13 @@ serve: setup
 lint-imports: setup
 	$(BIN)/lint-imports
 
-test: setup lint-imports
+# promtool and prometheus (Debian package) for the alert-rule, dashboard and scrape tests.
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; }
+
+test: setup lint-imports prometheus-tools
 	$(BIN)/pytest
 
 test-unit: setup
@@ -35,6 +44,12 @@ test-unit: setup
 
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+
+bench-metrics: setup
+	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
+
+dashboards: setup
+	cd charts && $(abspath $(BIN))/python -m dashgen
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,19 +18,11 @@ from dataclasses import dataclass, field
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions_total: int
 
 
 @dataclass
@@ -73,6 +65,8 @@ class LLMEngine:
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
+        # Called on the engine thread after each executed batch (metrics); keep it cheap.
+        self.on_step: Callable[[StepStats], None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -145,11 +139,16 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule(self.clock())
+        schedule_start_s = self.clock()
+        batch = self.scheduler.schedule(schedule_start_s)
         if batch.is_empty:
             return []
+        execute_start_s = self.clock()
         sampled = self.runner.execute(batch)
         now = self.clock()
+        if self.on_step is not None:
+            self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
+                                   self.runner.last_forward_s))
         self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
                 if (out := self._process(rid, token, now)) is not None]

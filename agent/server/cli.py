@@ -72,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "get the rest of the context)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
+    slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
+    slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
+                     help="TTFT objective for requests that bring no slo of their own; counted "
+                          "in slipstream_slo_requests_total and drawn on the dashboards")
+    slo.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                     help="TPOT objective for requests that bring no slo of their own")
+    slo.add_argument("--slo-attainment-target", type=float, default=0.99, metavar="RATIO",
+                     help="share of requests that should meet their SLO; the burn-rate alerts "
+                          "read it from slipstream_slo_attainment_target_ratio")
+
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
@@ -80,6 +90,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         pool=args.pool or os.environ.get("SLIPSTREAM_POOL") or "unified",
         long_prompt_threshold_tokens=args.long_prompt_threshold_tokens,
         default_max_tokens_cap=args.default_max_tokens,
+        slo_ttft_s=args.slo_ttft_seconds,
+        slo_tpot_ms=args.slo_tpot_ms,
+        slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
     )
 
