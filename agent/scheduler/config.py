@@ -6,7 +6,7 @@ longRequestThresholdTokens, preemption) maps onto these fields one to one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slipstream.agent.scheduler.packer import PackerConfig
 
@@ -62,4 +62,15 @@ class SchedulerConfig:
             max_space_share_fraction=self.max_space_share_fraction,
             long_request_threshold_tokens=self.long_request_threshold_tokens,
             kvp_tokens_per_group=self.kvp_tokens_per_group,
+        )
+
+    def token_budget_packer_config(self) -> PackerConfig:
+        """Without a predictor: any chunk size, filled to exactly ``max_batched_tokens``."""
+        return replace(
+            self.packer_config(),
+            chunk_granularity_tokens=1,
+            min_chunk_tokens=1,
+            initial_chunk_tokens=min(512, self.max_batched_tokens),
+            max_chunk_tokens=self.max_batched_tokens,
+            full_batch_fraction=1.0,
         )

@@ -26,6 +26,9 @@ from typing import Callable
 
 from slipstream.agent.scheduler.predictor import BatchTimeEstimate, BatchTimeModel
 
+# Relative tolerance on the budget, so that n tokens at target/n ms each still fit exactly.
+FLOAT_SLACK = 1e-9
+
 
 @dataclass(frozen=True)
 class PackerConfig:
@@ -135,7 +138,8 @@ class PrefillBudget:
             group = config.kvp_tokens_per_group
             cap = min(cap, group - kv_before_tokens % group)
         what_if = self.estimate.time_with_prefill_ms
-        return largest_chunk_tokens(lambda size: what_if(kv_before_tokens, size) <= target_ms,
+        limit_ms = target_ms * (1.0 + FLOAT_SLACK)
+        return largest_chunk_tokens(lambda size: what_if(kv_before_tokens, size) <= limit_ms,
                                     remaining_tokens, cap, config)
 
     def add_prefill(self, kv_before_tokens: int, chunk_tokens: int) -> None:

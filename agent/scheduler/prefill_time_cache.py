@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 
-from slipstream.agent.scheduler.packer import PackerConfig, largest_chunk_tokens
+from slipstream.agent.scheduler.packer import FLOAT_SLACK, PackerConfig, largest_chunk_tokens
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 
 
@@ -80,7 +80,7 @@ class PrefillTimeCache:
         return self._chunk_start_ms[k] + self.chunk_time_ms(starts[k], num_tokens - starts[k])
 
     def _chunk_at(self, kv_before_tokens: int) -> int:
-        target_ms = self.config.target_batch_time_ms
+        target_ms = self.config.target_batch_time_ms * (1.0 + FLOAT_SLACK)
         size = largest_chunk_tokens(
             lambda c: self.chunk_time_ms(kv_before_tokens, c) <= target_ms,
             remaining_tokens=self.config.max_chunk_tokens,

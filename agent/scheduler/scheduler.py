@@ -49,9 +49,13 @@ class Scheduler:
                  length_predictor: LengthPredictor | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.model = predictor if predictor is not None else TokenBudgetModel(
-            config.max_batched_tokens, config.target_batch_time_ms)
-        self.packer_config = config.packer_config()
+        if predictor is None:
+            self.model: BatchTimeModel = TokenBudgetModel(config.max_batched_tokens,
+                                                          config.target_batch_time_ms)
+            self.packer_config = config.token_budget_packer_config()
+        else:
+            self.model = predictor
+            self.packer_config = config.packer_config()
         self.prefill_times = PrefillTimeCache(self.model, self.packer_config,
                                               spp_degree=config.spp_degree)
         self.urgency = UrgencyModel(self.prefill_times, config.min_ttft_deadline_s,
