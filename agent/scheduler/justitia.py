@@ -100,6 +100,3 @@ class JustitiaPolicy(SchedulingPolicy):
 
     def prefill_key(self, request, now_s):
         return 0, self._finish_tag[request]
-
-    def victim_key(self, request, now_s):
-        return self._finish_tag[request]

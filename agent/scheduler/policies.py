@@ -56,7 +56,7 @@ class SchedulingPolicy:
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
-        self.urgency = context.urgency
+        self.urgency_model = context.urgency
 
     # A score function turns (bucket, key) into an order at ``now``; None means the key is it.
     score = None
@@ -64,9 +64,14 @@ class SchedulingPolicy:
     def prefill_key(self, request: Request, now_s: float) -> tuple[Hashable, float]:
         raise NotImplementedError
 
+    def urgency(self, request: Request, now_s: float) -> float:
+        """The request's place in the prefill order at ``now``: smaller is more urgent."""
+        bucket, key = self.prefill_key(request, now_s)
+        return key if self.score is None else self.score(bucket, key, now_s)
+
     def victim_key(self, request: Request, now_s: float) -> Any:
-        """Comparable urgency; the running request with the largest key is preempted first."""
-        raise NotImplementedError
+        """Comparable; under KV pressure the running request with the largest key goes first."""
+        return self.urgency(request, now_s)
 
     def on_add(self, request: Request, now_s: float) -> None:
         pass
@@ -88,9 +93,6 @@ class FcfsPolicy(SchedulingPolicy):
     def prefill_key(self, request, now_s):
         return 0, request.arrival_s
 
-    def victim_key(self, request, now_s):
-        return request.arrival_s
-
 
 class EdfPolicy(SchedulingPolicy):
     name = "edf"
@@ -98,18 +100,12 @@ class EdfPolicy(SchedulingPolicy):
     def prefill_key(self, request, now_s):
         return 0, request.ttft_deadline_s
 
-    def victim_key(self, request, now_s):
-        return request.ttft_deadline_s
-
 
 class LrsPolicy(SchedulingPolicy):
     name = "lrs"
 
     def prefill_key(self, request, now_s):
-        return 0, request.ttft_deadline_s - self.urgency.remaining_prefill_s(request)
-
-    def victim_key(self, request, now_s):
-        return self.urgency.slack_s(request, now_s)
+        return 0, request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
 
 
 class LarsPolicy(SchedulingPolicy):
@@ -133,14 +129,11 @@ class LarsPolicy(SchedulingPolicy):
         return work
 
     def prefill_key(self, request, now_s):
-        key = request.ttft_deadline_s - self.urgency.remaining_prefill_s(request)
+        key = request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
         return self.work_class(request.prefill_work_s), key
 
     def score(self, bucket, key, now_s):
         return (key - now_s) / self.class_work_s(bucket)
-
-    def victim_key(self, request, now_s):
-        return self.urgency.relative_slack(request, now_s)
 
 
 class SrptPolicy(SchedulingPolicy):
@@ -161,7 +154,7 @@ class SrptPolicy(SchedulingPolicy):
     def remaining_s(self, request: Request) -> float:
         predicted = self._first_prediction.get(request, request.max_tokens)
         decodes_left = max(1, predicted - request.num_output_tokens)
-        return self.urgency.remaining_prefill_s(request) + decodes_left * self.context.decode_step_s
+        return self.urgency_model.remaining_prefill_s(request) + decodes_left * self.context.decode_step_s
 
     def preemptible(self, request: Request) -> bool:
         predicted = self._first_prediction.get(request, request.max_tokens)

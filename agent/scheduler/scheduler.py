@@ -101,6 +101,7 @@ class Scheduler:
             self.swapped.remove(request)
         self.queue.remove(request)
         self.preemptor.release(request)
+        self.urgency.forget(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_s = now_s
@@ -132,6 +133,8 @@ class Scheduler:
         swap_in = self._swap_in(now_s)
         swap_out: list[BlockCopy] = []
         decodes = self._grant_decodes(now_s, swap_out)
+        if self._unblock_head_prefill(now_s, swap_out):
+            decodes = [request for request in decodes if request.status is RUNNING]
         budget = PrefillBudget(self.model, self.packer_config)
         budget.add_decodes(len(decodes), sum(request.num_tokens for request in decodes))
         grants = self._pack_prefills(now_s, budget)
@@ -187,7 +190,7 @@ class Scheduler:
             return copies
         # Keep a block per running request free so their decodes can grow without preempting.
         reserve = len(self.running)
-        for request in sorted(self.swapped, key=lambda r: self.policy.victim_key(r, now_s)):
+        for request in sorted(self.swapped, key=lambda r: self.policy.urgency(r, now_s)):
             if len(self.running) >= self.config.max_num_seqs:
                 break
             copy = self.preemptor.swap_in(request, reserve_blocks=reserve + 1)
@@ -229,6 +232,34 @@ class Scheduler:
                 manager.grow(request.block_ids, request.num_tokens)
                 granted.append(request)
         return granted
+
+    def _unblock_head_prefill(self, now_s: float, swap_out: list[BlockCopy]) -> bool:
+        """Let the most urgent running prefill take blocks from less urgent running requests.
+
+        Prefill chunks never preempt on their own, so running prefills could otherwise fill
+        the cache and wait on each other forever. Only the head is served this way.
+        """
+        head = next(self.queue.prefilling.ordered(now_s, self.policy.score), None)
+        if head is None:
+            return False
+        request = head[2]
+        manager = self.block_manager
+        next_tokens = request.num_computed_tokens + min(request.num_uncomputed_tokens,
+                                                        self.packer_config.min_chunk_tokens)
+        need = manager.blocks_needed(request.block_ids, next_tokens)
+        if need <= manager.kv_blocks_free:
+            return False
+        urgency = self.policy.urgency
+        head_urgency = urgency(request, now_s)
+        victims = sorted((r for r in self.running if urgency(r, now_s) > head_urgency),
+                         key=lambda r: urgency(r, now_s), reverse=True)
+        preempted = False
+        for victim in victims:
+            if need <= manager.kv_blocks_free:
+                break
+            self._preempt(victim, now_s, swap_out)
+            preempted = True
+        return preempted
 
     def _pack_prefills(self, now_s: float, budget: PrefillBudget) -> list[tuple[Request, int]]:
         """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full."""
@@ -283,13 +314,14 @@ class Scheduler:
     def _preempt(self, request: Request, now_s: float, swap_out: list[BlockCopy] | None) -> None:
         self.running.remove(request)
         self.queue.remove(request)
+        computed_tokens = request.num_computed_tokens
         copy = self.preemptor.preempt(request, allow_swap=swap_out is not None)
         self.num_preemptions_total += 1
         if copy is not None:
             swap_out.append(copy)
             self.swapped.append(request)
             return
-        self.urgency.assign(request)  # it now has to prefill its generated tokens as well
+        self.urgency.note_recompute(request, computed_tokens)
         self.queue.add_waiting(request, now_s)
 
     def _decode_chunk(self, request: Request) -> ScheduledChunk:

@@ -10,9 +10,13 @@ prefill work ``w_total = T(p)``. ``d`` comes from the request's SLO; without one
     slack            s   = a + d - now - remaining_prefill
     relative slack   rho = s / w_total
 
-where ``w_total`` is the request's whole prefill work (Medha's "total work requirement"). A
-request preempted by recompute has to prefill its generated tokens too, so its ``w_total`` is
-refreshed to ``T(num_tokens)``; its deadline stays.
+where ``w_total`` is the request's whole prefill work (Medha's "total work requirement").
+
+A preemption never changes a request's urgency. Once a request has its first token its TTFT
+is settled and its remaining prefill counts as zero, even while it recomputes; before that,
+it is credited with the progress it had reached. This matters for progress: if recompute made
+a request look more urgent (more remaining work, less slack), two requests could evict each
+other forever. With it, the most urgent running request is never a victim and finishes.
 """
 
 from __future__ import annotations
@@ -32,11 +36,21 @@ class UrgencyModel:
         self.prefill_times = prefill_times
         self.min_ttft_deadline_s = min_ttft_deadline_s
         self.ttft_deadline_factor = ttft_deadline_factor
+        self._credited_tokens: dict[Request, int] = {}  # prefill progress lost to recompute
+
+    def note_recompute(self, request: Request, lost_tokens: int) -> None:
+        if request.first_token_s is None:
+            self._credited_tokens[request] = max(lost_tokens, self._credited_tokens.get(request, 0))
+
+    def forget(self, request: Request) -> None:
+        self._credited_tokens.pop(request, None)
 
     def assign(self, request: Request) -> None:
-        """Set ``ttft_deadline_s`` (once) and ``prefill_work_s`` (refreshed on requeue)."""
+        """Set ``ttft_deadline_s`` and ``prefill_work_s`` once, at arrival."""
+        if request.prefill_work_s is not None:
+            return
         work_s = max(self.prefill_times.total_s(request.num_tokens), MIN_PREFILL_WORK_S)
-        request.prefill_work_s = max(work_s, request.prefill_work_s or 0.0)
+        request.prefill_work_s = work_s
         if request.ttft_deadline_s is None:
             ttft_s = request.slo.ttft_s
             if ttft_s is None:
@@ -44,9 +58,13 @@ class UrgencyModel:
             request.ttft_deadline_s = request.arrival_s + ttft_s
 
     def remaining_prefill_s(self, request: Request) -> float:
-        if request.num_uncomputed_tokens <= 1 and request.num_computed_tokens > 0:
-            return 0.0  # decoding
-        return self.prefill_times.remaining_s(request.num_tokens, request.num_computed_tokens)
+        if request.first_token_s is not None or (
+                request.num_uncomputed_tokens <= 1 and request.num_computed_tokens > 0):
+            return 0.0  # TTFT settled, or decoding
+        processed = request.num_computed_tokens
+        if self._credited_tokens:
+            processed = max(processed, self._credited_tokens.get(request, 0))
+        return self.prefill_times.remaining_s(request.num_tokens, processed)
 
     def slack_s(self, request: Request, now_s: float) -> float:
         return request.ttft_deadline_s - now_s - self.remaining_prefill_s(request)
