@@ -115,25 +115,25 @@ class LarsPolicy(SchedulingPolicy):
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
         self._log_width = math.log1p(self.class_width)
-        self._class_work_s: dict[int, float] = {}
+        self._inverse_class_work: dict[int, float] = {}  # filled as classes appear
 
     def work_class(self, prefill_work_s: float) -> int:
-        return int(math.log(max(prefill_work_s, MIN_PREFILL_WORK_S) / MIN_PREFILL_WORK_S)
-                   / self._log_width)
+        work_class = int(math.log(max(prefill_work_s, MIN_PREFILL_WORK_S) / MIN_PREFILL_WORK_S)
+                         / self._log_width)
+        if work_class not in self._inverse_class_work:
+            work = MIN_PREFILL_WORK_S * math.exp((work_class + 0.5) * self._log_width)
+            self._inverse_class_work[work_class] = 1.0 / work
+        return work_class
 
     def class_work_s(self, work_class: int) -> float:
-        work = self._class_work_s.get(work_class)
-        if work is None:
-            work = MIN_PREFILL_WORK_S * math.exp((work_class + 0.5) * self._log_width)
-            self._class_work_s[work_class] = work
-        return work
+        return 1.0 / self._inverse_class_work[work_class]
 
     def prefill_key(self, request, now_s):
         key = request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
         return self.work_class(request.prefill_work_s), key
 
     def score(self, bucket, key, now_s):
-        return (key - now_s) / self.class_work_s(bucket)
+        return (key - now_s) * self._inverse_class_work[bucket]
 
 
 class SrptPolicy(SchedulingPolicy):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, KeysView
 
 from slipstream.agent.scheduler.request import Request
 
@@ -43,6 +43,11 @@ class PriorityIndex:
 
     def __contains__(self, request: Request) -> bool:
         return request in self._entries
+
+    @property
+    def members(self) -> KeysView[Request]:
+        """A live view for fast membership tests in hot loops (no Python-level call per test)."""
+        return self._entries.keys()
 
     def add(self, request: Request, key: float, bucket: Hashable = 0) -> None:
         if request in self._entries:

@@ -136,7 +136,8 @@ class Scheduler:
         if self._unblock_head_prefill(now_s, swap_out):
             decodes = [request for request in decodes if request.status is RUNNING]
         budget = PrefillBudget(self.model, self.packer_config)
-        budget.add_decodes(len(decodes), sum(request.num_tokens for request in decodes))
+        # A decode's KV after this step is its start position + 1.
+        budget.add_decodes(len(decodes), sum(r.num_computed_tokens for r in decodes) + len(decodes))
         grants = self._pack_prefills(now_s, budget)
         chunks = [self._decode_chunk(request) for request in decodes]
         chunks.extend(self._admit(request, size, now_s) for request, size in grants)
@@ -208,17 +209,20 @@ class Scheduler:
         """Reserve a block for every running decode, preempting the least urgent if needed."""
         manager = self.block_manager
         block_size = manager.block_size
-        decodes = [r for r in self.running if not r.in_prefill]
-        shortfall = [r for r in decodes if -(-r.num_tokens // block_size) > len(r.block_ids)]
+        # Running requests are either in the prefilling index or decoding (one token short).
+        prefilling = self.queue.prefilling.members
+        decodes = [r for r in self.running if r not in prefilling]
+        shortfall = [r for r in decodes
+                     if r.num_computed_tokens // block_size >= len(r.block_ids)]
         if len(shortfall) <= manager.kv_blocks_free:  # the common case: no pressure, no sorting
             for request in shortfall:
-                manager.grow(request.block_ids, request.num_tokens)
+                request.block_ids.extend(manager.device.allocate(1))
             return decodes
         order = sorted(self.running, key=lambda r: self.policy.victim_key(r, now_s))
         granted: list[Request] = []
         tail = len(order) - 1
         for request in order:
-            if request.status is not RUNNING or request.in_prefill:
+            if request.status is not RUNNING or request in self.queue.prefilling:
                 continue
             while not manager.can_grow(request.block_ids, request.num_tokens):
                 while tail >= 0 and order[tail].status is not RUNNING:
@@ -327,7 +331,7 @@ class Scheduler:
     def _decode_chunk(self, request: Request) -> ScheduledChunk:
         outputs = request.output_token_ids
         token = outputs[-1] if outputs else request.prompt_token_ids[-1]
-        return ScheduledChunk(request.request_id, (token,), request.num_tokens - 1,
+        return ScheduledChunk(request.request_id, (token,), request.num_computed_tokens,
                               tuple(request.block_ids), True, request.sampling, len(outputs))
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
