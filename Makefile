@@ -2,6 +2,7 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine clean
+.PHONY: setup serve test test-unit lint-imports bench-engine bench-sched clean
 
 setup: $(STAMP)
 
@@ -35,6 +36,9 @@ test-unit: setup
 
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+
+bench-sched: setup
+	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -79,8 +79,10 @@ def largest_chunk_tokens(fits: Callable[[int], bool], remaining_tokens: int, cap
     probe_k = min(max(config.initial_chunk_tokens // step, low_k), high_k)
     if fits(probe_k * step):
         best, low_k = probe_k, probe_k + 1
+    elif probe_k == low_k or not fits(low_k * step):
+        return 0  # settles a full batch in two predictions instead of a whole search
     else:
-        best, high_k = 0, probe_k - 1
+        best, low_k, high_k = low_k, low_k + 1, probe_k - 1
     while low_k <= high_k:
         mid = (low_k + high_k) // 2
         if fits(mid * step):
@@ -99,6 +101,10 @@ class PrefillBudget:
         self.has_long_prefill = False
         self.num_prefills = 0
         self._full_ms = config.target_batch_time_ms * config.full_batch_fraction
+        # The smallest KV length at which a minimum chunk was refused under the full target.
+        # Predictions only grow with KV and with the batch, so every request at or above it
+        # is refused too, without asking the predictor again.
+        self._refused_from_kv = float("inf")
 
     @property
     def time_ms(self) -> float:
@@ -137,10 +143,16 @@ class PrefillBudget:
         if config.kvp_tokens_per_group is not None:
             group = config.kvp_tokens_per_group
             cap = min(cap, group - kv_before_tokens % group)
+        at_least_min_chunk = min(remaining_tokens, cap) >= config.min_chunk_tokens
+        if at_least_min_chunk and kv_before_tokens >= self._refused_from_kv:
+            return 0
         what_if = self.estimate.time_with_prefill_ms
         limit_ms = target_ms * (1.0 + FLOAT_SLACK)
-        return largest_chunk_tokens(lambda size: what_if(kv_before_tokens, size) <= limit_ms,
+        size = largest_chunk_tokens(lambda size: what_if(kv_before_tokens, size) <= limit_ms,
                                     remaining_tokens, cap, config)
+        if size == 0 and at_least_min_chunk and not long_request:
+            self._refused_from_kv = min(self._refused_from_kv, kv_before_tokens)
+        return size
 
     def add_prefill(self, kv_before_tokens: int, chunk_tokens: int) -> None:
         self.estimate.add_prefill(kv_before_tokens, chunk_tokens)
