@@ -58,8 +58,9 @@ class SchedulingPolicy:
         self.context = context
         self.urgency_model = context.urgency
 
-    # A score function turns (bucket, key) into an order at ``now``; None means the key is it.
-    score = None
+    # Per-bucket scales when the order changes with time: score = (key - now) * scale[bucket].
+    # None means the key alone is the order (see priority_index.py).
+    score_scale: dict[Hashable, float] | None = None
 
     def prefill_key(self, request: Request, now_s: float) -> tuple[Hashable, float]:
         raise NotImplementedError
@@ -67,7 +68,7 @@ class SchedulingPolicy:
     def urgency(self, request: Request, now_s: float) -> float:
         """The request's place in the prefill order at ``now``: smaller is more urgent."""
         bucket, key = self.prefill_key(request, now_s)
-        return key if self.score is None else self.score(bucket, key, now_s)
+        return key if self.score_scale is None else (key - now_s) * self.score_scale[bucket]
 
     def victim_key(self, request: Request, now_s: float) -> Any:
         """Comparable; under KV pressure the running request with the largest key goes first."""
@@ -116,6 +117,7 @@ class LarsPolicy(SchedulingPolicy):
         super().__init__(context)
         self._log_width = math.log1p(self.class_width)
         self._inverse_class_work: dict[int, float] = {}  # filled as classes appear
+        self.score_scale = self._inverse_class_work
 
     def work_class(self, prefill_work_s: float) -> int:
         work_class = int(math.log(max(prefill_work_s, MIN_PREFILL_WORK_S) / MIN_PREFILL_WORK_S)
@@ -131,9 +133,6 @@ class LarsPolicy(SchedulingPolicy):
     def prefill_key(self, request, now_s):
         key = request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
         return self.work_class(request.prefill_work_s), key
-
-    def score(self, bucket, key, now_s):
-        return (key - now_s) * self._inverse_class_work[bucket]
 
 
 class SrptPolicy(SchedulingPolicy):

@@ -5,8 +5,9 @@
 Each policy gives a request a *time-invariant* key and a bucket. Inside a bucket requests sit
 in a sorted list (insertion and removal by bisection, a C-level memmove), so ordering cost is
 paid once per state change, not once per iteration. A policy whose order does change with
-time (LARS) puts requests whose order cannot cross into the same bucket, and scores the
-bucket heads at ``now``; the iterator then merges buckets with a heap. The packer pulls
+time (LARS) puts requests whose order cannot cross into the same bucket and gives each bucket
+a scale, so that a request's score at ``now`` is ``(key - now) * scale``; only the bucket
+heads are scored, and the iterator merges buckets with a heap. The packer pulls
 candidates lazily and stops after a bounded number, so one ``schedule()`` touches a few dozen
 requests even with 10,000 waiting.
 
@@ -19,14 +20,15 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Callable, Hashable, Iterator, KeysView
+from typing import TYPE_CHECKING, Hashable, Iterator, KeysView, Mapping
 
 from slipstream.agent.scheduler.request import Request
 
 if TYPE_CHECKING:
     from slipstream.agent.scheduler.policies import SchedulingPolicy
 
-ScoreFn = Callable[[Hashable, float, float], float]  # (bucket, key, now_s) -> score
+# Per-bucket scale of a score linear in time: score = (key - now_s) * scale[bucket].
+ScoreScale = Mapping[Hashable, float]
 
 
 class PriorityIndex:
@@ -67,15 +69,19 @@ class PriorityIndex:
             del self._buckets[bucket]
         return True
 
-    def ordered(self, now_s: float, score: ScoreFn | None = None) -> Iterator[tuple[float, int, Request]]:
-        """``(score, seq, request)`` in ascending score. Do not mutate the index meanwhile."""
-        if score is None:
+    def ordered(self, now_s: float, scale: ScoreScale | None = None) -> Iterator[tuple[float, int, Request]]:
+        """``(score, seq, request)`` in ascending score. Do not mutate the index meanwhile.
+
+        Without ``scale`` the key is the score. With it, only bucket heads are scored (inline
+        arithmetic, no call per bucket) and a heap merges the buckets.
+        """
+        if scale is None:
             if len(self._buckets) == 1:
                 yield from next(iter(self._buckets.values()))
                 return
             yield from heapq.merge(*self._buckets.values())
             return
-        heads = [(score(bucket, items[0][0], now_s), items[0][1], bucket, 0)
+        heads = [((items[0][0] - now_s) * scale[bucket], items[0][1], bucket, 0)
                  for bucket, items in self._buckets.items()]
         heapq.heapify(heads)
         while heads:
@@ -85,7 +91,7 @@ class PriorityIndex:
             position += 1
             if position < len(items):
                 key, next_seq, _ = items[position]
-                heapq.heapreplace(heads, (score(bucket, key, now_s), next_seq, bucket, position))
+                heapq.heapreplace(heads, ((key - now_s) * scale[bucket], next_seq, bucket, position))
             else:
                 heapq.heappop(heads)
 
@@ -119,16 +125,16 @@ class PrefillQueue:
         self.waiting.remove(request) or self.prefilling.remove(request)
 
     def first_waiting(self, now_s: float) -> Request | None:
-        for _, _, request in self.waiting.ordered(now_s, self.policy.score):
+        for _, _, request in self.waiting.ordered(now_s, self.policy.score_scale):
             return request
         return None
 
     def candidates(self, now_s: float, include_waiting: bool) -> Iterator[Request]:
-        score = self.policy.score
-        running = self.prefilling.ordered(now_s, score)
+        scale = self.policy.score_scale
+        running = self.prefilling.ordered(now_s, scale)
         if not include_waiting or not self.waiting:
             return (request for _, _, request in running)
-        waiting = self.waiting.ordered(now_s, score)
+        waiting = self.waiting.ordered(now_s, scale)
         if self.policy.running_first:
             return (request for _, _, request in itertools.chain(running, waiting))
         return (request for _, _, request in heapq.merge(running, waiting))

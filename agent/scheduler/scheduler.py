@@ -243,7 +243,7 @@ class Scheduler:
         Prefill chunks never preempt on their own, so running prefills could otherwise fill
         the cache and wait on each other forever. Only the head is served this way.
         """
-        head = next(self.queue.prefilling.ordered(now_s, self.policy.score), None)
+        head = next(self.queue.prefilling.ordered(now_s, self.policy.score_scale), None)
         if head is None:
             return False
         request = head[2]
