@@ -4,6 +4,7 @@
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
+#   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine bench-metrics clean \
+.PHONY: setup serve test test-unit lint-imports bench-engine bench-metrics bench-sched clean \
 	prometheus-tools dashboards
 
 setup: $(STAMP)
@@ -50,6 +51,9 @@ bench-metrics: setup
 
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
+
+bench-sched: setup
+	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
 clean:
 	rm -rf $(VENV) build *.egg-info
