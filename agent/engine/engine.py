@@ -21,6 +21,7 @@ from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParam
 from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -56,11 +57,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         self.runner = ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks)
-        self.scheduler = Scheduler(
-            scheduler_config or SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                                                max_batched_tokens=config.max_batched_tokens),
-            self.block_manager)
+        scheduler_config = scheduler_config or SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
+        # Swap preemption needs somewhere to put the blocks: a host pool as large as the
+        # device one, so that any preempted request fits.
+        num_host_blocks = self.runner.num_kv_blocks if scheduler_config.preemption == "swap" else 0
+        self.runner.allocate_host_cache(num_host_blocks)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   predictor=_load_predictor(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
@@ -206,3 +211,9 @@ class LLMEngine:
             for output in self.step():
                 tokens[output.request_id].extend(output.new_token_ids)
         return [tokens[rid] for rid in ids]
+
+
+def _load_predictor(config: EngineConfig) -> RuntimePredictor | None:
+    if config.profile_dir is None:
+        return None
+    return RuntimePredictor.from_directory(config.profile_dir)

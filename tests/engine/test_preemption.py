@@ -3,20 +3,23 @@ finishes, and greedy outputs are exactly those of a run with ample memory."""
 
 from __future__ import annotations
 
+import pytest
+
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 
-def test_preempted_requests_finish_with_identical_greedy_output(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_finish_with_identical_greedy_output(tiny_model_dir, mode):
     prompts = [[(17 * i + 3 * j) % 4000 for j in range(40 + 9 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     results, preemptions = [], []
     for num_blocks in (10, 256):  # 10 blocks = 160 tokens; one request needs up to 6 blocks
         engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu",
                                         num_kv_blocks=num_blocks),
-                           SchedulerConfig(max_batched_tokens=64))
+                           SchedulerConfig(max_batched_tokens=64, preemption=mode))
         results.append(engine.generate(prompts, params))
         preemptions.append(engine.stats().num_preemptions_total)
         assert engine.block_manager.kv_blocks_used == 0
