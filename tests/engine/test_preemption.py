@@ -20,7 +20,17 @@ def test_preempted_requests_finish_with_identical_greedy_output(tiny_model_dir, 
         engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu",
                                         num_kv_blocks=num_blocks),
                            SchedulerConfig(max_batched_tokens=64, preemption=mode))
+        swap_copies = []
+        execute = engine.runner.execute
+
+        def counting_execute(batch):
+            swap_copies.extend(batch.swap_out + batch.swap_in)
+            return execute(batch)
+
+        engine.runner.execute = counting_execute
         results.append(engine.generate(prompts, params))
+        if mode == "swap" and num_blocks == 10:
+            assert swap_copies, "swap mode should move blocks to host memory and back"
         preemptions.append(engine.stats().num_preemptions_total)
         assert engine.block_manager.kv_blocks_used == 0
     small, ample = results
