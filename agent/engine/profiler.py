@@ -6,10 +6,10 @@ device, and write them as a profile directory for the runtime predictor.
 
 Tables follow the Vidur layout the predictor also reads for the H100 data: linear ops keyed by
 token count; ``attn_prefill`` by (KV tokens cached before the chunk, chunk tokens);
-``attn_decode`` by (decode batch size, KV tokens read by the whole batch). Times are medians of
-repeated runs after a warm-up, in milliseconds per layer. What the layer tables do not cover
-(embedding, final norm, LM head, sampling, tensor preparation) is calibrated at the end as a
-constant per-iteration overhead, from whole ``ModelRunner.execute`` calls.
+``attn_decode`` by (decode batch size, KV tokens read by the whole batch). Times are the
+fastest of repeated runs after a warm-up, in milliseconds per layer. What the layer tables do
+not cover (embedding, final norm, LM head, sampling, tensor preparation) is calibrated at the
+end as a constant per-iteration overhead, from whole ``ModelRunner.execute`` calls.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ DECODE_BATCH_GRID = (1, 2, 4, 8, 16, 32, 64)
 DECODE_KV_GRID = (256, 1024, 4096, 16384, 32768)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+def best_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """The fastest of ``repeats`` timed runs, in ms. Interference from other processes only
+    ever adds time, so the minimum is the most repeatable estimate on a shared machine."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -54,7 +56,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warm
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
+    return min(samples)
 
 
 class Profiler:
@@ -91,7 +93,7 @@ class Profiler:
             "mlp_down_proj": lambda: mlp.down_proj(intermediate),
             "add": lambda: (x + x, x + x),
         }
-        return {name: median_ms(fn, self.device, self.repeats) for name, fn in ops.items()}
+        return {name: best_ms(fn, self.device, self.repeats) for name, fn in ops.items()}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
         """Per-layer attention time for chunks given as (kv_before, query_len)."""
@@ -115,7 +117,7 @@ class Profiler:
         query = torch.randn(metadata.num_tokens, attn.num_heads, attn.head_dim,
                             device=self.device, dtype=self.runner.dtype)
         k_cache, v_cache = self.runner.kv_caches[0]
-        return median_ms(lambda: backend.run(query, k_cache, v_cache, attn.scale,
+        return best_ms(lambda: backend.run(query, k_cache, v_cache, attn.scale,
                                              return_lse=False), self.device, self.repeats)
 
     def prefill_attention(self, kv_before: int, chunk: int) -> float:
@@ -152,7 +154,7 @@ def predict_ms(predictor: RuntimePredictor, batch: Batch) -> float:
 
 
 def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 3) -> float:
-    return median_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
+    return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int) -> Path:
