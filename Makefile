@@ -2,6 +2,9 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
+#                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
+#   make dev-cluster-stop   stop every process the dev cluster started
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +14,8 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine clean
+.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine dev-cluster \
+	dev-cluster-status dev-cluster-stop clean
 
 setup: $(STAMP)
 
@@ -32,6 +36,19 @@ test: setup lint-imports
 
 test-unit: setup
 	$(BIN)/pytest tests/unit
+
+test-e2e: setup
+	$(BIN)/pytest e2e -m e2e
+
+# Pods on the fake nodes run as local processes with $(BIN) first on PATH.
+dev-cluster: setup
+	$(BIN)/python e2e/cluster/devcluster.py start
+
+dev-cluster-status:
+	$(PYTHON) e2e/cluster/devcluster.py status
+
+dev-cluster-stop:
+	$(PYTHON) e2e/cluster/devcluster.py stop
 
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
