@@ -8,6 +8,7 @@ nodes in a fresh state dir, and stops every process it started, by pid, when the
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -41,8 +42,10 @@ def dev_cluster(tmp_path_factory) -> DevCluster:
     if not cached and shutil.which("go") is None:
         pytest.skip("Go is not installed: it is needed once to build kube-apiserver, "
                     "kube-scheduler, kube-controller-manager and etcd from the module proxy")
+    devcluster.reap_orphaned_clusters()
     state_dir = tmp_path_factory.mktemp("dev-cluster")
     config = devcluster.ClusterConfig(state_dir=state_dir, node_count=2)
+    ownership = devcluster.register_owner(state_dir, os.getpid())
     try:
         data = devcluster.start(config)  # stops what it started itself if it fails
         yield DevCluster(
@@ -52,3 +55,4 @@ def dev_cluster(tmp_path_factory) -> DevCluster:
             api=devcluster.kubeapi.KubeApi(data["api_url"], data["token"]))
     finally:
         devcluster.stop(state_dir)
+        ownership.unlink(missing_ok=True)

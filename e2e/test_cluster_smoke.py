@@ -158,6 +158,8 @@ def test_env_resolves_downward_api_and_labels(dev_cluster, namespace):
     node = pod["spec"]["nodeName"]
     expected = f"ENV {pod['status']['podIP']} {node} envy {namespace} hello-{node}"
     assert expected in dev_cluster.pod_log(namespace, "envy")
+    # kubectl logs goes through kube-apiserver to the harness's kubelet endpoint.
+    assert expected in dev_cluster.kubectl("logs", "envy", "-n", namespace).stdout
 
 
 def test_garbage_collector_removes_dependents_of_a_deleted_owner(dev_cluster, namespace):

@@ -99,6 +99,9 @@ def apiserver_argv(bin_dir: Path, pki_dir: Path, token_file: Path, ports: Ports)
             f"--service-account-key-file={pki_dir / 'sa.pub'}",
             f"--service-account-signing-key-file={pki_dir / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+            # Loopback advertise addresses are refused by the endpoint reconciler; nothing in
+            # the harness routes through the `kubernetes` Service anyway.
+            "--endpoint-reconciler-type=none",
             "--allow-privileged=true", "--profiling=false", "--v=1"]
 
 

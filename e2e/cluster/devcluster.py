@@ -268,6 +268,37 @@ def stop(state_dir: Path) -> list[str]:
     return stopped
 
 
+def sessions_dir() -> Path:
+    return build.default_cache_root() / "dev-cluster-sessions"
+
+
+def register_owner(state_dir: Path, owner_pid: int) -> Path:
+    """Note that `owner_pid` (a test session) owns the cluster in `state_dir`, so a later
+    session can stop it if the owner was killed before it could."""
+    sessions_dir().mkdir(parents=True, exist_ok=True)
+    entry = sessions_dir() / f"{owner_pid}-{time.time_ns()}.json"
+    entry.write_text(json.dumps({"state_dir": str(state_dir), "owner_pid": owner_pid,
+                                 "owner_start_time": processes.process_start_time(owner_pid)}))
+    return entry
+
+
+def reap_orphaned_clusters() -> list[str]:
+    """Stop clusters whose owning test session died without stopping them."""
+    stopped = []
+    for entry in sorted(sessions_dir().glob("*.json")) if sessions_dir().exists() else []:
+        try:
+            record = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            continue
+        if processes.is_same_process(record["owner_pid"], record["owner_start_time"]):
+            continue
+        stopped += stop(Path(record["state_dir"]))
+        entry.unlink(missing_ok=True)
+    if stopped:
+        log("stopped processes of a dead test session: " + ", ".join(stopped))
+    return stopped
+
+
 def status(state_dir: Path) -> int:
     state = StateFile(state_dir)
     if not state.data.get("processes"):

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import nodes
 import podenv
 import podstatus
 from kubeapi import ApiError, JSON, KubeApi
+from logserver import start_log_server
 from probes import ProbeTracker, run_probe
 from processes import kill_process_group, process_start_time
 
@@ -87,6 +89,7 @@ class Kubelet:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.prober = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+        self.kubelet_port = 0  # the `kubectl logs` endpoint, set when run() starts it
         base_env = dict(os.environ)
         base_env["PATH"] = os.pathsep.join([*path_prepend, base_env.get("PATH", "")])
         self.base_env = base_env
@@ -187,6 +190,8 @@ class Kubelet:
             self.schedule_restart(runtime, now_s, exit_code=127)
             return
         pid = runtime.process.pid
+        if run.last_termination is not None:
+            run.restart_count += 1  # kubelet counts restarts, not exits
         (runtime.pod_dir / "pid.json").write_text(json.dumps(
             {"pid": pid, "start_time": process_start_time(pid), "pod": runtime.key}))
         runtime.launch = launch
@@ -211,7 +216,6 @@ class Kubelet:
             runtime.backoff_s = BACKOFF_INITIAL_S
         runtime.next_start_s = now_s + runtime.backoff_s
         runtime.backoff_s = min(runtime.backoff_s * 2, BACKOFF_MAX_S)
-        runtime.run.restart_count += 1
         runtime.run.waiting_reason = "CrashLoopBackOff"
         runtime.run.waiting_message = f"back-off restarting (exit {exit_code})"
 
@@ -251,7 +255,9 @@ class Kubelet:
             if tracker is not None and tracker.failed_out and runtime.process is not None:
                 log(f"pod {runtime.key} failed its {kind} probe; killing it")
                 tracker.consecutive_failures = 0
-                kill_process_group(runtime.process.pid, self.grace_s(runtime), runtime.process)
+                # Off the loop thread: the loop reaps the exit and restarts per restartPolicy.
+                threading.Thread(target=kill_process_group, daemon=True,
+                                 args=(runtime.process.pid, self.grace_s(runtime))).start()
 
     def step(self, runtime: PodRuntime, now_s: float) -> None:
         if runtime.terminating or runtime.run.finished_phase is not None:
@@ -326,7 +332,7 @@ class Kubelet:
                 except (ApiError, OSError) as error:
                     if isinstance(error, ApiError) and error.status == 404:
                         nodes.register_node(self.api, name, self.ordered_nodes.index(name),
-                                            self.node_spec)
+                                            self.node_spec, self.kubelet_port)
                     else:
                         log(f"heartbeat of {name} failed: {error}")
             self.stopping.wait(HEARTBEAT_PERIOD_S)
@@ -346,9 +352,16 @@ class Kubelet:
                 log(f"pod watch restarting: {error}")
                 self.stopping.wait(1.0)
 
+    def pod_running(self, namespace: str, name: str) -> bool:
+        return any(r.key == f"{namespace}/{name}" and r.process is not None and not r.terminating
+                   for r in list(self.runtimes.values()))
+
     def run(self) -> None:
+        self.kubelet_port = start_log_server(self.state_dir / "logs",
+                                             self.state_dir / "pki" / "harness-kubelet",
+                                             self.pod_running)
         for index, name in enumerate(self.ordered_nodes):
-            nodes.register_node(self.api, name, index, self.node_spec)
+            nodes.register_node(self.api, name, index, self.node_spec, self.kubelet_port)
         log(f"registered nodes {', '.join(self.ordered_nodes)}")
         for loop in (self.heartbeat_loop, self.watch_loop):
             threading.Thread(target=loop, daemon=True).start()
@@ -368,8 +381,8 @@ class Kubelet:
                         continue
                     self.step(runtime, now_s)
                     self.push_status(runtime, now_s)
-            except (ApiError, OSError) as error:
-                log(f"loop error (retrying): {error}")
+            except Exception as error:  # the harness must outlive one odd pod or API hiccup
+                log(f"loop error (retrying): {error!r}\n{traceback.format_exc()}")
                 time.sleep(0.5)
 
 

@@ -66,7 +66,7 @@ def build_node(name: str, index: int, spec: FakeNodeSpec) -> JSON:
     }
 
 
-def build_node_status(spec: FakeNodeSpec) -> JSON:
+def build_node_status(spec: FakeNodeSpec, kubelet_port: int) -> JSON:
     resources = {
         "cpu": str(spec.cpu_cores),
         "memory": f"{spec.memory_gib}Gi",
@@ -78,8 +78,10 @@ def build_node_status(spec: FakeNodeSpec) -> JSON:
         "capacity": resources,
         "allocatable": resources,
         "conditions": node_conditions(),
-        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                      {"type": "Hostname", "address": "localhost"}],
+        # Only an IP: kube-apiserver prefers a Hostname address for `kubectl logs`, and
+        # "localhost" may resolve to ::1, where the harness does not listen.
+        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {
             "kubeletVersion": spec.kubelet_version,
             "kubeProxyVersion": "",
@@ -104,13 +106,14 @@ def node_conditions() -> list[JSON]:
             for kind, status, reason in healthy]
 
 
-def register_node(api: KubeApi, name: str, index: int, spec: FakeNodeSpec) -> None:
+def register_node(api: KubeApi, name: str, index: int, spec: FakeNodeSpec,
+                  kubelet_port: int) -> None:
     try:
         api.post("/api/v1/nodes", build_node(name, index, spec))
     except ApiError as error:
         if error.status != 409:
             raise
-    api.patch(f"/api/v1/nodes/{name}/status", {"status": build_node_status(spec)},
+    api.patch(f"/api/v1/nodes/{name}/status", {"status": build_node_status(spec, kubelet_port)},
               strategy="merge")
 
 

@@ -30,12 +30,21 @@ def is_same_process(pid: int, start_time: int | None) -> bool:
     return current is not None and (start_time is None or current == start_time)
 
 
-def _is_zombie_or_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            return stat_file.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are not zombies (orphaned zombies may linger until
+    their new parent reaps them; they hold no resources that matter here)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                fields = stat_file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
 
 
 def _group_alive(pgid: int) -> bool:
@@ -45,20 +54,7 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return not _is_zombie_or_gone(pgid) or _has_other_members(pgid)
-
-
-def _has_other_members(pgid: int) -> bool:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != pgid:
-            try:
-                with open(f"/proc/{entry}/stat") as stat_file:
-                    fields = stat_file.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+    return bool(live_group_members(pgid))
 
 
 def kill_process_group(pid: int, grace_s: float, popen: subprocess.Popen | None = None) -> None:
