@@ -41,8 +41,9 @@ test-e2e: setup
 	$(BIN)/pytest e2e -m e2e
 
 # Pods on the fake nodes run as local processes with $(BIN) first on PATH.
+# POD_CIDR=10.244.0.0/16 gives pods routable IPs (needs CAP_NET_ADMIN); default loopback.
 dev-cluster: setup
-	$(BIN)/python e2e/cluster/devcluster.py start
+	$(BIN)/python e2e/cluster/devcluster.py start $(if $(POD_CIDR),--pod-cidr $(POD_CIDR))
 
 dev-cluster-status:
 	$(PYTHON) e2e/cluster/devcluster.py status

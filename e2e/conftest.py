@@ -8,6 +8,7 @@ nodes in a fresh state dir, and stops every process it started, by pid, when the
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import shutil
 import sys
@@ -44,14 +45,16 @@ def dev_cluster(tmp_path_factory) -> DevCluster:
                     "kube-scheduler, kube-controller-manager and etcd from the module proxy")
     devcluster.reap_orphaned_clusters()
     state_dir = tmp_path_factory.mktemp("dev-cluster")
-    config = devcluster.ClusterConfig(state_dir=state_dir, node_count=2)
+    # Opt-in (needs CAP_NET_ADMIN): routable pod IPs, so Services get EndpointSlices.
+    pod_cidr = os.environ.get("SLIPSTREAM_E2E_POD_CIDR") or None
+    config = devcluster.ClusterConfig(state_dir=state_dir, node_count=2, pod_cidr=pod_cidr)
     ownership = devcluster.register_owner(state_dir, os.getpid())
     try:
         data = devcluster.start(config)  # stops what it started itself if it fails
         yield DevCluster(
             kubeconfig=Path(data["kubeconfig"]), api_url=data["api_url"], token=data["token"],
             bin_dir=Path(data["bin_dir"]), state_dir=state_dir, nodes=tuple(data["nodes"]),
-            pod_ip_prefix=data["pod_ip_prefix"],
+            pod_network=ipaddress.ip_network(data["pod_cidr"]),
             api=devcluster.kubeapi.KubeApi(data["api_url"], data["token"]))
     finally:
         devcluster.stop(state_dir)

@@ -5,6 +5,7 @@ Each test uses its own namespace so they stay independent inside the one session
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import urllib.request
@@ -88,7 +89,7 @@ def test_gpu_pod_is_scheduled_run_probed_and_killed(dev_cluster, namespace):
                                and is_ready(p) and p, 60, "pod web Ready")
     assert pod["spec"]["nodeName"] == target
     pod_ip = pod["status"]["podIP"]
-    assert pod_ip.startswith(dev_cluster.pod_ip_prefix)
+    assert ipaddress.ip_address(pod_ip) in dev_cluster.pod_network
     events = dev_cluster.kubectl_json("get", "events", "-n", namespace)["items"]
     assert any(e["reason"] == "Scheduled" and e.get("reportingComponent") == "default-scheduler"
                for e in events), events
@@ -162,6 +163,37 @@ def test_env_resolves_downward_api_and_labels(dev_cluster, namespace):
     assert expected in dev_cluster.kubectl("logs", "envy", "-n", namespace).stdout
 
 
+def test_tcp_and_exec_readiness_probes_gate_the_ready_condition(dev_cluster, namespace):
+    serve = ["python", "-m", "http.server", "--bind", "$(POD_IP)", "9000"]
+    dev_cluster.apply(pod_manifest("tcp", namespace, gpus=1, command=serve, readinessProbe={
+        "tcpSocket": {"port": 9000}, "periodSeconds": 1}))
+    dev_cluster.apply(pod_manifest("exec-false", namespace, gpus=1, command=serve,
+                                   readinessProbe={"exec": {"command": ["false"]},
+                                                   "periodSeconds": 1}))
+    dev_cluster.apply(pod_manifest("exec-file", namespace, gpus=1, command=[
+        "sh", "-c", "sleep 1; touch ready-marker; exec sleep 600"], readinessProbe={
+        "exec": {"command": ["test", "-f", "ready-marker"]}, "periodSeconds": 1}))
+    for name in ("tcp", "exec-file"):
+        dev_cluster.wait_for(lambda: is_ready(get_pod(dev_cluster, namespace, name)), 60,
+                             f"{name} Ready")
+    never = get_pod(dev_cluster, namespace, "exec-false")
+    assert never["status"]["phase"] == "Running"
+    assert not is_ready(never)
+    assert never["status"]["containerStatuses"][0]["started"]
+
+
+def test_pod_runs_under_its_service_account(dev_cluster, namespace):
+    manifest = pod_manifest("whoami", namespace, gpus=1,
+                            command=["kubectl", "auth", "whoami", "-o", "json"])
+    manifest["spec"]["restartPolicy"] = "Never"
+    dev_cluster.apply(manifest)
+    dev_cluster.wait_for(lambda: (p := get_pod(dev_cluster, namespace, "whoami"))
+                         and p["status"].get("phase") == "Succeeded", 60, "whoami Succeeded")
+    review = json.loads(dev_cluster.pod_log(namespace, "whoami").split("\n", 1)[1])
+    assert review["status"]["userInfo"]["username"] == \
+        f"system:serviceaccount:{namespace}:default"
+
+
 def test_garbage_collector_removes_dependents_of_a_deleted_owner(dev_cluster, namespace):
     dev_cluster.kubectl("create", "configmap", "owner", "-n", namespace, "--from-literal=a=1")
     owner = dev_cluster.kubectl_json("get", "configmap", "owner", "-n", namespace)
@@ -188,3 +220,25 @@ def test_helm_talks_to_the_cluster(dev_cluster):
     listing = dev_cluster.helm("list", "--all-namespaces", "-o", "json").stdout
     assert json.loads(listing) == []
 
+
+
+def test_service_endpoint_slices_list_ready_pods(dev_cluster, namespace):
+    if dev_cluster.pod_network.is_loopback:
+        pytest.skip("pod IPs are loopback, which EndpointSlices reject; set "
+                    "SLIPSTREAM_E2E_POD_CIDR (needs CAP_NET_ADMIN) to run this")
+    serve = ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8000"]
+    dev_cluster.apply(pod_manifest("backend", namespace, gpus=1, command=serve,
+                                   readinessProbe={"httpGet": {"port": 8000}, "periodSeconds": 1}))
+    dev_cluster.apply({"apiVersion": "v1", "kind": "Service",
+                       "metadata": {"name": "backend", "namespace": namespace},
+                       "spec": {"selector": {"app": "backend"},
+                                "ports": [{"port": 80, "targetPort": 8000}]}})
+
+    def ready_addresses():
+        slices = dev_cluster.kubectl_json("get", "endpointslices", "-n", namespace,
+                                          "-l", "kubernetes.io/service-name=backend")["items"]
+        return [address for piece in slices for endpoint in piece.get("endpoints") or []
+                if endpoint["conditions"].get("ready") for address in endpoint["addresses"]]
+
+    addresses = dev_cluster.wait_for(ready_addresses, 60, "a ready endpoint")
+    assert addresses == [get_pod(dev_cluster, namespace, "backend")["status"]["podIP"]]

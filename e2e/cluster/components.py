@@ -134,11 +134,13 @@ def scheduler_argv(bin_dir: Path, pki_dir: Path, kubeconfig: Path, ports: Ports)
             "--leader-elect=false", "--profiling=false", "--v=1"]
 
 
-def harness_kubelet_argv(python: str, harness_dir: Path, server: str, token_file: Path,
-                         state_dir: Path, node_count: int, gpus_per_node: int, gpu_product: str,
-                         ip_octet: int, kubelet_version: str) -> list[str]:
+def harness_kubelet_argv(python: str, harness_dir: Path, bin_dir: Path, server: str,
+                         token_file: Path, state_dir: Path, node_count: int, gpus_per_node: int,
+                         gpu_product: str, pod_cidr: str, kubelet_version: str) -> list[str]:
     return [python, str(harness_dir / "kubelet.py"), f"--server={server}",
             f"--token-file={token_file}", f"--state-dir={state_dir}",
             f"--nodes={node_count}", f"--gpus-per-node={gpus_per_node}",
-            f"--gpu-product={gpu_product}", f"--ip-octet={ip_octet}",
-            f"--kubelet-version={kubelet_version}"]
+            f"--gpu-product={gpu_product}", f"--pod-cidr={pod_cidr}",
+            f"--kubelet-version={kubelet_version}",
+            # Pods may call kubectl and helm, as hooks and scripts in real images do.
+            f"--path-prepend={bin_dir}"]

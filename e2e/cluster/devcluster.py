@@ -58,6 +58,10 @@ class ClusterConfig:
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
     version: str = build.KUBERNETES_VERSION
     start_timeout_s: float = 180.0
+    # None: pods get loopback IPs (no privileges needed, but EndpointSlices reject loopback).
+    # A CIDR such as 10.244.0.0/16 is routed `local` to lo for the cluster's lifetime (needs
+    # CAP_NET_ADMIN), so pod IPs are bindable *and* valid endpoint addresses.
+    pod_cidr: str | None = None
 
 
 def default_state_dir() -> Path:
@@ -151,6 +155,18 @@ def make_service_account_keys(pki_dir: Path) -> None:
                     "-out", str(pki_dir / "sa.pub")], check=True, capture_output=True)
 
 
+def route_pod_cidr_locally(state: StateFile, cidr: str) -> None:
+    """AnyIP: a `local` route makes every address of `cidr` bindable on this host."""
+    added = subprocess.run(["ip", "route", "add", "local", cidr, "dev", "lo"],
+                           capture_output=True, text=True)
+    if added.returncode != 0:
+        raise RuntimeError(f"cannot route pod CIDR {cidr} to lo ({added.stderr.strip()}); "
+                           "this needs CAP_NET_ADMIN and a CIDR no other cluster uses. Leave "
+                           "--pod-cidr unset to give pods loopback addresses instead.")
+    state.data["pod_cidr_route"] = cidr
+    state.save()
+
+
 def cluster_ready(api, node_names: list[str]) -> bool:
     """All fake nodes Ready and without the not-ready taint, and pods admissible in
     `default` (its ServiceAccount exists)."""
@@ -227,10 +243,14 @@ def _start_processes(config: ClusterConfig, state: StateFile, bin_dir: Path, pki
         bin_dir, pki_dir, kubeconfigs["kube-controller-manager"], ports))
     scheduler = spawn(state, logs_dir, "kube-scheduler", components.scheduler_argv(
         bin_dir, pki_dir, kubeconfigs["kube-scheduler"], ports))
-    ip_octet = random.Random().randint(64, 254)  # distinct clusters on one host rarely clash
+    if config.pod_cidr:
+        route_pod_cidr_locally(state, config.pod_cidr)
+    pod_cidr = config.pod_cidr or \
+        f"127.{random.Random().randint(64, 254)}.0.0/16"  # distinct clusters rarely clash
     harness = spawn(state, logs_dir, "harness-kubelet", components.harness_kubelet_argv(
-        sys.executable, HARNESS_DIR, server, pki_dir / "harness-kubelet.token", state_dir,
-        config.node_count, config.gpus_per_node, config.gpu_product, ip_octet,
+        sys.executable, HARNESS_DIR, bin_dir, server, pki_dir / "harness-kubelet.token",
+        state_dir,
+        config.node_count, config.gpus_per_node, config.gpu_product, pod_cidr,
         f"v{config.version}"))
     wait_until("kube-controller-manager", lambda: https_ok(ports.controller_manager, "/healthz"),
                manager, logs_dir / "kube-controller-manager.log", timeout_s)
@@ -240,7 +260,7 @@ def _start_processes(config: ClusterConfig, state: StateFile, bin_dir: Path, pki
     node_names = [f"gpu-node-{index}" for index in range(config.node_count)]
     wait_until("fake GPU nodes", lambda: cluster_ready(api, node_names), harness,
                logs_dir / "harness-kubelet.log", timeout_s)
-    state.data.update(nodes=node_names, pod_ip_prefix=f"127.{ip_octet}.",
+    state.data.update(nodes=node_names, pod_cidr=pod_cidr,
                       started_at=time.time())
     state.save()
     log(f"ready in {time.monotonic() - started:.1f} s: {server}, nodes {', '.join(node_names)}")
@@ -261,6 +281,10 @@ def stop(state_dir: Path) -> list[str]:
         if processes.kill_recorded(record["pid"], record["start_time"], 2.0):
             stopped.append(f"pod {record['pod']} ({record['pid']})")
         pid_file.unlink(missing_ok=True)
+    if state.data.get("pod_cidr_route"):
+        subprocess.run(["ip", "route", "del", "local", state.data["pod_cidr_route"], "dev", "lo"],
+                       capture_output=True)
+        stopped.append(f"route local {state.data['pod_cidr_route']}")
     data_dir = state.data.get("etcd_data_dir")
     if data_dir and Path(data_dir).name.startswith("slipstream-etcd-"):
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -321,10 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes to create")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default=ClusterConfig.gpu_product)
+    parser.add_argument("--pod-cidr", default=None,
+                        help="give pods IPs from this CIDR, routed `local` to lo while the "
+                             "cluster runs (needs CAP_NET_ADMIN; EndpointSlices then work). "
+                             "Default: a random 127.N.0.0/16 (no privileges; loopback pod IPs "
+                             "are rejected in EndpointSlices)")
     args = parser.parse_args(argv)
     state_dir = args.state_dir.expanduser().resolve()
     if args.command == "start":
-        data = start(ClusterConfig(state_dir, args.nodes, args.gpus_per_node, args.gpu_product))
+        data = start(ClusterConfig(state_dir, args.nodes, args.gpus_per_node, args.gpu_product,
+                                   pod_cidr=args.pod_cidr))
         print(data["kubeconfig"])
         return 0
     if args.command == "stop":

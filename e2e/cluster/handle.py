@@ -7,6 +7,7 @@ binaries, or through `api` for quick reads.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -37,7 +38,7 @@ class DevCluster:
     bin_dir: Path
     state_dir: Path
     nodes: tuple[str, ...]
-    pod_ip_prefix: str
+    pod_network: ipaddress.IPv4Network  # where pod IPs come from
     api: Any = field(repr=False)  # kubeapi.KubeApi, loaded by path
 
     wait_for = staticmethod(wait_for)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ipaddress
 import json
 import os
 import signal
@@ -64,6 +65,7 @@ class PodRuntime:
     terminating: bool = False
     gone: bool = False
     last_status: JSON | None = None
+    cwd: Path | None = None
 
     @property
     def key(self) -> str:
@@ -75,13 +77,13 @@ class PodRuntime:
 
 
 class Kubelet:
-    def __init__(self, api: KubeApi, node_names: list[str], state_dir: Path, ip_octet: int,
+    def __init__(self, api: KubeApi, node_names: list[str], state_dir: Path, pod_cidr: str,
                  node_spec: nodes.FakeNodeSpec, path_prepend: list[str]):
         self.api = api
         self.node_names = set(node_names)
         self.ordered_nodes = node_names
         self.state_dir = state_dir
-        self.ip_octet = ip_octet
+        self.pod_network = ipaddress.ip_network(pod_cidr)
         self.node_spec = node_spec
         self.runtimes: dict[str, PodRuntime] = {}
         self.used_ips: set[str] = set()
@@ -96,12 +98,14 @@ class Kubelet:
 
     # ---- addresses -------------------------------------------------------------------
     def allocate_ip(self) -> str:
-        while True:
-            index, self.next_ip_index = self.next_ip_index, (self.next_ip_index + 1) % (254 * 254)
-            address = f"127.{self.ip_octet}.{index // 254 + 1}.{index % 254 + 1}"
+        host_count = self.pod_network.num_addresses - 2
+        for _ in range(host_count):
+            index, self.next_ip_index = self.next_ip_index, (self.next_ip_index + 1) % host_count
+            address = str(self.pod_network[index + 1])
             if address not in self.used_ips:
                 self.used_ips.add(address)
                 return address
+        raise RuntimeError(f"pod network {self.pod_network} is full")
 
     # ---- pod set ---------------------------------------------------------------------
     def list_my_pods(self) -> list[JSON]:
@@ -179,9 +183,9 @@ class Kubelet:
                            f"{' '.join(launch.argv)}\n".encode())
         try:
             log_file = open(runtime.log_path, "ab")
-            cwd = launch.working_dir if launch.working_dir and \
+            runtime.cwd = Path(launch.working_dir) if launch.working_dir and \
                 Path(launch.working_dir).is_dir() else runtime.pod_dir
-            runtime.process = subprocess.Popen(launch.argv, env=launch.env, cwd=cwd,
+            runtime.process = subprocess.Popen(launch.argv, env=launch.env, cwd=runtime.cwd,
                                                stdin=subprocess.DEVNULL, stdout=log_file,
                                                stderr=subprocess.STDOUT, start_new_session=True)
             log_file.close()
@@ -246,7 +250,7 @@ class Kubelet:
                 continue
             runtime.probes_in_flight[kind] = self.prober.submit(
                 run_probe, tracker.probe, runtime.container, runtime.run.pod_ip,
-                runtime.launch.env if runtime.launch else self.base_env)
+                runtime.launch.env if runtime.launch else self.base_env, str(runtime.cwd))
         readiness = runtime.probes.get("readiness")
         started = startup is None or startup.passing
         runtime.run.ready = started and (readiness is None or readiness.passing)
@@ -397,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-product", default=nodes.FakeNodeSpec.gpu_product)
     parser.add_argument("--kubelet-version", default=nodes.FakeNodeSpec.kubelet_version)
-    parser.add_argument("--ip-octet", type=int, default=100,
-                        help="pods get 127.<ip-octet>.x.y; distinct clusters need distinct octets")
+    parser.add_argument("--pod-cidr", default="127.100.0.0/16",
+                        help="pod IPs come from here; it must be local to this host (a part of "
+                             "127.0.0.0/8, or a range routed `local` to lo)"),
     parser.add_argument("--path-prepend", action="append", default=[],
                         help="directories put first on PATH for pod processes")
     args = parser.parse_args(argv)
@@ -406,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = nodes.FakeNodeSpec(gpus_per_node=args.gpus_per_node, gpu_product=args.gpu_product,
                               kubelet_version=args.kubelet_version)
     kubelet = Kubelet(api, [nodes.node_name(i) for i in range(args.nodes)], args.state_dir,
-                      args.ip_octet, spec, [*args.path_prepend, str(Path(sys.executable).parent)])
+                      args.pod_cidr, spec, [*args.path_prepend, str(Path(sys.executable).parent)])
 
     def stop(signum: int, _frame: object) -> None:
         kubelet.stopping.set()

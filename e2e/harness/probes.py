@@ -25,8 +25,10 @@ def _port(value: int | str, container: JSON) -> int:
     raise ValueError(f"no container port named {value!r}")
 
 
-def run_probe(probe: JSON, container: JSON, pod_ip: str, env: dict[str, str]) -> bool:
-    """One probe attempt; True when it succeeds within its timeout."""
+def run_probe(probe: JSON, container: JSON, pod_ip: str, env: dict[str, str],
+              cwd: str) -> bool:
+    """One probe attempt; True when it succeeds within its timeout. Exec probes run in the
+    pod's working directory, the nearest thing to running inside its container."""
     timeout_s = float(probe.get("timeoutSeconds", 1))
     try:
         if "httpGet" in probe:
@@ -48,7 +50,8 @@ def run_probe(probe: JSON, container: JSON, pod_ip: str, env: dict[str, str]) ->
             with socket.create_connection(address, timeout=timeout_s):
                 return True
         if "exec" in probe:
-            completed = subprocess.run(probe["exec"]["command"], env=env, timeout=timeout_s,
+            completed = subprocess.run(probe["exec"]["command"], env=env, cwd=cwd,
+                                       timeout=timeout_s,
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return completed.returncode == 0
     except (OSError, ValueError, subprocess.TimeoutExpired, http.client.HTTPException):

@@ -26,8 +26,15 @@ def process_start_time(pid: int) -> int | None:
 
 
 def is_same_process(pid: int, start_time: int | None) -> bool:
+    """Whether `pid` is still the live (not zombie) process that started at `start_time`."""
     current = process_start_time(pid)
-    return current is not None and (start_time is None or current == start_time)
+    if current is None or (start_time is not None and current != start_time):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def live_group_members(pgid: int) -> list[int]:
