@@ -189,7 +189,7 @@ def test_pod_runs_under_its_service_account(dev_cluster, namespace):
     dev_cluster.apply(manifest)
     dev_cluster.wait_for(lambda: (p := get_pod(dev_cluster, namespace, "whoami"))
                          and p["status"].get("phase") == "Succeeded", 60, "whoami Succeeded")
-    review = json.loads(dev_cluster.pod_log(namespace, "whoami").split("\n", 1)[1])
+    review = json.loads(dev_cluster.pod_log(namespace, "whoami"))
     assert review["status"]["userInfo"]["username"] == \
         f"system:serviceaccount:{namespace}:default"
 

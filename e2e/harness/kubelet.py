@@ -178,17 +178,13 @@ class Kubelet:
             run.waiting_reason, run.waiting_message = "CreateContainerConfigError", str(error)
             runtime.next_start_s = now_s + 2.0
             return
-        with open(runtime.log_path, "ab") as log_file:
-            log_file.write(f"=== start {run.restart_count} at {time.ctime()}: "
-                           f"{' '.join(launch.argv)}\n".encode())
+        runtime.cwd = Path(launch.working_dir) if launch.working_dir and \
+            Path(launch.working_dir).is_dir() else runtime.pod_dir
         try:
-            log_file = open(runtime.log_path, "ab")
-            runtime.cwd = Path(launch.working_dir) if launch.working_dir and \
-                Path(launch.working_dir).is_dir() else runtime.pod_dir
-            runtime.process = subprocess.Popen(launch.argv, env=launch.env, cwd=runtime.cwd,
-                                               stdin=subprocess.DEVNULL, stdout=log_file,
-                                               stderr=subprocess.STDOUT, start_new_session=True)
-            log_file.close()
+            with open(runtime.log_path, "ab") as log_file:  # the child keeps its own copy
+                runtime.process = subprocess.Popen(
+                    launch.argv, env=launch.env, cwd=runtime.cwd, stdin=subprocess.DEVNULL,
+                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as error:
             run.waiting_reason, run.waiting_message = "RunContainerError", str(error)
             self.schedule_restart(runtime, now_s, exit_code=127)
