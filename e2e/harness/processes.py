@@ -90,6 +90,21 @@ def kill_process_group(pid: int, grace_s: float, popen: subprocess.Popen | None 
             popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+    else:
+        _reap_if_our_child(pid)
+
+
+def _reap_if_our_child(pid: int) -> None:
+    """Collect the exit status when the caller spawned `pid` (the pytest fixture does), so
+    no zombie outlives the cluster; anyone else's child is left to its parent."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.05)
 
 
 def kill_recorded(pid: int, start_time: int | None, grace_s: float) -> bool:
