@@ -1,0 +1,205 @@
+"""One simulated serving instance: the real Scheduler, timed by the runtime predictor.
+
+    router --add()--> SimInstance.step(now) --> Scheduler.schedule() --> Batch
+        the batch "runs" for the predictor's time (Batch.predicted_time_s, already computed by
+        the packer), then Scheduler.update() with placeholder tokens --> RequestRecord times
+
+Parallel degrees of an instance (``tp x spp x kvp`` GPUs):
+
+- TP is baked into the profile tables (the H100 tables are measured at TP 8); an instance's
+  TP must equal the profile's.
+- SPP: each of ``spp`` stages runs ``num_layers / spp`` layers, so a batch spends ``t / spp``
+  (plus an activation hand-off) in each stage. As in Medha, the next batch enters stage 1 as
+  soon as the previous one leaves it: a prefill's next chunk only needs the KV of the previous
+  chunk, not its output. A request whose batch samples a token (a decode, a last prefill
+  chunk) must wait for that token, which comes out after all ``spp`` stages; until then it is
+  parked, hidden from the scheduler. So decodes keep their full-model latency while one long
+  prefill streams through the pipeline ``spp`` times faster. With ``spp = 1`` this is the plain
+  loop: schedule, run for ``t``, update.
+- KVP: a request's KV is split along the sequence over groups of ``kvp_tokens_per_group``
+  tokens. Each group attends over its shard in parallel, so attention costs what the largest
+  shard costs, plus merging the partial outputs (one exchange of ``heads x head_dim`` values
+  per query token and layer). The scheduler sees this cost model too (``KvpTimeModel``),
+  exactly as a live engine with KVP would predict its batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slipstream.agent.scheduler.predictor import BatchTimeModel
+from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
+from slipstream.agent.scheduler.scheduler import Scheduler
+
+BYTES_PER_VALUE = 2  # bf16 activations
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    tp: int = 1
+    spp: int = 1
+    kvp: int = 1
+    kvp_tokens_per_group: int | None = None  # required when kvp > 1
+    num_kv_blocks: int | None = None  # None: estimated from GPU memory (see kv_capacity.py)
+    hidden_size: int = 4096  # activation width for SPP hand-offs and KVP merges
+    link_gb_per_s: float = 25.0  # stage-to-stage and KVP group links (InfiniBand 200 Gb/s)
+    link_latency_ms: float = 0.01
+    # Host-side time per iteration that the profile does not include (the live engine's
+    # scheduling and output processing); 0 for the GPU tables.
+    host_overhead_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.tp, self.spp, self.kvp) < 1:
+            raise ValueError("tp, spp and kvp must be >= 1")
+        if self.kvp > 1 and not self.kvp_tokens_per_group:
+            raise ValueError("kvp > 1 needs kvp_tokens_per_group")
+        if self.link_gb_per_s <= 0 or self.link_latency_ms < 0 or self.host_overhead_ms < 0:
+            raise ValueError("link bandwidth must be > 0, latencies >= 0")
+
+    def transfer_ms(self, num_tokens: int) -> float:
+        """One hand-off of ``num_tokens`` activations between two GPUs groups."""
+        megabytes = num_tokens * self.hidden_size * BYTES_PER_VALUE / 1e6
+        return self.link_latency_ms + megabytes / self.link_gb_per_s
+
+
+class KvpTimeModel:
+    """Wraps a batch-time model with KV-parallel attention (see the module docstring)."""
+
+    def __init__(self, base: BatchTimeModel, config: InstanceConfig, num_layers: int) -> None:
+        self.base = base
+        self.config = config
+        self.group_tokens = int(config.kvp_tokens_per_group)
+        self.num_layers = num_layers
+        self.iteration_overhead_ms = base.iteration_overhead_ms
+
+    def linear_ms(self, num_tokens: int) -> float:
+        return self.base.linear_ms(num_tokens)
+
+    def _merge_ms(self, query_tokens: int, groups: int) -> float:
+        if groups <= 1:
+            return 0.0
+        return self.num_layers * self.config.transfer_ms(query_tokens * (groups - 1))
+
+    def prefill_attention_ms(self, kv_before_tokens: int, chunk_tokens: int) -> float:
+        groups = min(self.config.kvp, kv_before_tokens // self.group_tokens + 1)
+        # The owning group holds the newest shard plus the chunk; full groups hold group_tokens.
+        largest_shard = min(kv_before_tokens, self.group_tokens)
+        return (self.base.prefill_attention_ms(largest_shard, chunk_tokens)
+                + self._merge_ms(chunk_tokens, groups))
+
+    def decode_attention_ms(self, batch_size: int, kv_total_tokens: int) -> float:
+        # Requests start on different groups, so a decode batch's KV reads spread over all
+        # groups; a request longer than one group also pays a merge.
+        kvp = self.config.kvp
+        per_group = -(-batch_size // kvp)
+        ms = self.base.decode_attention_ms(per_group, -(-kv_total_tokens // kvp))
+        if batch_size and kv_total_tokens // batch_size > self.group_tokens:
+            ms += self._merge_ms(batch_size, kvp)
+        return ms
+
+
+class RequestRecord:
+    """What the report needs about one request, on the simulated clock."""
+
+    __slots__ = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "source",
+                 "instance", "ttft_deadline_s", "first_token_s", "finished_s",
+                 "num_preemptions")
+
+    def __init__(self, request_id: str, arrival_s: float, prompt_tokens: int,
+                 output_tokens: int, source: str) -> None:
+        self.request_id = request_id
+        self.arrival_s = arrival_s
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+        self.source = source
+        self.instance = -1
+        self.ttft_deadline_s: float | None = None
+        self.first_token_s: float | None = None
+        self.finished_s: float | None = None
+        self.num_preemptions = 0
+
+
+class SimInstance:
+    def __init__(self, index: int, scheduler: Scheduler, config: InstanceConfig,
+                 records: dict[str, RequestRecord]) -> None:
+        self.index = index
+        self.scheduler = scheduler
+        self.config = config
+        self.records = records
+        self.backlog_tokens = 0  # routed tokens not yet processed (for the router)
+        self.num_iterations = 0
+        self.num_finished = 0
+        self.busy_s = 0.0
+        self._pending = None  # (batch, exit_s) of the batch now in the pipeline
+        self._parked: dict[str, float] = {}  # request id -> when its sampled token comes out
+
+    def add(self, record: RequestRecord, ttft_slo_s: float | None) -> None:
+        request = Request(request_id=record.request_id,
+                          prompt_token_ids=[0] * record.prompt_tokens,
+                          max_tokens=record.output_tokens, arrival_s=record.arrival_s,
+                          slo=RequestSLO(ttft_s=ttft_slo_s))
+        self.scheduler.add(request)
+        record.instance = self.index
+        record.ttft_deadline_s = request.ttft_deadline_s - record.arrival_s
+        self.backlog_tokens += record.prompt_tokens + record.output_tokens
+
+    @property
+    def idle(self) -> bool:
+        return self._pending is None and not self.scheduler.has_unfinished()
+
+    def step(self, now_s: float) -> float | None:
+        """Finish the batch in flight, issue the next one; returns when to step again."""
+        scheduler = self.scheduler
+        if self._pending is not None:
+            self._complete(now_s)
+        parked = self._parked
+        if parked:
+            for request_id in [rid for rid, until in parked.items() if until <= now_s]:
+                del parked[request_id]
+        if parked:
+            running = scheduler.running
+            hidden = [r for r in running if r.request_id in parked]
+            scheduler.running = [r for r in running if r.request_id not in parked]
+            batch = scheduler.schedule(now_s)
+            scheduler.running.extend(hidden)
+        else:
+            batch = scheduler.schedule(now_s)
+        if not batch.chunks:
+            if parked:
+                return min(parked.values())
+            return now_s + 1e-3 if scheduler.has_unfinished() else None
+        self.num_iterations += 1
+        config = self.config
+        time_s = batch.predicted_time_s + config.host_overhead_ms / 1000.0
+        self.busy_s += time_s
+        self.backlog_tokens = max(0, self.backlog_tokens - batch.num_tokens)
+        if config.spp == 1:
+            self._pending = (batch, now_s + time_s)
+            return now_s + time_s
+        hop_s = config.transfer_ms(batch.num_tokens) / 1000.0
+        stage_s = time_s / config.spp + hop_s
+        self._pending = (batch, now_s + config.spp * stage_s - hop_s)
+        return now_s + stage_s
+
+    def _complete(self, now_s: float) -> None:
+        batch, exit_s = self._pending
+        self._pending = None
+        scheduler = self.scheduler
+        sampled = {chunk.request_id: 0 for chunk in batch.chunks if chunk.sample}
+        scheduler.update(batch, sampled, now_s)
+        requests, records = scheduler.requests, self.records
+        park = self.config.spp > 1 and exit_s > now_s
+        for request_id in sampled:
+            request = requests.get(request_id)
+            if request is None:
+                continue
+            record = records[request_id]
+            if record.first_token_s is None:
+                record.first_token_s = exit_s
+            if request.num_output_tokens >= request.max_tokens:
+                record.finished_s = exit_s
+                record.num_preemptions = request.num_preemptions
+                self.num_finished += 1
+                scheduler.finish(request_id, FinishReason.LENGTH, now_s)
+            elif park:
+                self._parked[request_id] = exit_s

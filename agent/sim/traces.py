@@ -1,0 +1,122 @@
+"""Workload traces for the simulator and the load generator: who arrives when, with how much.
+
+    Azure CSV | Mooncake JSONL | length file + Poisson/gamma arrivals | mixture
+        --> list[TraceRequest] (sorted by arrival) --> scale_to_qps() --> simulator / bench serve
+
+Every reader returns the same small record, arrival times in seconds from the first request.
+Scaling to a target rate compresses or stretches the arrival times and keeps the lengths and
+the burst pattern, which is how a recorded trace is replayed "at 2x load".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    source: str = ""  # which trace or recipe component it came from
+
+
+def read_azure_csv(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """Azure LLM inference trace 2023: ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
+    rows: list[tuple[datetime, int, int]] = []
+    with Path(path).open() as handle:
+        for row in csv.DictReader(handle):
+            # Seven fractional digits: Python parses at most six.
+            stamp = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f")
+            rows.append((stamp, int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        return []
+    start = min(stamp for stamp, _, _ in rows)
+    requests = [TraceRequest((stamp - start).total_seconds(), max(1, prompt), max(1, output),
+                             "azure") for stamp, prompt, output in rows]
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def read_mooncake_jsonl(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """Mooncake conversation trace: ``timestamp`` (ms), ``input_length``, ``output_length``."""
+    requests = []
+    with Path(path).open() as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            requests.append(TraceRequest(row["timestamp"] / 1000.0, max(1, row["input_length"]),
+                                         max(1, row["output_length"]), "mooncake"))
+            if limit is not None and len(requests) >= limit:
+                break
+    if not requests:
+        return []
+    start = min(r.arrival_s for r in requests)
+    return sorted((replace(r, arrival_s=r.arrival_s - start) for r in requests),
+                  key=lambda r: r.arrival_s)
+
+
+def read_length_file(path: Path) -> list[tuple[int, int]]:
+    """(prompt, output) rows of a vajra/vidur length CSV (``num_prefill_tokens,...``)."""
+    with Path(path).open() as handle:
+        return [(max(1, int(row["num_prefill_tokens"])), max(1, int(row["num_decode_tokens"])))
+                for row in csv.DictReader(handle)]
+
+
+def arrival_times(rng: np.random.Generator, count: int, qps: float,
+                  burstiness: float = 1.0) -> np.ndarray:
+    """Arrival times of ``count`` requests at mean rate ``qps``.
+
+    Gaps are gamma distributed with shape ``burstiness`` and scale ``1 / (qps * burstiness)``,
+    as vLLM's ``--burstiness``: 1 is a Poisson process, below 1 burstier, above 1 smoother.
+    """
+    if qps <= 0 or burstiness <= 0:
+        raise ValueError("qps and burstiness must be > 0")
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=count)
+    return np.cumsum(gaps) - gaps[0]  # the first request arrives at 0
+
+
+def synthesize(lengths: list[tuple[int, int]], count: int, qps: float, seed: int,
+               burstiness: float = 1.0, source: str = "lengths") -> list[TraceRequest]:
+    """``count`` requests with lengths drawn (with replacement) from ``lengths``."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(lengths), size=count)
+    times = arrival_times(rng, count, qps, burstiness)
+    return [TraceRequest(float(at), lengths[i][0], lengths[i][1], source)
+            for at, i in zip(times.tolist(), picks.tolist())]
+
+
+def scale_to_qps(requests: list[TraceRequest], qps: float) -> list[TraceRequest]:
+    """Stretch or compress arrival times so the mean rate over the trace is ``qps``."""
+    if len(requests) < 2 or qps <= 0:
+        return list(requests)
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    if span <= 0:
+        return list(requests)
+    factor = (len(requests) - 1) / span / qps
+    start = requests[0].arrival_s
+    return [replace(r, arrival_s=(r.arrival_s - start) * factor) for r in requests]
+
+
+def first_seconds(requests: list[TraceRequest], duration_s: float) -> list[TraceRequest]:
+    return [r for r in requests if r.arrival_s < duration_s]
+
+
+def mix(parts: list[list[TraceRequest]]) -> list[TraceRequest]:
+    """Interleave traces by arrival time (each keeps its own clock)."""
+    return sorted((r for part in parts for r in part), key=lambda r: r.arrival_s)
+
+
+def mean_qps(requests: list[TraceRequest]) -> float:
+    if len(requests) < 2:
+        return 0.0
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    return (len(requests) - 1) / span if span > 0 else float("inf")

@@ -1,0 +1,173 @@
+"""Named workloads: where the evaluation traces live, and recipes built from them.
+
+    --trace azure | mooncake | FILE        recorded arrivals and lengths
+    --lengths sharegpt[=W] arxiv[=W] ...   lengths drawn from files, synthetic arrivals
+    --recipe medha-mixed                   Medha's mixed workload (below)
+        --> WorkloadSpec --> build_workload() --> list[TraceRequest]
+
+Medha's mixed workload (Medha section 6.2): ShareGPT-length requests with a 5% share of long
+requests of 128K-1M prompt tokens. Medha's long requests come from its Medha-SWE trace
+(prefill P50 393K, P90 839K; decode P50 518, P90 808), which is not public. We draw long
+prompts log-uniformly in [128K, 1M], whose P50 (362K) and P90 (814K) are close to those, and
+long outputs log-normally with the same median and P90 as Medha-SWE's decodes. Exactly
+``round(5% * count)`` requests are long, at random positions in a Poisson stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from slipstream.agent.bench.datasets import find_shared_data
+from slipstream.agent.sim.traces import (
+    TraceRequest,
+    arrival_times,
+    first_seconds,
+    read_azure_csv,
+    read_length_file,
+    read_mooncake_jsonl,
+    scale_to_qps,
+)
+
+NAMED_FILES = {
+    "azure": ("traces", "azure2023_conv.csv"),
+    "mooncake": ("traces", "mooncake_conversation_trace.jsonl"),
+    "sharegpt": ("traces", "sharegpt_8k_lengths.csv"),
+    "arxiv": ("traces", "arxiv_summarization_lengths.csv"),
+}
+RECIPES = ("medha-mixed",)
+
+MEDHA_LONG_FRACTION = 0.05
+MEDHA_LONG_MIN_TOKENS = 128 * 1024
+MEDHA_LONG_MAX_TOKENS = 1024 * 1024
+MEDHA_LONG_OUTPUT_P50_TOKENS = 518
+MEDHA_LONG_OUTPUT_P90_TOKENS = 808
+Z_90 = 1.2815515655446004  # standard normal quantile at 0.9
+
+
+def resolve_data_file(name_or_path: str) -> Path:
+    """A named trace (``azure``, ``sharegpt``, ...) in ``../shared/data``, or a file path."""
+    if name_or_path in NAMED_FILES:
+        path = find_shared_data(*NAMED_FILES[name_or_path])
+        if path is None:
+            raise FileNotFoundError(f"trace {name_or_path!r} not found under ../shared/data")
+        return path
+    path = Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such trace file: {path}")
+    return path
+
+
+def read_trace(name_or_path: str, limit: int | None = None) -> list[TraceRequest]:
+    path = resolve_data_file(name_or_path)
+    if path.suffix == ".jsonl":
+        return read_mooncake_jsonl(path, limit)
+    with path.open() as handle:
+        header = handle.readline()
+    if header.startswith("TIMESTAMP"):
+        return read_azure_csv(path, limit)
+    raise ValueError(f"{path}: not an Azure CSV or Mooncake JSONL trace (lengths files need "
+                     "--lengths and synthetic arrivals)")
+
+
+def medha_mixed(count: int, qps: float, seed: int, burstiness: float = 1.0,
+                long_fraction: float = MEDHA_LONG_FRACTION,
+                short_lengths: list[tuple[int, int]] | None = None) -> list[TraceRequest]:
+    """Medha's mixed workload: ShareGPT lengths plus ``long_fraction`` of 128K-1M prompts."""
+    if short_lengths is None:
+        short_lengths = read_length_file(resolve_data_file("sharegpt"))
+    rng = np.random.default_rng(seed)
+    times = arrival_times(rng, count, qps, burstiness).tolist()
+    num_long = round(long_fraction * count)
+    long_positions = set(rng.choice(count, size=num_long, replace=False).tolist())
+    log_min, log_max = math.log(MEDHA_LONG_MIN_TOKENS), math.log(MEDHA_LONG_MAX_TOKENS)
+    sigma = math.log(MEDHA_LONG_OUTPUT_P90_TOKENS / MEDHA_LONG_OUTPUT_P50_TOKENS) / Z_90
+    requests = []
+    for index, at in enumerate(times):
+        if index in long_positions:
+            prompt = int(math.exp(rng.uniform(log_min, log_max)))
+            output = int(rng.lognormal(math.log(MEDHA_LONG_OUTPUT_P50_TOKENS), sigma))
+            requests.append(TraceRequest(at, prompt, max(1, output), "medha-long"))
+        else:
+            prompt, output = short_lengths[int(rng.integers(len(short_lengths)))]
+            requests.append(TraceRequest(at, prompt, output, "sharegpt"))
+    return requests
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What ``slipstream simulate`` (and ``bench serve``) was asked to replay."""
+
+    trace: str | None = None  # azure, mooncake or a file
+    lengths: tuple[tuple[str, float], ...] = ()  # (file or name, weight)
+    recipe: str | None = None
+    qps: float | None = None  # None: the trace's own rate (required for synthetic arrivals)
+    burstiness: float = 1.0
+    num_requests: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+    max_prompt_tokens: int | None = None  # drop requests longer than the model's context
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        chosen = sum(x is not None and x != () for x in (self.trace, self.lengths, self.recipe))
+        if chosen != 1:
+            raise ValueError("give exactly one of a trace, length files or a recipe")
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; known: {RECIPES}")
+        if self.trace is None and self.qps is None:
+            raise ValueError("synthetic arrivals need --qps")
+
+
+def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
+    if spec.trace is not None:
+        requests = read_trace(spec.trace)
+        if spec.qps is not None:
+            requests = scale_to_qps(requests, spec.qps)
+    else:
+        count = spec.num_requests or _count_for(spec)
+        if spec.recipe == "medha-mixed":
+            requests = medha_mixed(count, spec.qps, spec.seed, spec.burstiness)
+        else:
+            requests = _from_length_files(spec, count)
+    if spec.duration_s is not None:
+        requests = first_seconds(requests, spec.duration_s)
+    if spec.num_requests is not None:
+        requests = requests[: spec.num_requests]
+    if spec.max_prompt_tokens is not None:
+        requests = [r for r in requests if r.prompt_tokens + r.output_tokens <= spec.max_prompt_tokens]
+    return requests
+
+
+def _count_for(spec: WorkloadSpec) -> int:
+    if spec.duration_s is None:
+        raise ValueError("synthetic arrivals need --num-requests or --duration-s")
+    # Enough for the duration even in a slow stretch; first_seconds() trims the rest.
+    expected = spec.qps * spec.duration_s
+    return int(expected + 6 * math.sqrt(expected / min(spec.burstiness, 1.0)) + 10)
+
+
+def _from_length_files(spec: WorkloadSpec, count: int) -> list[TraceRequest]:
+    rng = np.random.default_rng(spec.seed)
+    tables = [(name, read_length_file(resolve_data_file(name))) for name, _ in spec.lengths]
+    weights = np.array([weight for _, weight in spec.lengths], dtype=np.float64)
+    choices = rng.choice(len(tables), size=count, p=weights / weights.sum()).tolist()
+    times = arrival_times(rng, count, spec.qps, spec.burstiness).tolist()
+    requests = []
+    for at, which in zip(times, choices):
+        name, rows = tables[which]
+        prompt, output = rows[int(rng.integers(len(rows)))]
+        requests.append(TraceRequest(at, prompt, output, Path(name).stem))
+    return requests
+
+
+def parse_weighted(items: list[str]) -> tuple[tuple[str, float], ...]:
+    """``["sharegpt=0.9", "arxiv=0.1"]`` -> ((name, weight), ...); weight defaults to 1."""
+    parsed = []
+    for item in items:
+        name, _, weight = item.partition("=")
+        parsed.append((name, float(weight) if weight else 1.0))
+    return tuple(parsed)
