@@ -17,6 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                         "Write a small random-weight Llama in Hugging Face format."),
     "profile": ("slipstream.agent.engine.profiler",
                 "Measure per-layer op times of the engine on this device (for --profile)."),
+    "simulate": ("slipstream.agent.sim.cli",
+                 "Replay a workload through the real scheduler on a performance model."),
+    "bench": ("slipstream.agent.bench.cli",
+              "Benchmarks; `bench serve` loads any OpenAI-compatible endpoint."),
 }
 
 

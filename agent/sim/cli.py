@@ -1,0 +1,178 @@
+"""``slipstream simulate``: replay a workload through the real scheduler on a performance model,
+once per policy, and report latency, goodput and throughput.
+
+    argv --> WorkloadSpec --> requests;  profile dir --> RuntimePredictor
+         --> for each policy: simulate() --> summarize() --> JSON lines on stdout (and --out)
+         --> plots (TTFT CDF, short TTFT over time) under --out
+
+Example (Medha's mixed workload on H100 Llama-3-8B TP8, SPP 2)::
+
+    slipstream simulate --recipe medha-mixed --qps 0.5 --duration-s 1800 --spp 2 \
+        --policies fcfs@0 edf lrs lars --out results/sim
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
+from slipstream.agent.scheduler.predictor import RuntimePredictor
+from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8, ProfileMeta
+from slipstream.agent.sim.instance import InstanceConfig
+from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
+from slipstream.agent.sim.simulator import SimConfig, SimResult, simulate
+from slipstream.agent.sim.workloads import RECIPES, WorkloadSpec, build_workload, parse_weighted
+
+H100_PROFILE = "h100-llama3-8b-tp8"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    work = parser.add_argument_group("workload (one of --trace, --lengths, --recipe)")
+    work.add_argument("--trace", help="azure, mooncake, or an Azure-format CSV / Mooncake JSONL")
+    work.add_argument("--lengths", nargs="+", metavar="NAME[=WEIGHT]",
+                      help="length files (sharegpt, arxiv or a path) with synthetic arrivals; "
+                           "several with weights make a mixture")
+    work.add_argument("--recipe", choices=RECIPES,
+                      help="medha-mixed: ShareGPT lengths + 5%% long (128K-1M) requests")
+    work.add_argument("--qps", type=float, default=None,
+                      help="mean arrival rate; a trace is rescaled to it (default: its own)")
+    work.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of synthetic gaps: 1 = Poisson, <1 burstier")
+    work.add_argument("--num-requests", type=int, default=None)
+    work.add_argument("--duration-s", type=float, default=None, help="arrivals in [0, this)")
+    work.add_argument("--seed", type=int, default=0)
+
+    inst = parser.add_argument_group("instances")
+    inst.add_argument("--profile", default=H100_PROFILE, metavar="DIR",
+                      help=f"profile directory from `slipstream profile`, or {H100_PROFILE} "
+                           "(the H100 tables in ../shared/data/perf)")
+    inst.add_argument("--num-instances", type=int, default=1)
+    inst.add_argument("--tp", type=int, default=None, help="default: the profile's TP")
+    inst.add_argument("--spp", type=int, default=1, help="stream pipeline stages")
+    inst.add_argument("--kvp", type=int, default=1, help="KV-parallel groups")
+    inst.add_argument("--kvp-tokens-per-group", type=int, default=None)
+    inst.add_argument("--num-kv-blocks", type=int, default=None,
+                      help="16-token KV blocks per instance; default: from --gpu-memory-gib")
+    inst.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    inst.add_argument("--host-overhead-ms", type=float, default=0.0,
+                      help="host time per iteration not in the profile (scheduling, output)")
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--policies", nargs="+", default=["fcfs@0", "edf", "lrs", "lars"],
+                       metavar="POLICY[@F]",
+                       help=f"policies to compare ({', '.join(POLICY_NAMES)}); @F sets "
+                            "max_space_share_fraction for that run (fcfs@0 is plain chunked "
+                            "prefill, Medha's baseline)")
+    sched.add_argument("--target-batch-time-ms", type=float, default=None,
+                       help="default: --slo-tpot-ms if given, else 50")
+    sched.add_argument("--max-space-share-fraction", type=float, default=0.5)
+    sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144)
+    sched.add_argument("--max-num-seqs", type=int, default=256)
+    sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute")
+
+    slo = parser.add_argument_group("SLOs and report")
+    slo.add_argument("--slo-ttft-s", type=float, default=None,
+                     help="TTFT SLO of short requests (long ones: 1.5x their isolated prefill)")
+    slo.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput")
+    slo.add_argument("--long-prompt-tokens", type=int, default=8192,
+                     help="prompts this long or longer are the long class")
+    slo.add_argument("--horizon-s", type=float, default=None,
+                     help="stop here; what is not done is reported unfinished")
+    slo.add_argument("--out", type=Path, default=None,
+                     help="directory for <policy>.json, summary.json and the plots")
+    slo.add_argument("--no-progress", action="store_true")
+
+
+def load_model(profile: str) -> tuple[RuntimePredictor, ProfileMeta]:
+    if profile == H100_PROFILE:
+        from slipstream.agent.bench.datasets import H100_LLAMA3_8B_TP8, find_shared_data
+
+        directory = find_shared_data(*H100_LLAMA3_8B_TP8)
+        if directory is None:
+            raise FileNotFoundError("../shared/data/perf/h100-llama3-8b-tp8 not found")
+        return RuntimePredictor.from_directory(directory, meta=VIDUR_H100_LLAMA3_8B_TP8), \
+            VIDUR_H100_LLAMA3_8B_TP8
+    meta_path = Path(profile) / "profile.json"
+    meta = ProfileMeta.from_json(json.loads(meta_path.read_text())) if meta_path.exists() \
+        else VIDUR_H100_LLAMA3_8B_TP8
+    return RuntimePredictor.from_directory(profile, meta=meta), meta
+
+
+def policy_configs(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]]:
+    target_ms = args.target_batch_time_ms or args.slo_tpot_ms or 50.0
+    base = SchedulerConfig(max_num_seqs=args.max_num_seqs, target_batch_time_ms=target_ms,
+                           max_space_share_fraction=args.max_space_share_fraction,
+                           long_request_threshold_tokens=args.long_request_threshold_tokens,
+                           preemption=args.preemption)
+    configs = []
+    for spec in args.policies:
+        name, _, share = spec.partition("@")
+        config = replace(base, policy=name)
+        if share:
+            config = replace(config, max_space_share_fraction=float(share))
+        configs.append((spec, config))
+    return configs
+
+
+def build_sim_config(args: argparse.Namespace, meta: ProfileMeta,
+                     scheduler: SchedulerConfig) -> SimConfig:
+    tp = args.tp or meta.tp
+    if tp != meta.tp:
+        raise ValueError(f"the profile was measured at TP {meta.tp}; an instance's TP must match")
+    blocks = args.num_kv_blocks or estimate_kv_blocks(meta, tp, args.spp, args.kvp,
+                                                      args.gpu_memory_gib)
+    instance = InstanceConfig(tp=tp, spp=args.spp, kvp=args.kvp,
+                              kvp_tokens_per_group=args.kvp_tokens_per_group,
+                              num_kv_blocks=blocks,
+                              hidden_size=meta.model.get("hidden_size", 4096),
+                              host_overhead_ms=args.host_overhead_ms)
+    return SimConfig(scheduler=scheduler, instance=instance, num_instances=args.num_instances,
+                     num_layers=meta.num_layers, horizon_s=args.horizon_s,
+                     short_ttft_slo_s=args.slo_ttft_s, long_prompt_tokens=args.long_prompt_tokens,
+                     progress=not args.no_progress)
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(trace=args.trace, lengths=parse_weighted(args.lengths or []),
+                        recipe=args.recipe, qps=args.qps, burstiness=args.burstiness,
+                        num_requests=args.num_requests, duration_s=args.duration_s,
+                        seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slipstream.agent.sim.plots import short_ttft_over_time, ttft_cdf
+    from slipstream.agent.sim.report import summarize
+
+    try:
+        spec = workload_spec(args)
+        requests = build_workload(spec)
+        model, meta = load_model(args.profile)
+        configs = [(label, build_sim_config(args, meta, config))
+                   for label, config in policy_configs(args)]
+    except (ValueError, FileNotFoundError) as error:
+        print(f"slipstream simulate: {error}", file=sys.stderr)
+        return 2
+    results: dict[str, SimResult] = {}
+    summaries = []
+    for label, config in configs:
+        result = simulate(requests, config, model)
+        results[label] = result
+        summary = {"label": label, **summarize(result, args.long_prompt_tokens, args.slo_tpot_ms)}
+        summaries.append(summary)
+        print(json.dumps(summary), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for summary in summaries:
+            name = summary["label"].replace("@", "-ss")
+            (args.out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (args.out / "summary.json").write_text(json.dumps(
+            {"workload": vars(spec) | {"lengths": list(spec.lengths)},
+             "results": summaries}, indent=2, default=str) + "\n")
+        ttft_cdf(results, args.out / "ttft_cdf.png", args.long_prompt_tokens)
+        short_ttft_over_time(results, args.out / "short_ttft_over_time.png",
+                             args.long_prompt_tokens)
+    return 0
