@@ -57,8 +57,9 @@ class InstanceConfig:
             raise ValueError("link bandwidth must be > 0, latencies >= 0")
 
     def transfer_ms(self, num_tokens: int) -> float:
-        """One hand-off of ``num_tokens`` activations between two GPUs groups."""
-        megabytes = num_tokens * self.hidden_size * BYTES_PER_VALUE / 1e6
+        """One hand-off of ``num_tokens`` activations between two GPU groups. Each of the
+        ``tp`` ranks sends its own slice of the hidden dimension over its own link."""
+        megabytes = num_tokens * self.hidden_size / self.tp * BYTES_PER_VALUE / 1e6
         return self.link_latency_ms + megabytes / self.link_gb_per_s
 
 
@@ -171,14 +172,15 @@ class SimInstance:
         self.num_iterations += 1
         config = self.config
         time_s = batch.predicted_time_s + config.host_overhead_ms / 1000.0
-        self.busy_s += time_s
         self.backlog_tokens = max(0, self.backlog_tokens - batch.num_tokens)
         if config.spp == 1:
             self._pending = (batch, now_s + time_s)
+            self.busy_s += time_s
             return now_s + time_s
         hop_s = config.transfer_ms(batch.num_tokens) / 1000.0
         stage_s = time_s / config.spp + hop_s
         self._pending = (batch, now_s + config.spp * stage_s - hop_s)
+        self.busy_s += stage_s  # how long stage 1 is occupied
         return now_s + stage_s
 
     def _complete(self, now_s: float) -> None:

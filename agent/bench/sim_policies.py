@@ -1,0 +1,124 @@
+"""Policies side by side in the simulator, at several loads: Medha's evaluation, reproduced.
+
+    workload (recipe or trace) x loads x policies --> simulate() --> summarize()
+        --> OUT/results.json, OUT/tables.md, OUT/<name>_ttft_cdf_q<load>.png,
+            OUT/<name>_short_ttft_over_time.png (middle load)
+
+The main table compares the systems Medha compares: FCFS as plain chunked prefill (no space
+sharing, ``fcfs@0``) against EDF, LRS and LARS with the packer's defaults (space sharing
+0.5). The secondary table runs every policy with and without space sharing, so the effect of
+the ordering alone is visible. Examples::
+
+    python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
+        --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --out docs/img
+    python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
+        --loads 1.0 2.0 --spp 2 --long-prompt-tokens 32768 --out docs/img
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.agent.sim.cli import load_model
+from slipstream.agent.sim.instance import InstanceConfig
+from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
+from slipstream.agent.sim.plots import short_ttft_over_time, ttft_cdf
+from slipstream.agent.sim.report import summarize
+from slipstream.agent.sim.simulator import SimConfig, simulate
+from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
+
+MAIN_POLICIES = ("fcfs@0", "edf", "lrs", "lars")
+SPACE_SHARING_POLICIES = ("fcfs@0", "fcfs@0.5", "edf@0", "edf@0.5", "lrs@0", "lrs@0.5",
+                          "lars@0", "lars@0.5")
+
+
+def scheduler_for(label: str) -> SchedulerConfig:
+    name, _, share = label.partition("@")
+    config = SchedulerConfig(policy=name)
+    return replace(config, max_space_share_fraction=float(share)) if share else config
+
+
+def row(label: str, summary: dict) -> str:
+    short, long = summary["short"], summary["long"]
+    return (f"| {label} | {short['ttft_s']['p50']:.3f} | {short['ttft_s']['p99']:.3f} | "
+            f"{short['tpot_ms'].get('p50', float('nan')):.1f} | {summary['goodput_rps']:.3f} | "
+            f"{summary['throughput_rps']:.3f} | {long['completed']}/{long['requests']} | "
+            f"{long['ttft_s'].get('p50', float('nan')):.0f} | "
+            f"{summary['worst_long_delay_s'] or 0:.0f} |")
+
+
+HEADER = ("| policy | short TTFT p50 (s) | short TTFT p99 (s) | short TPOT p50 (ms) | "
+          "goodput (req/s) | throughput (req/s) | long done | long TTFT p50 (s) | "
+          "worst long wait (s) |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--name", required=True, help="prefix of the output files")
+    parser.add_argument("--recipe", default=None)
+    parser.add_argument("--trace", default=None)
+    parser.add_argument("--loads", type=float, nargs="+", required=True, help="QPS values")
+    parser.add_argument("--duration-s", type=float, default=None)
+    parser.add_argument("--horizon-s", type=float, default=None)
+    parser.add_argument("--spp", type=int, default=2)
+    parser.add_argument("--long-prompt-tokens", type=int, default=8192)
+    parser.add_argument("--slo-tpot-ms", type=float, default=None)
+    parser.add_argument("--secondary", action="store_true",
+                        help="also run every policy with and without space sharing")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, meta = load_model("h100-llama3-8b-tp8")
+    instance = InstanceConfig(tp=meta.tp, spp=args.spp,
+                              num_kv_blocks=estimate_kv_blocks(meta, meta.tp, args.spp, 1))
+    # edf, lrs and lars already run with the default share (0.5); the @0.5 rows reuse them.
+    aliases = {"edf@0.5": "edf", "lrs@0.5": "lrs", "lars@0.5": "lars"}
+    policies = list(MAIN_POLICIES) + ([p for p in SPACE_SHARING_POLICIES
+                                       if p not in MAIN_POLICIES and p not in aliases]
+                                      if args.secondary else [])
+    results: dict = {}
+    tables = [f"# {args.name}: H100 Llama-3-8B TP{meta.tp}, SPP {args.spp}, one instance\n"]
+    middle = args.loads[len(args.loads) // 2]
+    for load in args.loads:
+        requests = build_workload(WorkloadSpec(
+            trace=args.trace, recipe=args.recipe, qps=load, duration_s=args.duration_s,
+            seed=args.seed))
+        sims, summaries = {}, {}
+        for label in policies:
+            config = SimConfig(scheduler=scheduler_for(label), instance=instance,
+                               num_layers=meta.num_layers, horizon_s=args.horizon_s,
+                               long_prompt_tokens=args.long_prompt_tokens)
+            started = time.perf_counter()
+            sims[label] = simulate(requests, config, model)
+            summaries[label] = summarize(sims[label], args.long_prompt_tokens, args.slo_tpot_ms)
+            print(f"q={load} {label}: {time.perf_counter() - started:.1f}s wall, short p99 TTFT "
+                  f"{summaries[label]['short']['ttft_s']['p99']:.3f}s", flush=True)
+        results[str(load)] = summaries
+        long_count = sum(r.prompt_tokens >= args.long_prompt_tokens for r in requests)
+        tables.append(f"\n## {load} QPS ({len(requests)} requests, {long_count} long)\n\n{HEADER}")
+        tables += [row(label, summaries[label]) for label in MAIN_POLICIES]
+        if args.secondary:
+            tables.append("\nWith and without space sharing (@F = max_space_share_fraction):\n")
+            tables.append(HEADER)
+            tables += [row(label, summaries[aliases.get(label, label)])
+                       for label in SPACE_SHARING_POLICIES]
+        main_sims = {label: sims[label] for label in MAIN_POLICIES}
+        ttft_cdf(main_sims, args.out / f"{args.name}_ttft_cdf_q{load:g}.png",
+                 args.long_prompt_tokens, f"{args.name}: TTFT CDF at {load:g} QPS")
+        if load == middle:
+            short_ttft_over_time(main_sims, args.out / f"{args.name}_short_ttft_over_time.png",
+                                 args.long_prompt_tokens,
+                                 f"{args.name}: short-request TTFT over time at {load:g} QPS")
+    (args.out / f"{args.name}_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / f"{args.name}_tables.md").write_text("\n".join(tables) + "\n")
+    print("\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()
