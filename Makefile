@@ -5,6 +5,9 @@
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
+#   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
+#                     one hour of the Azure trace for speed (docs/simulation.md)
+#   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
 #   make dev-cluster-stop   stop every process the dev cluster started
@@ -18,6 +21,7 @@ PORT ?= 8000
 RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
+	bench-sim bench-sim-vs-live \
 	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -71,6 +75,18 @@ dashboards: setup
 
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
+
+bench-sim: setup
+	$(BIN)/python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
+	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary --out $(RESULTS)/sim
+	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
+	  --loads 3.4 6 --spp 2 --duration-s 1800 --horizon-s 2400 --long-prompt-tokens 32768 \
+	  --out $(RESULTS)/sim
+	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
+	  --out $(RESULTS)/sim/azure-1h
+
+bench-sim-vs-live: setup
+	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --out $(RESULTS)/sim-vs-live
 
 clean:
 	rm -rf $(VENV) build *.egg-info

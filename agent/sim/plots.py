@@ -55,7 +55,7 @@ def short_ttft_over_time(results: dict[str, SimResult], path: Path, long_prompt_
                          title: str = "") -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.2 * len(results) + 0.6),
-                             sharex=True, squeeze=False)
+                             sharex=True, sharey=True, squeeze=False)
     for ax, (label, result) in zip(axes[:, 0], results.items()):
         arrivals, ttfts = short_ttft_series(result, long_prompt_tokens)
         ax.plot(arrivals, ttfts, ".", markersize=2)
