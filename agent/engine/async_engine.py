@@ -122,6 +122,7 @@ class AsyncEngine:
             if not self._drain_commands(block):
                 break
             if not engine.has_unfinished():
+                self._stats = engine.stats()  # idle: let the load window decay
                 continue
             try:
                 outputs = engine.step()

@@ -16,12 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+# Prices a prompt backlog before the engine has measured its own prefill rate.
+NOMINAL_PREFILL_TOKENS_PER_S = 1000.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,17 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions_total: int
+    # Load over the recent window (LoadWindow), for the control API and pool rebalancing.
+    backlog_prompt_tokens: int = 0
+    utilization: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    slo_deviation: float = 0.0
+
+    @property
+    def queue_backlog_s(self) -> float:
+        """Seconds to prefill the backlog at the recent prefill rate."""
+        rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
+        return self.backlog_prompt_tokens / rate
 
 
 @dataclass
@@ -73,6 +89,7 @@ class LLMEngine:
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
+        self.load = LoadWindow(start_s=self.clock())
 
     @property
     def model_name(self) -> str:
@@ -136,20 +153,27 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
+        load = self.load.snapshot(self.clock())
+        backlog = sum(r.num_uncomputed_tokens for r in self.scheduler.requests.values()
+                      if r.in_prefill)
         return EngineStats(
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv_blocks_used=self.block_manager.kv_blocks_used,
             kv_blocks_total=self.block_manager.kv_blocks_total,
-            num_preemptions_total=self.scheduler.num_preemptions_total)
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            backlog_prompt_tokens=backlog, utilization=load.utilization,
+            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation)
 
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule(self.clock())
+        start = self.clock()
+        batch = self.scheduler.schedule(start)
         if batch.is_empty:
             return []
         sampled = self.runner.execute(batch)
         now = self.clock()
+        self.load.record_step(start, now, batch.num_tokens - batch.num_decodes)
         self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
                 if (out := self._process(rid, token, now)) is not None]
@@ -161,6 +185,8 @@ class LLMEngine:
             return None
         if state.first_token_s is None:
             state.first_token_s = now
+            if request.slo.ttft_s is not None:
+                self.load.record_first_token(now, now - state.arrival_s, request.slo.ttft_s)
         token, params = sampled.token_id, state.params
         if sampled.logprob is not None:
             state.logprobs.append(sampled.logprob)

@@ -71,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="cap on max_tokens for requests that leave it out (they otherwise "
                            "get the rest of the context)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    http.add_argument("--control-port", type=int, default=50051,
+                      help="gRPC control API port (health, stats, pool role; the operator's "
+                           "rebalancer reads it); 0 turns it off")
+    http.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="SECONDS",
+                      help="TTFT objective for requests that carry none (SLO metrics and "
+                           "the control API's SLO deviation use it); default: none")
+    http.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                      help="time-per-output-token objective for requests that carry none")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -81,6 +89,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         long_prompt_threshold_tokens=args.long_prompt_threshold_tokens,
         default_max_tokens_cap=args.default_max_tokens,
         log_level=args.log_level,
+        default_ttft_slo_s=args.slo_ttft_seconds,
+        default_tpot_slo_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000.0,
+        control_port=args.control_port,
     )
 
 
@@ -106,10 +117,26 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
     app = build_app(engine, server_config)
+    control_server = None
+    if server_config.control_port:
+        from slipstream.agent.server.control import ControlService, start_control_server
+
+        try:
+            control_server, _ = start_control_server(
+                ControlService(engine, app.state.serving.metrics), server_config.host,
+                server_config.control_port)
+        except OSError as error:
+            logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
+                                              "--control-port, or 0 to turn it off)", error)
+            return 2
     _print_banner(server_config, engine.model_name, engine.max_model_len)
-    uvicorn.run(app, host=server_config.host, port=server_config.port,
-                log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=server_config.host, port=server_config.port,
+                    log_level=server_config.log_level,
+                    access_log=server_config.log_level == "debug", timeout_graceful_shutdown=5)
+    finally:
+        if control_server is not None:
+            control_server.stop(grace=1)
     return 0
 
 
@@ -123,7 +150,8 @@ def _print_banner(config: ServerConfig, model_name: str, max_model_len: int) -> 
     host = f"[{config.host}]" if ":" in config.host else config.host
     url = f"http://{host}:{config.port}"
     print(f"Slipstream serving {model_name!r} (context {max_model_len} tokens) at {url}/v1\n"
-          f"  metrics: {url}/metrics   health: {url}/health\n"
+          f"  metrics: {url}/metrics   health: {url}/health   "
+          f"control (gRPC): {host}:{config.control_port or 'off'}\n"
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'", flush=True)

@@ -23,6 +23,10 @@ class ServerConfig:
     long_prompt_threshold_tokens: int = DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS
     default_max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
     log_level: str = "info"
+    # SLOs applied to requests that carry none (the operator sets them from spec.slo).
+    default_ttft_slo_s: float | None = None
+    default_tpot_slo_s: float | None = None
+    control_port: int = 50051  # gRPC control API; 0 turns it off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -33,3 +37,9 @@ class ServerConfig:
             raise ValueError("default_max_tokens_cap must be positive")
         if not self.pool:
             raise ValueError("pool must be a non-empty label")
+        if not 0 <= self.control_port <= 65535:
+            raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")
+        for name in ("default_ttft_slo_s", "default_tpot_slo_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")

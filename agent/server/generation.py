@@ -86,7 +86,7 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     params = build_sampling_params(body, resolved_max_tokens, logprobs)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-        app_id=body.app_id or "default", priority=body.priority, slo=build_slo(body.slo),
+        app_id=body.app_id or "default", priority=body.priority, slo=build_slo(body.slo, ctx.config),
         include_usage_in_stream=body.include_usage_in_stream)
 
 
@@ -135,11 +135,16 @@ def build_sampling_params(body: _GenerationRequest, max_tokens: int,
         raise bad_request(message, param=first_word if first_word in fields else None) from None
 
 
-def build_slo(spec: SloSpec | None) -> RequestSLO | None:
-    if spec is None or (spec.ttft_s is None and spec.tpot_ms is None):
+def build_slo(spec: SloSpec | None, config: ServerConfig | None = None) -> RequestSLO | None:
+    """The request's SLO; fields it leaves out take the instance defaults (``--slo-*``)."""
+    ttft_s = spec.ttft_s if spec is not None else None
+    tpot_s = spec.tpot_ms / 1000.0 if spec is not None and spec.tpot_ms is not None else None
+    if config is not None:
+        ttft_s = ttft_s if ttft_s is not None else config.default_ttft_slo_s
+        tpot_s = tpot_s if tpot_s is not None else config.default_tpot_slo_s
+    if ttft_s is None and tpot_s is None:
         return None
-    tpot_s = None if spec.tpot_ms is None else spec.tpot_ms / 1000.0
-    return RequestSLO(ttft_s=spec.ttft_s, tpot_s=tpot_s)
+    return RequestSLO(ttft_s=ttft_s, tpot_s=tpot_s)
 
 
 async def wait_for_disconnect(request: Request) -> None:

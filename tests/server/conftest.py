@@ -26,9 +26,10 @@ SERVER_START_TIMEOUT_S = 180.0
 class ServerHandle:
     """Where the server listens, plus readers for its Prometheus metrics."""
 
-    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
+    def __init__(self, base_url: str, process: subprocess.Popen, control_port: int) -> None:
         self.base_url = base_url
         self.process = process
+        self.control_target = f"127.0.0.1:{control_port}"  # the gRPC control API
         self.model = SERVED_MODEL_NAME
 
     def openai_client(self, **kwargs) -> openai.OpenAI:
@@ -80,7 +81,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerHandle]:
-    port = _free_port()
+    port, control_port = _free_port(), _free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
     env = {**os.environ, "SLIPSTREAM_POOL": POOL_LABEL}
     env.pop("POD_IP", None)
@@ -89,9 +90,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             _slipstream("serve", "--model", str(tiny_model_dir), "--port", str(port),
                         "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
                         "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
-                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning"),
+                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
+                        "--control-port", str(control_port)),
             stdout=log, stderr=subprocess.STDOUT, env=env)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", process)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", process, control_port)
     try:
         _wait_until_healthy(handle, log_path)
         yield handle
