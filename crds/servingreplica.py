@@ -221,7 +221,12 @@ class ServingReplicaSpec(ApiModel):
 
 # -- status -------------------------------------------------------------------------------------
 
-class Condition(ApiModel):
+class StatusModel(ApiModel):
+    # The operator reads back what it wrote; fields from other writers are not its business.
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
     """The shape of metav1.Condition."""
 
     type: str
@@ -232,33 +237,33 @@ class Condition(ApiModel):
     observed_generation: int | None = None
 
 
-class RankStatus(ApiModel):
+class RankStatus(StatusModel):
     rank: int = Field(description="Index of the pod (node share) in its instance; 0 leads.")
     node: str
     pod: str
     gpus: int
 
 
-class InstanceStatus(ApiModel):
+class InstanceStatus(StatusModel):
     name: str
     pool: str
     ready: bool
     ranks: list[RankStatus] = Field(default_factory=list)
 
 
-class PoolPressure(ApiModel):
+class PoolPressure(StatusModel):
     short: float | None = None
     long: float | None = None
 
 
-class PoolsStatus(ApiModel):
+class PoolsStatus(StatusModel):
     short: int
     long: int
     pressure: PoolPressure | None = None
     last_rebalance_time: str | None = None
 
 
-class ServingReplicaStatus(ApiModel):
+class ServingReplicaStatus(StatusModel):
     phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = None
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import POOL_NAMES, UNIFIED_POOL, ServingReplicaSpec
 from slipstream.operator import naming
+from slipstream.operator.capacity import pod_gpu_request
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class InstancePlan:
     create: tuple[tuple[int, str], ...]  # (index, pool) of instances to place and create
 
 
-def observe_pod(pod: dict) -> ObservedPod | None:
+def observe_pod(pod: dict, gpu_resource: str) -> ObservedPod | None:
     """Parse one agent pod; None for pods that lack our labels (not ours to manage)."""
     metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
     labels = metadata.get("labels") or {}
@@ -96,30 +97,19 @@ def observe_pod(pod: dict) -> ObservedPod | None:
     except (KeyError, ValueError):
         return None
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
-    gpus = 0
-    for container in spec.get("containers") or []:
-        for value in ((container.get("resources") or {}).get("requests") or {}).values():
-            gpus += _gpu_count(value)
     return ObservedPod(
         name=metadata["name"], instance=instance, index=index, incarnation=incarnation,
         rank=rank, num_ranks=num_ranks, pool=labels.get(naming.POOL_LABEL, UNIFIED_POOL),
         node=spec.get("nodeName"), phase=status.get("phase", "Pending"),
         ready=conditions.get("Ready") == "True",
-        deleting=metadata.get("deletionTimestamp") is not None, gpus=gpus,
-        ip=status.get("podIP"))
+        deleting=metadata.get("deletionTimestamp") is not None,
+        gpus=pod_gpu_request(pod, gpu_resource), ip=status.get("podIP"))
 
 
-def _gpu_count(value: object) -> int:
-    try:
-        return int(str(value))
-    except ValueError:
-        return 0  # cpu/memory quantities like "500m" are not GPUs
-
-
-def observe_pods(pods: list[dict]) -> dict[str, ObservedInstance]:
+def observe_pods(pods: list[dict], gpu_resource: str) -> dict[str, ObservedInstance]:
     by_instance: dict[str, list[ObservedPod]] = {}
     for pod in pods:
-        observed = observe_pod(pod)
+        observed = observe_pod(pod, gpu_resource)
         if observed is not None:
             by_instance.setdefault(observed.instance, []).append(observed)
     return {name: ObservedInstance(name=name, index=members[0].index,

@@ -23,7 +23,7 @@ work to finish under its old role).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import Rebalance, RebalanceWeights
 
@@ -39,14 +39,20 @@ class InstanceSignals:
     utilization: float
 
 
+# Outcomes of one control step; they become the PoolsBalanced condition's reason.
+MOVED, BALANCED, COOLING_DOWN, AT_MIN_PER_POOL, NO_STATS = (
+    "InstanceMoved", "WithinHysteresis", "CoolingDown", "AtMinPerPool", "NoStats")
+
+
 @dataclass(frozen=True)
 class RebalanceDecision:
+    outcome: str
+    reason: str
     pressure_short: float | None
     pressure_long: float | None
     move_instance: str | None = None
     from_pool: str | None = None
     to_pool: str | None = None
-    reason: str = ""
 
     @property
     def moves(self) -> bool:
@@ -85,26 +91,27 @@ def decide(signals: list[InstanceSignals], settings: Rebalance, now_s: float,
     """One control step. ``last_move_s`` is when an instance last moved (None: never)."""
     pressures = pool_pressures(signals, settings.weights)
     p_short, p_long = pressures[SHORT], pressures[LONG]
-    base = RebalanceDecision(pressure_short=p_short, pressure_long=p_long)
     if p_short is None or p_long is None:
-        return replace(base, reason="a pool has no instance reporting stats")
+        return RebalanceDecision(NO_STATS, "a pool has no instance reporting stats",
+                                 p_short, p_long)
+    if exceeds(p_short, p_long, settings.hysteresis):
+        hot, cold, p_hot, p_cold = SHORT, LONG, p_short, p_long
+    elif exceeds(p_long, p_short, settings.hysteresis):
+        hot, cold, p_hot, p_cold = LONG, SHORT, p_long, p_short
+    else:
+        return RebalanceDecision(BALANCED, f"P90 pressure short={p_short:.3f}, "
+                                 f"long={p_long:.3f}: within hysteresis {settings.hysteresis}",
+                                 p_short, p_long)
+    imbalance = (f"P90 pressure {hot}={p_hot:.3f} exceeds {cold}={p_cold:.3f} beyond "
+                 f"hysteresis {settings.hysteresis}")
     if last_move_s is not None and now_s - last_move_s < settings.cooldown_seconds:
-        remaining = settings.cooldown_seconds - (now_s - last_move_s)
-        return replace(base, reason=f"cooling down ({remaining:.0f} s left)")
-    counts = {pool: sum(1 for s in signals if s.pool == pool) for pool in (SHORT, LONG)}
-    for hot, cold, p_hot, p_cold in ((SHORT, LONG, p_short, p_long),
-                                     (LONG, SHORT, p_long, p_short)):
-        if not exceeds(p_hot, p_cold, settings.hysteresis):
-            continue
-        if counts[cold] <= settings.min_per_pool:
-            return replace(base, reason=f"{hot} pool is under pressure but the {cold} pool is at "
-                                      f"minPerPool ({settings.min_per_pool})")
-        donor = min((s for s in signals if s.pool == cold),
-                    key=lambda s: (instance_pressure(s, settings.weights), s.instance))
-        return RebalanceDecision(
-            pressure_short=p_short, pressure_long=p_long, move_instance=donor.instance,
-            from_pool=cold, to_pool=hot,
-            reason=f"P90 pressure {hot}={p_hot:.3f} exceeds {cold}={p_cold:.3f} beyond "
-                   f"hysteresis {settings.hysteresis}")
-    return replace(base, reason="pools balanced within hysteresis")
-
+        remaining_s = settings.cooldown_seconds - (now_s - last_move_s)
+        return RebalanceDecision(COOLING_DOWN, f"{imbalance}; cooling down for another "
+                                 f"{remaining_s:.0f} s", p_short, p_long)
+    donors = [s for s in signals if s.pool == cold]
+    if len(donors) <= settings.min_per_pool:
+        return RebalanceDecision(AT_MIN_PER_POOL, f"{imbalance}; the {cold} pool is at "
+                                 f"minPerPool ({settings.min_per_pool})", p_short, p_long)
+    donor = min(donors, key=lambda s: (instance_pressure(s, settings.weights), s.instance))
+    return RebalanceDecision(MOVED, imbalance, p_short, p_long, move_instance=donor.instance,
+                             from_pool=cold, to_pool=hot)

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import (
-    Condition, InstanceStatus, PoolsStatus, RankStatus, ServingReplicaSpec, ServingReplicaStatus)
+    Condition, InstanceStatus, PoolPressure, PoolsStatus, RankStatus, ServingReplicaSpec,
+    ServingReplicaStatus)
 from slipstream.operator import naming
 from slipstream.operator.instances import ObservedInstance
 from slipstream.operator.placement import InstancePlacement, PlacementFailure
+from slipstream.operator.rebalancer import BALANCED, MOVED, NO_STATS, RebalanceDecision
 
 PLACED, READY, DEGRADED, POOLS_BALANCED = "Placed", "Ready", "Degraded", "PoolsBalanced"
 
@@ -116,3 +118,37 @@ def _degraded(previous: ServingReplicaStatus, failure: PlacementFailure | None, 
 def _index(instance_name: str) -> int:
     tail = instance_name.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+def with_rebalance(previous: ServingReplicaStatus, decision: RebalanceDecision, now: str,
+                   generation: int) -> ServingReplicaStatus:
+    """The status after one rebalancer step: pressures, the PoolsBalanced condition and, for a
+    move, the moved instance's pool and the pool counts."""
+    instances = previous.instances
+    last_rebalance_time = previous.pools.last_rebalance_time if previous.pools else None
+    if decision.moves:
+        instances = [i.model_copy(update={"pool": decision.to_pool})
+                     if i.name == decision.move_instance else i for i in instances]
+        last_rebalance_time = now
+    pools = PoolsStatus(
+        short=sum(1 for i in instances if i.pool == "short"),
+        long=sum(1 for i in instances if i.pool == "long"),
+        pressure=PoolPressure(short=_rounded(decision.pressure_short),
+                              long=_rounded(decision.pressure_long)),
+        last_rebalance_time=last_rebalance_time)
+    balanced = {MOVED: "False", BALANCED: "True", NO_STATS: "Unknown"}.get(decision.outcome,
+                                                                          "False")
+    message = decision.reason
+    if decision.moves:
+        message = (f"moved {decision.move_instance} from {decision.from_pool} to "
+                   f"{decision.to_pool}: {decision.reason}")
+    condition = Condition(type=POOLS_BALANCED, status=balanced, reason=decision.outcome,
+                          message=message, observed_generation=generation)
+    return previous.model_copy(update={
+        "instances": instances, "pools": pools,
+        "conditions": set_condition(list(previous.conditions), condition, now)})
+
+
+def _rounded(value: float | None) -> float | None:
+    # Status is read by people and diffed by the operator: four decimals is plenty.
+    return None if value is None else round(value, 4)
