@@ -55,10 +55,6 @@ class Kube:
     def list_nodes(self) -> list[dict]:
         return _json(self.core.list_node(_preload_content=False))["items"]
 
-    def list_services(self, namespace: str, label_selector: str) -> list[dict]:
-        return _json(self.core.list_namespaced_service(
-            namespace, label_selector=label_selector, _preload_content=False))["items"]
-
     def get_replica(self, namespace: str, name: str) -> dict | None:
         try:
             return _json(self.custom.get_namespaced_custom_object(
