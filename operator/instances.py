@@ -176,12 +176,8 @@ def _valid_pool(pool: str, spec: ServingReplicaSpec) -> bool:
 
 
 def _pool_for_new(spec: ServingReplicaSpec, pools: Counter[str]) -> str:
-    """Fill the short pool up to spec.pools.short, then the long pool; but never leave the
-    long pool below minPerPool while the short pool already has that many."""
+    """Fill the short pool up to spec.pools.short, then the long pool (the CRD's rules make
+    sure that leaves the long pool its minPerPool on a fresh rollout)."""
     if spec.pools is None:
         return UNIFIED_POOL
-    short, long = pools["short"], pools["long"]
-    min_long = spec.pools.rebalance.min_per_pool if spec.pools.rebalance.enabled else 0
-    if short < spec.pools.short and not (long < min_long <= short):
-        return "short"
-    return "long"
+    return "short" if pools["short"] < spec.pools.short else "long"

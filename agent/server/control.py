@@ -14,17 +14,32 @@ slow stats caller cannot delay a token.
 from __future__ import annotations
 
 from concurrent import futures
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import grpc
 
 from slipstream.agent.server import control_pb2 as pb
 
-if TYPE_CHECKING:
-    from slipstream.agent.engine.engine import EngineStats
-
 SERVICE_NAME = "slipstream.control.v1.Control"
 POOLS = ("short", "long", "unified")
+
+
+class EngineLoad(Protocol):
+    """The fields of the engine's EngineStats that the control API reports. Declared here,
+    not imported, so the operator can use this module's client without the engine (torch)."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    backlog_prompt_tokens: int
+    utilization: float
+    prefill_tokens_per_s: float
+    slo_deviation: float
+
+    @property
+    def queue_backlog_s(self) -> float: ...
 
 
 class StatsSource(Protocol):
@@ -35,7 +50,7 @@ class StatsSource(Protocol):
     @property
     def model_name(self) -> str: ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineLoad: ...
 
 
 class PoolHolder(Protocol):
