@@ -100,13 +100,15 @@ def _convert_object(node: dict[str, Any], out: dict[str, Any], defs: dict[str, A
 
 
 def _object_default(sub: dict[str, Any]) -> None:
-    """An optional object field with no required members defaults to ``{}``: the API server
-    then fills the members from their own defaults, so the CEL rules can rely on them being
-    present and the stored spec states the values in force. (Pydantic writes the whole
-    default object; ``{}`` keeps one place, the members, where each default is stated.)"""
+    """An optional object field with no required members defaults to the object of its
+    members' defaults: the stored spec states every value in force, and CEL rules on the
+    object can rely on its members being present. (The API server checks a default against
+    the object's rules without applying nested defaults first, so ``{}`` would not do.)
+    Members are converted first, so nested objects already carry their own full default."""
     if sub.get("type") != "object" or "properties" not in sub:
         return
     if sub.get("required"):
         sub.pop("default", None)
     else:
-        sub["default"] = {}
+        sub["default"] = {name: member["default"] for name, member in sub["properties"].items()
+                          if "default" in member}

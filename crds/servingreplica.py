@@ -82,8 +82,8 @@ class Parallelism(ApiModel):
         1_048_576, description="Tokens one KVP group holds before a request takes the next.",
         json_schema_extra=rules(Rule(
             "self > 0 && self % 16 == 0",
-            message_expression="'spec.parallelism.kvpTokensPerGroup must be a positive multiple "
-                               "of the 16-token KV block, got ' + string(self)")))
+            "spec.parallelism.kvpTokensPerGroup must be a positive multiple of the 16-token "
+            "KV block")))
 
     @property
     def gpus_per_instance(self) -> int:
@@ -178,24 +178,16 @@ class Slo(ApiModel):
 
 _SPEC_RULES = rules(
     Rule("self.parallelism.tp <= self.placement.gpusPerNode",
-         message_expression="'spec.parallelism.tp (' + string(self.parallelism.tp) + ') must "
-                            "not exceed spec.placement.gpusPerNode (' + "
-                            "string(self.placement.gpusPerNode) + '): a TP group never spans "
-                            "nodes'",
-         field_path=".parallelism.tp"),
+         "spec.parallelism.tp must not exceed spec.placement.gpusPerNode: a TP group never "
+         "spans nodes", field_path=".parallelism.tp"),
     Rule("!has(self.pools) || self.pools.short <= self.instances",
-         message_expression="'spec.pools.short (' + string(self.pools.short) + ') must not "
-                            "exceed spec.instances (' + string(self.instances) + '); the long "
-                            "pool gets instances - short'",
-         field_path=".pools.short"),
+         "spec.pools.short must not exceed spec.instances (the long pool gets instances - "
+         "short)", field_path=".pools.short"),
     Rule("!has(self.pools) || !self.pools.rebalance.enabled || "
          "(self.pools.short >= self.pools.rebalance.minPerPool && "
          "self.instances - self.pools.short >= self.pools.rebalance.minPerPool)",
-         message_expression="'spec.pools.short (' + string(self.pools.short) + ') and the long "
-                            "pool (spec.instances - short = ' + "
-                            "string(self.instances - self.pools.short) + ') must each hold at "
-                            "least spec.pools.rebalance.minPerPool (' + "
-                            "string(self.pools.rebalance.minPerPool) + ') when rebalancing'",
+         "spec.pools.short and the long pool (spec.instances - short) must each hold at least "
+         "spec.pools.rebalance.minPerPool instances when rebalancing is enabled",
          field_path=".pools.short"),
 )
 

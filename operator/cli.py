@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import warnings
 
 from slipstream.operator.naming import PREFIX
-
-DEFAULT_PEERING = "slipstream-operator"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,22 +53,25 @@ def build_settings(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import kopf
+    import urllib3
 
     import slipstream.operator.registration  # noqa: F401 - registers the handlers
     from slipstream.operator import metrics
     from slipstream.operator.kube import Kube, load_client_config
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kopf.configure(verbose=args.verbose)
+    kopf.configure(verbose=args.verbose, log_prefix=True)  # root logging, object prefixes
+    # A cluster reached without TLS verification (a dev kubeconfig) is worth one warning,
+    # not one per API call.
+    warnings.filterwarnings("once", category=urllib3.exceptions.InsecureRequestWarning)
     load_client_config()
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-    kopf.run(
-        settings=build_settings(args), memo=kopf.Memo(kube=Kube()),
-        namespaces=args.namespace, clusterwide=not args.namespace,
-        standalone=args.peering is None, peering_name=args.peering or DEFAULT_PEERING,
-        priority=args.priority if args.priority is not None else random.randint(1, 2**31),
-        liveness_endpoint=liveness)
+    # Naming a peering makes it mandatory in kopf: without one, run standalone instead.
+    peering = {"standalone": True} if args.peering is None else {
+        "peering_name": args.peering,
+        "priority": args.priority if args.priority is not None else random.randint(1, 2**31)}
+    kopf.run(settings=build_settings(args), memo=kopf.Memo(kube=Kube()),
+             namespaces=args.namespace, clusterwide=not args.namespace,
+             liveness_endpoint=liveness, **peering)
     return 0

@@ -77,7 +77,11 @@ def test_subresources_and_printer_columns():
 
 def test_defaults_fill_nested_objects():
     spec = openapi_schema()["properties"]["spec"]["properties"]
-    assert spec["parallelism"]["default"] == {}
+    assert spec["parallelism"]["default"] == {"tp": 1, "spp": 1, "kvp": 1,
+                                              "kvpTokensPerGroup": 1048576}
+    rebalance = spec["pools"]["properties"]["rebalance"]
+    assert rebalance["default"]["weights"] == {"queue": 1.0, "sloDeviation": 1.0,
+                                               "utilization": 0.25}
     assert spec["parallelism"]["properties"]["tp"]["default"] == 1
     assert spec["scheduler"]["properties"]["policy"]["default"] == "lars"
     assert "default" not in spec["pools"], "absent pools means no pools"
