@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="port of the operator's Prometheus /metrics; 0 turns it off")
     parser.add_argument("--health-port", type=int, default=8081,
                         help="port of kopf's liveness endpoint /healthz; 0 turns it off")
+    parser.add_argument("--bind-address", default="0.0.0.0", metavar="ADDRESS",
+                        help="address for the metrics and health endpoints (the chart passes "
+                             "the pod IP)")
     parser.add_argument("--workers", type=int, default=16,
                         help="threads for the synchronous handlers")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -63,10 +66,12 @@ def run(args: argparse.Namespace) -> int:
     # A cluster reached without TLS verification (a dev kubeconfig) is worth one warning,
     # not one per API call.
     warnings.filterwarnings("once", category=urllib3.exceptions.InsecureRequestWarning)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per probe
     load_client_config()
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
-    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+        metrics.serve(args.metrics_port, args.bind_address)
+    host = f"[{args.bind_address}]" if ":" in args.bind_address else args.bind_address
+    liveness = f"http://{host}:{args.health_port}/healthz" if args.health_port else None
     # Naming a peering makes it mandatory in kopf: without one, run standalone instead.
     peering = {"standalone": True} if args.peering is None else {
         "peering_name": args.peering,

@@ -31,5 +31,5 @@ POOL_INSTANCES = Gauge("slipstream_operator_pool_instances", "Instances in a poo
                        "rebalancer step.", ("namespace", "replica", "pool"))
 
 
-def serve(port: int, host: str = "0.0.0.0") -> None:
-    start_http_server(port, addr=host)
+def serve(port: int, address: str = "0.0.0.0") -> None:
+    start_http_server(port, addr=address)
