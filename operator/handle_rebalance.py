@@ -45,14 +45,15 @@ def parse_time_s(value: str | None) -> float | None:
 def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
                    read_signals: SignalReader = agent_client.read_signals,
                    clock: Callable[[], float] = time.time) -> RebalanceDecision | None:
-    """One control step; None when the replica is gone or does not rebalance."""
-    body = kube.get_replica(namespace, name)
-    if body is None:
-        return None
-    spec = ServingReplicaSpec.model_validate(body["spec"])
-    if spec.pools is None or not spec.pools.rebalance.enabled:
-        return None
+    """One control step; None when the replica is gone or does not rebalance. Like
+    reconcile, it reads the replica under the lock, so the two never undo each other."""
     with replica_lock(namespace, name):
+        body = kube.get_replica(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        spec = ServingReplicaSpec.model_validate(body["spec"])
+        if spec.pools is None or not spec.pools.rebalance.enabled:
+            return None
         previous = ServingReplicaStatus.model_validate(body.get("status") or {})
         observed = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)),
                                 spec.placement.gpu_resource)

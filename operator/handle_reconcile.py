@@ -54,17 +54,19 @@ class ReconcileResult:
     removed: tuple[str, ...]
 
 
-def reconcile(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink,
+def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt, event: EventSink,
               trigger: str) -> ReconcileResult | None:
-    """Converge one replica; None when it is being deleted (garbage collection takes over)."""
-    metadata = body["metadata"]
-    if metadata.get("deletionTimestamp"):
-        return None
-    namespace, name = metadata["namespace"], metadata["name"]
+    """Converge one replica; None when it is gone or being deleted (garbage collection
+    takes over). The replica is read afresh under the lock: a body handed over by a trigger
+    may predate the last status write (a rebalance move), and the status written here is
+    derived from the stored one."""
     metrics.RECONCILES.labels(trigger).inc()
     started = time.perf_counter()
     try:
         with replica_lock(namespace, name):
+            body = kube.get_replica(namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return None
             return _reconcile_locked(kube, body, adopt=adopt, event=event)
     except Exception:
         metrics.RECONCILE_ERRORS.labels(trigger).inc()
@@ -118,19 +120,14 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                                          if i.index not in recreated))
 
 
-def owner_to_reconcile(kube: Kube, event_type: str | None, pod: dict) -> dict | None:
-    """The ServingReplica to reconcile after an event on one of its pods, or None. The
-    initial listing (no event type) is skipped: resume handlers cover operator start-up."""
+def owner_of(event_type: str | None, pod: dict) -> tuple[str, str] | None:
+    """(namespace, name) of the ServingReplica to reconcile after an event on one of its
+    pods. The initial listing (no event type) is skipped: resume handlers cover start-up."""
     if event_type is None:
         return None
     metadata = pod["metadata"]
     owner_name = (metadata.get("labels") or {}).get(naming.REPLICA_LABEL)
-    if not owner_name:
-        return None
-    owner = kube.get_replica(metadata["namespace"], owner_name)
-    if owner is None or owner["metadata"].get("deletionTimestamp"):
-        return None  # being deleted: garbage collection removes the children
-    return owner
+    return (metadata["namespace"], owner_name) if owner_name else None
 
 
 def placement_request(spec: ServingReplicaSpec) -> PlacementRequest:

@@ -87,22 +87,27 @@ class Kube:
         return True
 
     def ensure(self, manifest: dict) -> None:
-        """Create, or bring an existing ConfigMap/Service in line with ``manifest``."""
-        if self.create(manifest):
+        """Create, or bring an existing ConfigMap/Service in line with ``manifest``. Read
+        first: a Service create that conflicts still costs the API server a ClusterIP
+        allocation and release, and most reconciles find everything in place."""
+        metadata, kind = manifest["metadata"], manifest["kind"]
+        read = {"ConfigMap": self.core.read_namespaced_config_map,
+                "Service": self.core.read_namespaced_service}[kind]
+        try:
+            current = _json(read(metadata["name"], metadata["namespace"],
+                                 _preload_content=False))
+        except ApiException as error:
+            if error.status != HTTP_NOT_FOUND:
+                raise
+            self.create(manifest)
             return
-        metadata = manifest["metadata"]
-        if manifest["kind"] == "ConfigMap":
-            self.core.patch_namespaced_config_map(
-                metadata["name"], metadata["namespace"],
-                {"metadata": {"labels": metadata.get("labels", {})}, "data": manifest["data"]},
-                _content_type=MERGE_PATCH, _preload_content=False)
-        elif manifest["kind"] == "Service":
-            wanted = manifest["spec"]
-            self.core.patch_namespaced_service(
-                metadata["name"], metadata["namespace"],
-                {"metadata": {"labels": metadata.get("labels", {})},
-                 "spec": {"selector": wanted["selector"], "ports": wanted["ports"]}},
-                _content_type=MERGE_PATCH, _preload_content=False)
+        wanted = _owned_fields(manifest)
+        if _contains(current, wanted):
+            return
+        patch = {"ConfigMap": self.core.patch_namespaced_config_map,
+                 "Service": self.core.patch_namespaced_service}[kind]
+        patch(metadata["name"], metadata["namespace"], wanted, _content_type=MERGE_PATCH,
+              _preload_content=False)
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         delete = {"Pod": self.core.delete_namespaced_pod,
@@ -117,3 +122,27 @@ class Kube:
     def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str]) -> None:
         self.core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}},
                                        _content_type=MERGE_PATCH, _preload_content=False)
+
+
+def _owned_fields(manifest: dict) -> dict:
+    """What the operator sets on a ConfigMap/Service: labels, and the data or the selector
+    and ports. Fields others add (annotations, a Service's clusterIP) are not its business."""
+    fields: dict = {"metadata": {"labels": manifest["metadata"].get("labels") or {}}}
+    if manifest["kind"] == "ConfigMap":
+        fields["data"] = manifest["data"]
+    else:
+        fields["spec"] = {"selector": manifest["spec"]["selector"],
+                          "ports": manifest["spec"]["ports"]}
+    return fields
+
+
+def _contains(actual: object, wanted: object) -> bool:
+    """Does ``actual`` hold everything in ``wanted``? (Lists match item by item; the API
+    server adds defaults such as a port's protocol, which must not count as drift.)"""
+    if isinstance(wanted, dict):
+        return isinstance(actual, dict) and all(_contains(actual.get(key), value)
+                                                for key, value in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(actual, list) and len(actual) == len(wanted) and all(
+            _contains(a, w) for a, w in zip(actual, wanted))
+    return actual == wanted

@@ -34,23 +34,24 @@ def adopt(child: dict, owner: dict) -> None:
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
-def on_replica_changed(body: kopf.Body, reason: str, memo: kopf.Memo, **_: Any) -> None:
-    handle_reconcile.reconcile(memo.kube, dict(body), adopt=adopt, event=post_event,
+def on_replica_changed(namespace: str, name: str, reason: str, memo: kopf.Memo,
+                       **_: Any) -> None:
+    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event,
                                trigger=str(reason))
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_INTERVAL_S, idle=RESYNC_INTERVAL_S / 3)
-def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    handle_reconcile.reconcile(memo.kube, dict(body), adopt=adopt, event=post_event,
+def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event,
                                trigger="timer")
 
 
 @kopf.on.event("", "v1", "pods", labels={naming.REPLICA_LABEL: kopf.PRESENT})
 def on_agent_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo,  # noqa: A002
                        **_: Any) -> None:
-    owner = handle_reconcile.owner_to_reconcile(memo.kube, type, dict(body))
+    owner = handle_reconcile.owner_of(type, dict(body))
     if owner is not None:
-        handle_reconcile.reconcile(memo.kube, owner, adopt=adopt, event=post_event,
+        handle_reconcile.reconcile(memo.kube, *owner, adopt=adopt, event=post_event,
                                    trigger="pod")
 
 
