@@ -2,6 +2,12 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
+#   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
+#   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
+#   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
+#                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
+#   make dev-cluster-stop   stop every process the dev cluster started
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +17,8 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine clean
+.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
+	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -27,14 +34,43 @@ serve: setup
 lint-imports: setup
 	$(BIN)/lint-imports
 
-test: setup lint-imports
+# promtool and prometheus (Debian package) for the alert-rule, dashboard and scrape tests.
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; }
+
+test: setup lint-imports prometheus-tools
 	$(BIN)/pytest
 
 test-unit: setup
 	$(BIN)/pytest tests/unit
 
+test-e2e: setup
+	$(BIN)/pytest e2e -m e2e
+
+# Pods on the fake nodes run as local processes with $(BIN) first on PATH, each on its own
+# loopback address (127.N.x.y).
+dev-cluster: setup
+	$(BIN)/python e2e/cluster/devcluster.py start
+
+dev-cluster-status:
+	$(PYTHON) e2e/cluster/devcluster.py status
+
+dev-cluster-stop:
+	$(PYTHON) e2e/cluster/devcluster.py stop
+
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+
+bench-metrics: setup
+	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
+
+dashboards: setup
+	cd charts && $(abspath $(BIN))/python -m dashgen
+
+bench-sched: setup
+	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
 clean:
 	rm -rf $(VENV) build *.egg-info

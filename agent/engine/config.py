@@ -120,6 +120,9 @@ class EngineConfig:
     max_batched_tokens: int = 512
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    # A profile directory (``slipstream profile``) turns on the time-budget packer; without
+    # one the scheduler packs a plain token budget of max_batched_tokens.
+    profile_dir: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

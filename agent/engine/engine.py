@@ -19,34 +19,12 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
-
-
-# Prices a prompt backlog before the engine has measured its own prefill rate.
-NOMINAL_PREFILL_TOKENS_PER_S = 1000.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions_total: int
-    # Load over the recent window (LoadWindow), for the control API and pool rebalancing.
-    backlog_prompt_tokens: int = 0
-    utilization: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    slo_deviation: float = 0.0
-
-    @property
-    def queue_backlog_s(self) -> float:
-        """Seconds to prefill the backlog at the recent prefill rate."""
-        rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
-        return self.backlog_prompt_tokens / rate
 
 
 @dataclass
@@ -80,16 +58,22 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         self.runner = ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks)
-        self.scheduler = Scheduler(
-            scheduler_config or SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                                                max_batched_tokens=config.max_batched_tokens),
-            self.block_manager)
+        scheduler_config = scheduler_config or SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
+        # Swap preemption needs somewhere to put the blocks: a host pool as large as the
+        # device one, so that any preempted request fits.
+        num_host_blocks = self.runner.num_kv_blocks if scheduler_config.preemption == "swap" else 0
+        self.runner.allocate_host_cache(num_host_blocks)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   predictor=_load_predictor(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.load = LoadWindow(start_s=self.clock())
+        # Called on the engine thread after each executed batch (metrics); keep it cheap.
+        self.on_step: Callable[[StepStats], None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -167,13 +151,17 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start = self.clock()
-        batch = self.scheduler.schedule(start)
+        schedule_start_s = self.clock()
+        batch = self.scheduler.schedule(schedule_start_s)
         if batch.is_empty:
             return []
+        execute_start_s = self.clock()
         sampled = self.runner.execute(batch)
         now = self.clock()
-        self.load.record_step(start, now, batch.num_tokens - batch.num_decodes)
+        self.load.record_step(schedule_start_s, now, batch.num_tokens - batch.num_decodes)
+        if self.on_step is not None:
+            self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
+                                   self.runner.last_forward_s))
         self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
                 if (out := self._process(rid, token, now)) is not None]
@@ -233,3 +221,9 @@ class LLMEngine:
             for output in self.step():
                 tokens[output.request_id].extend(output.new_token_ids)
         return [tokens[rid] for rid in ids]
+
+
+def _load_predictor(config: EngineConfig) -> RuntimePredictor | None:
+    if config.profile_dir is None:
+        return None
+    return RuntimePredictor.from_directory(config.profile_dir)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.engine.engine import EngineStats
+from slipstream.agent.engine.stats import EngineStats
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.server import control_codegen
 
