@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from operator_env import operator_kubeconfig
+from operator_env import operator_kubeconfig, operator_pods
 
 pytestmark = pytest.mark.e2e
 
@@ -62,3 +62,23 @@ def test_rbac_allows_what_the_operator_needs(dev_cluster, operator_release):
         answer = as_operator(dev_cluster, kubeconfig, "auth", "can-i", verb, resource,
                              "-n", "default")
         assert answer.stdout.strip() == "yes", (verb, resource, answer.stderr)
+
+
+def test_operator_exports_the_declared_metrics(dev_cluster, operator_release):
+    """Every operator metric the dashboards and alerts may query (metric_names) is exported
+    with its declared type and labels."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from slipstream.agent.server import metric_names
+
+    ip = operator_pods(dev_cluster, operator_release, ready=True)[0]["status"]["podIP"]
+    text = urlopen(f"http://{ip}:8080/metrics", timeout=10).read().decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for spec in metric_names.OPERATOR_METRICS:
+        family = families.get(spec.constructor_name)
+        assert family is not None, f"{spec.name} is not exported"
+        assert family.type == spec.type, spec.name
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == set(spec.labels), (spec.name, sample.labels)

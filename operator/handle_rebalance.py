@@ -62,7 +62,7 @@ def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
                    if s is not None]
         last_move_s = parse_time_s(previous.pools.last_rebalance_time if previous.pools else None)
         decision = decide(signals, spec.pools.rebalance, clock(), last_move_s)
-        _export_gauges(namespace, name, decision, signals)
+        _export_gauges(namespace, name, decision, observed)
         if decision.moves:
             _move(kube, body, observed[decision.move_instance], decision, event)
         status = with_rebalance(previous, decision, now_rfc3339(),
@@ -86,12 +86,14 @@ def _move(kube: Kube, body: dict, instance: ObservedInstance, decision: Rebalanc
 
 
 def _export_gauges(namespace: str, name: str, decision: RebalanceDecision,
-                   signals: list[InstanceSignals]) -> None:
+                   observed: dict[str, ObservedInstance]) -> None:
+    replica = metrics.replica_label(namespace, name)
+    pools_after = [decision.to_pool if i.name == decision.move_instance else i.pool
+                   for i in observed.values()]
     for pool, pressure in (("short", decision.pressure_short), ("long", decision.pressure_long)):
         if pressure is not None:
-            metrics.POOL_PRESSURE.labels(namespace, name, pool).set(pressure)
-        metrics.POOL_INSTANCES.labels(namespace, name, pool).set(
-            sum(1 for s in signals if s.pool == pool))
+            metrics.POOL_PRESSURE.labels(replica, pool).set(pressure)
+        metrics.POOL_INSTANCES.labels(replica, pool).set(pools_after.count(pool))
 
 
 def period_s(kube: Kube, namespace: str, name: str) -> float:

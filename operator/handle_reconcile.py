@@ -54,25 +54,27 @@ class ReconcileResult:
     removed: tuple[str, ...]
 
 
-def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt, event: EventSink,
-              trigger: str) -> ReconcileResult | None:
+def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
+              event: EventSink) -> ReconcileResult | None:
     """Converge one replica; None when it is gone or being deleted (garbage collection
     takes over). The replica is read afresh under the lock: a body handed over by a trigger
     may predate the last status write (a rebalance move), and the status written here is
     derived from the stored one."""
-    metrics.RECONCILES.labels(trigger).inc()
     started = time.perf_counter()
     try:
         with replica_lock(namespace, name):
             body = kube.get_replica(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return None
-            return _reconcile_locked(kube, body, adopt=adopt, event=event)
+            result = _reconcile_locked(kube, body, adopt=adopt, event=event)
     except Exception:
-        metrics.RECONCILE_ERRORS.labels(trigger).inc()
+        metrics.RECONCILES.labels("error").inc()
+        metrics.RECONCILE_ERRORS.inc()
         raise
     finally:
         metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+    metrics.RECONCILES.labels("success").inc()
+    return result
 
 
 def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
@@ -102,7 +104,7 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
         for (index, pool), outcome in zip(plan.create, outcomes):
             if isinstance(outcome, PlacementFailure):
                 failure = outcome
-                metrics.PLACEMENT_FAILURES.labels(outcome.reason).inc()
+                metrics.PLACEMENT_FAILURES.inc()
             else:
                 created.append(_create_instance(kube, body, spec, index, pool, outcome, adopt))
     if failure is not None and not _already_reported(previous, failure):

@@ -34,16 +34,13 @@ def adopt(child: dict, owner: dict) -> None:
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
-def on_replica_changed(namespace: str, name: str, reason: str, memo: kopf.Memo,
-                       **_: Any) -> None:
-    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event,
-                               trigger=str(reason))
+def on_replica_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_INTERVAL_S, idle=RESYNC_INTERVAL_S / 3)
 def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event,
-                               trigger="timer")
+    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event)
 
 
 @kopf.on.event("", "v1", "pods", labels={naming.REPLICA_LABEL: kopf.PRESENT})
@@ -51,8 +48,7 @@ def on_agent_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo,  # no
                        **_: Any) -> None:
     owner = handle_reconcile.owner_of(type, dict(body))
     if owner is not None:
-        handle_reconcile.reconcile(memo.kube, *owner, adopt=adopt, event=post_event,
-                                   trigger="pod")
+        handle_reconcile.reconcile(memo.kube, *owner, adopt=adopt, event=post_event)
 
 
 @kopf.daemon(*RESOURCE, id="rebalancer", cancellation_timeout=5.0)

@@ -76,11 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
-    http.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="SECONDS",
-                      help="TTFT objective for requests that carry none (SLO metrics and "
-                           "the control API's SLO deviation use it); default: none")
-    http.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
-                      help="time-per-output-token objective for requests that carry none")
 
     slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
     slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
@@ -122,8 +117,6 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         slo_tpot_ms=args.slo_tpot_ms,
         slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
-        default_ttft_slo_s=args.slo_ttft_seconds,
-        default_tpot_slo_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000.0,
         control_port=args.control_port,
     )
 

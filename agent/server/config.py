@@ -27,9 +27,6 @@ class ServerConfig:
     slo_tpot_ms: float | None = None
     slo_attainment_target: float = 0.99
     log_level: str = "info"
-    # SLOs applied to requests that carry none (the operator sets them from spec.slo).
-    default_ttft_slo_s: float | None = None
-    default_tpot_slo_s: float | None = None
     control_port: int = 50051  # gRPC control API; 0 turns it off
 
     def __post_init__(self) -> None:
@@ -50,7 +47,3 @@ class ServerConfig:
             raise ValueError("pool must be a non-empty label")
         if not 0 <= self.control_port <= 65535:
             raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")
-        for name in ("default_ttft_slo_s", "default_tpot_slo_s"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")

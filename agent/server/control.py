@@ -2,7 +2,7 @@
 
     operator rebalancer --ControlClient.stats()--> gRPC :50051 --> ControlService
         --> engine.stats() (a snapshot the engine thread refreshes; no locking)
-    operator rebalancer --set_pool()--> ServingMetrics.pool (the label on new requests)
+    operator rebalancer --set_pool()--> ServingMetrics.set_pool (the label on new requests)
 
 Messages come from the checked-in ``control_pb2`` (protoc output); the service and client are
 written here against grpcio's generic handlers, so no ``_pb2_grpc`` module is needed and the
@@ -54,7 +54,11 @@ class StatsSource(Protocol):
 
 
 class PoolHolder(Protocol):
-    pool: str  # ServingMetrics: the label that new requests' latency metrics carry
+    """ServingMetrics: the pool label that new requests' metrics carry."""
+
+    pool: str
+
+    def set_pool(self, pool: str) -> None: ...
 
 
 class ControlService:
@@ -83,7 +87,7 @@ class ControlService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"pool must be one of {', '.join(POOLS)}; got {request.pool!r}")
         previous = self._pool_holder.pool
-        self._pool_holder.pool = request.pool
+        self._pool_holder.set_pool(request.pool)
         return pb.SetPoolResponse(previous_pool=previous, pool=request.pool)
 
 

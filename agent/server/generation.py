@@ -86,7 +86,8 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     params = build_sampling_params(body, resolved_max_tokens, logprobs)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-        app_id=body.app_id or "default", priority=body.priority, slo=build_slo(body.slo, ctx.config),
+        app_id=body.app_id or "default", priority=body.priority,
+        slo=build_slo(body.slo, ctx.config),
         include_usage_in_stream=body.include_usage_in_stream)
 
 
@@ -136,12 +137,15 @@ def build_sampling_params(body: _GenerationRequest, max_tokens: int,
 
 
 def build_slo(spec: SloSpec | None, config: ServerConfig | None = None) -> RequestSLO | None:
-    """The request's SLO; fields it leaves out take the instance defaults (``--slo-*``)."""
+    """The request's SLO; fields it leaves out take the instance's (``--slo-*``), so the
+    engine schedules by them and its load window measures TTFT against them (the control
+    API's SLO deviation, which drives pool rebalancing)."""
     ttft_s = spec.ttft_s if spec is not None else None
-    tpot_s = spec.tpot_ms / 1000.0 if spec is not None and spec.tpot_ms is not None else None
+    tpot_ms = spec.tpot_ms if spec is not None else None
     if config is not None:
-        ttft_s = ttft_s if ttft_s is not None else config.default_ttft_slo_s
-        tpot_s = tpot_s if tpot_s is not None else config.default_tpot_slo_s
+        ttft_s = ttft_s if ttft_s is not None else config.slo_ttft_s
+        tpot_ms = tpot_ms if tpot_ms is not None else config.slo_tpot_ms
+    tpot_s = None if tpot_ms is None else tpot_ms / 1000.0
     if ttft_s is None and tpot_s is None:
         return None
     return RequestSLO(ttft_s=ttft_s, tpot_s=tpot_s)

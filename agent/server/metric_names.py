@@ -108,8 +108,7 @@ AGENT_METRICS: tuple[MetricSpec, ...] = (
 
 # -- operator ----------------------------------------------------------------------------------
 OPERATOR_RECONCILES = _spec("slipstream_operator_reconciles_total", "counter", ("result",),
-                            "Reconciliations of ServingReplicas by result (success, error, "
-                            "requeue).")
+                            "Reconciliations of ServingReplicas by result (success, error).")
 OPERATOR_RECONCILE_ERRORS = _spec("slipstream_operator_reconcile_errors_total", "counter", (),
                                   "Reconciliations that raised.")
 OPERATOR_PLACEMENT_FAILURES = _spec("slipstream_operator_placement_failures_total", "counter", (),
@@ -124,10 +123,17 @@ OPERATOR_POOL_INSTANCES = _spec("slipstream_operator_pool_instances", "gauge",
 OPERATOR_POOL_PRESSURE = _spec("slipstream_operator_pool_pressure", "gauge", ("replica", "pool"),
                                "P90 instance pressure of each pool, as the rebalancer saw it.")
 
+OPERATOR_RECONCILE_DURATION = _spec("slipstream_operator_reconcile_duration_seconds",
+                                    "histogram", (), "Wall time of one reconciliation, API "
+                                    "calls and waiting for the replica's lock included.")
+OPERATOR_INSTANCES_CREATED = _spec("slipstream_operator_instances_created_total", "counter", (),
+                                   "Instances whose pods were created (new, scaled up or "
+                                   "recreated).")
+
 OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     OPERATOR_RECONCILES, OPERATOR_RECONCILE_ERRORS, OPERATOR_PLACEMENT_FAILURES,
     OPERATOR_REBALANCE_MOVES, OPERATOR_INSTANCE_RESTARTS, OPERATOR_POOL_INSTANCES,
-    OPERATOR_POOL_PRESSURE)
+    OPERATOR_POOL_PRESSURE, OPERATOR_RECONCILE_DURATION, OPERATOR_INSTANCES_CREATED)
 
 ALL_METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in AGENT_METRICS + OPERATOR_METRICS}
 

@@ -68,9 +68,17 @@ def _operator_row() -> list[Panel]:
              Target(f"sum (increase({names.OPERATOR_RECONCILE_ERRORS.name}[$__range]))")),
         stat("Reconciles per second", "All reconciliations.",
              Target(f"sum (rate({names.OPERATOR_RECONCILES.name}[{RATE}]))"), unit="ops"),
+        stat("Instances created", "Instances whose pods the operator created (new, scaled "
+             "up or recreated).",
+             Target(f"sum (increase({names.OPERATOR_INSTANCES_CREATED.name}[$__range]))")),
         timeseries("Reconciles by result", "Reconciliations per second by result.",
                    Target(f"sum by (result) (rate({names.OPERATOR_RECONCILES.name}[{RATE}]))",
-                          "{{result}}"), unit="ops", width=24),
+                          "{{result}}"), unit="ops", width=12),
+        timeseries("Reconcile duration", "Wall time of one reconciliation (API calls and "
+                   "the replica's lock included).",
+                   *(Target(quantile(q, names.OPERATOR_RECONCILE_DURATION, labels=""),
+                            f"p{round(q * 100)}") for q in (0.5, 0.99)),
+                   unit="s", width=12),
     ]
 
 

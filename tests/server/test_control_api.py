@@ -44,6 +44,9 @@ def test_set_pool_relabels_new_requests_and_rejects_unknown_pools(server):
                                                        max_tokens=2)
             assert server.metric("slipstream_e2e_request_latency_seconds_count",
                                  pool="long") >= 1
+            assert server.metric("slipstream_pool_role_info", pool="long") == 1
+            assert server.metric("slipstream_pool_role_info", pool="short") == 0, \
+                "the old role's series is gone"
             with pytest.raises(grpc.RpcError) as caught:
                 client.set_pool("medium")
             assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
