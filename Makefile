@@ -4,6 +4,7 @@
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
+#   make generate     regenerate the CRD YAML (crds/, chart) and the control API's protobuf code
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
@@ -18,7 +19,7 @@ PORT ?= 8000
 RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
-	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
+	clean prometheus-tools dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -68,6 +69,11 @@ bench-metrics: setup
 
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
+
+# Checked-in generated files; unit tests fail when they drift from their sources.
+generate: setup
+	$(BIN)/python -m slipstream.crds.generate
+	$(BIN)/python -m slipstream.agent.server.control_codegen
 
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
