@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("slipstream.agent.server.cli", "Serve a model behind an OpenAI-compatible HTTP API."),
     "make-tiny-model": ("slipstream.agent.engine.tiny_model",
                         "Write a small random-weight Llama in Hugging Face format."),
+    "router": ("slipstream.agent.router.cli",
+               "Route OpenAI requests to short/long prefill pools by prompt length."),
     "profile": ("slipstream.agent.engine.profiler",
                 "Measure per-layer op times of the engine on this device (for --profile)."),
 }
