@@ -82,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="longest wait in the fair queue before answering 503")
     routing.add_argument("--unhealthy-cooldown-seconds", type=float, default=5.0, metavar="S",
                          help="a failed instance gets no new requests for this long")
-    routing.add_argument("--fair-iteration-ms", type=float, default=50.0, metavar="MS",
-                         help="engine iteration time that advances the fair queue's virtual clock")
+    routing.add_argument("--prior-output-tokens", type=int, default=256, metavar="TOKENS",
+                         help="fair queue: predicted output length of an application's first "
+                              "request (later ones use its finished requests' mean)")
 
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default=None,
@@ -119,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         queue_timeout_s=args.queue_timeout_seconds,
         unhealthy_cooldown_s=args.unhealthy_cooldown_seconds,
         static_backends=static, kubernetes=kubernetes,
-        fairness=FairnessConfig(iteration_s=args.fair_iteration_ms / 1000.0),
+        fairness=FairnessConfig(prior_output_tokens=args.prior_output_tokens),
         log_level=args.log_level)
 
 

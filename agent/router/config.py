@@ -52,18 +52,13 @@ class KubernetesDiscovery:
 
 @dataclass(frozen=True)
 class FairnessConfig:
-    """Justitia's virtual clock at the router: V advances at ``M / N_t`` per engine
-    iteration, and the router counts iterations as wall time over ``iteration_s``."""
+    """The fair queue's demand model: Justitia's cost needs each request's output length."""
 
-    iteration_s: float = 0.05  # the engines' target batch time
-    default_kv_capacity_tokens: int = 65_536  # per instance, until its /metrics says
     prior_output_tokens: int = 256  # predicted output of an application's first request
 
     def __post_init__(self) -> None:
-        if not self.iteration_s > 0:
-            raise ValueError("iteration_s must be positive")
-        if self.default_kv_capacity_tokens < 1 or self.prior_output_tokens < 1:
-            raise ValueError("default_kv_capacity_tokens and prior_output_tokens must be >= 1")
+        if self.prior_output_tokens < 1:
+            raise ValueError("prior_output_tokens must be >= 1")
 
 
 @dataclass(frozen=True)

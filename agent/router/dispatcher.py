@@ -74,7 +74,7 @@ class Dispatcher:
         self._metrics = metrics
         self._clock = clock
         self.queues: dict[str, FairQueue[_Waiter]] = {
-            request_class: FairQueue(config.fairness, clock) for request_class in REQUEST_CLASSES}
+            request_class: FairQueue(config.fairness) for request_class in REQUEST_CLASSES}
         self._rotation = itertools.count()  # spreads ties between idle instances
         table.on_change(self.drain)
 
@@ -82,12 +82,9 @@ class Dispatcher:
         return len(self.queues[request_class])
 
     def tag(self, routed: RoutedRequest) -> float:
-        queue = self.queues[routed.request_class]
-        capacity = sum(instance.kv_capacity_tokens or self._config.fairness.default_kv_capacity_tokens
-                       for instance in self._table.candidates(routed.request_class))
-        if capacity:
-            queue.set_capacity_tokens(capacity)
-        return queue.tag(routed.app_id, routed.prompt_tokens, routed.max_tokens)
+        """The request's fairness tag, taken once (a retry keeps it)."""
+        return self.queues[routed.request_class].tag(routed.app_id, routed.prompt_tokens,
+                                                     routed.max_tokens)
 
     async def acquire(self, routed: RoutedRequest, finish_tag: float,
                       exclude: frozenset[str] = frozenset()) -> Lease:
@@ -98,6 +95,7 @@ class Dispatcher:
         if not len(queue):
             instance = self._pick(routed, exclude)
             if instance is not None:
+                queue.dispatched(finish_tag)
                 return Lease(self, instance, routed, finish_tag)
         waiter = _Waiter(routed, finish_tag, exclude, asyncio.get_running_loop().create_future())
         queue.push(finish_tag, waiter)
@@ -141,6 +139,7 @@ class Dispatcher:
                     skipped.append(queue.pop())  # only instances it already tried are free
                     continue
                 queue.pop()
+                queue.dispatched(waiter.finish_tag)
                 waiter.future.set_result(Lease(self, instance, waiter.routed, waiter.finish_tag))
             for waiter in skipped:
                 queue.push(waiter.finish_tag, waiter)

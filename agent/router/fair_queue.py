@@ -1,28 +1,31 @@
 """Application-level fair queuing at the router (Justitia, sections IV-A and IV-C).
 
     dispatcher: every candidate instance saturated --> FairQueue.push(tag(app_id, ...))
-    a slot frees --> dispatcher drains FairQueue in ascending virtual finish time
+    a slot frees --> dispatcher grants from the FairQueue in ascending virtual finish time
 
 When instances have room, requests go straight through (work-conserving); this queue only
-orders who goes next once every candidate is at its concurrency cap. The tag is the
-scheduler's: ``F = max(V(a), F_app) + C`` with ``C = p*d + d^2/2`` KV token-time, from
-``scheduler/justitia.py`` (the same ``VirtualClock``, the same cost), so a flood from one
-application cannot starve another's requests: the newcomer's tag starts at ``V(now)``, below
-the flooder's accumulated tags.
+orders who goes next once every candidate is at its concurrency cap. The tag is Justitia's,
+``F = max(V, F_app) + C`` with ``C = p*d + d^2/2`` KV token-time, on the scheduler's own
+``VirtualClock`` and ``kv_token_time`` (``scheduler/justitia.py``), so a flood from one
+application cannot starve another: a newcomer's tag starts at ``V``, below the flooder's
+accumulated tags.
 
-Two things differ from the engine's copy, because the router sees no iterations and no
-tokens: ``V`` advances by wall time over the engines' iteration time, and ``M`` is the KV
-capacity of the instances that serve the class (as their ``/metrics`` report it). The output
-length ``d`` is predicted per application from finished requests, capped by ``max_tokens``;
-the scheduler's ``RunningMeanLengthPredictor`` wants a scheduler ``Request``, which the router
-has no reason to build, so the mean is kept here.
+What differs is how ``V`` moves. In the engine it follows GPS, advancing ``M / N_t`` per
+iteration. The router sees no iterations, and its bottleneck under saturation is the
+per-instance concurrency cap, not the KV capacity ``M``; a GPS clock driven by wall time runs
+far ahead of the real service and would hand every newcomer a tag behind the whole backlog.
+So the router's clock is self-clocked (SCFQ, Golestani 1994): ``V`` is the tag of the request
+dispatched last (``VirtualClock.advance_to``). Under saturation, two backlogged applications
+then alternate by cost, whatever the service rate. The output length ``d`` is predicted per
+application from finished requests and capped by ``max_tokens``; the scheduler's
+``RunningMeanLengthPredictor`` wants a scheduler ``Request``, which the router does not build,
+so the mean is kept here.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from slipstream.agent.router.config import FairnessConfig
@@ -50,33 +53,22 @@ class ApplicationDemand:
 
 
 class FairQueue(Generic[T]):
-    """Items ordered by Justitia virtual finish time; ties in arrival order."""
+    """Items ordered by virtual finish time; ties in arrival order."""
 
-    def __init__(self, fairness: FairnessConfig, clock: Callable[[], float]) -> None:
-        self._fairness = fairness
-        self._now = clock
-        self.virtual_clock = VirtualClock(fairness.default_kv_capacity_tokens)
+    def __init__(self, fairness: FairnessConfig) -> None:
+        self.virtual_clock = VirtualClock(capacity_tokens=1)  # M is unused when self-clocked
         self.demand = ApplicationDemand(fairness.prior_output_tokens)
-        self._last_advance_s = clock()
         self._heap: list[tuple[float, int, T]] = []
         self._sequence = itertools.count()
 
-    def set_capacity_tokens(self, capacity_tokens: int) -> None:
-        self._advance()  # time so far ran at the old rate
-        self.virtual_clock.capacity_tokens = max(1, capacity_tokens)
-
     def tag(self, app_id: str, prompt_tokens: int, max_tokens: int | None) -> float:
-        """The virtual finish time of a new request (advances the application's tag)."""
-        self._advance()
+        """The virtual finish time of a new request (advances the application's last tag)."""
         output_tokens = self.demand.predict_output_tokens(app_id, max_tokens)
         return self.virtual_clock.tag(app_id, kv_token_time(prompt_tokens, output_tokens))
 
-    def _advance(self) -> None:
-        now_s = self._now()
-        iterations = (now_s - self._last_advance_s) / self._fairness.iteration_s
-        self._last_advance_s = now_s
-        if iterations > 0:
-            self.virtual_clock.advance(iterations)
+    def dispatched(self, finish_tag: float) -> None:
+        """A request with this tag went to an instance: virtual time catches up to it."""
+        self.virtual_clock.advance_to(finish_tag)
 
     def push(self, finish_tag: float, item: T) -> None:
         heapq.heappush(self._heap, (finish_tag, next(self._sequence), item))
