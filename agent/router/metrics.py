@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
 
 from slipstream.agent.router.config import POOLS, REQUEST_CLASSES
 from slipstream.agent.router.instances import InstanceTable
@@ -20,6 +21,8 @@ from slipstream.agent.server import metric_names as names
 from slipstream.agent.server.step_metrics import log_spaced_buckets
 
 LATENCY_BUCKETS_S = log_spaced_buckets(0.005, 60.0)
+# No ``*_created`` series, as on the agents: no dashboard reads them.
+disable_created_metrics()
 OUTCOMES = ("ok", "error", "rejected", "cancelled")
 
 

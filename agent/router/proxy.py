@@ -101,7 +101,9 @@ class Proxy:
                                    instance_down=upstream.status_code in (502, 503, 504))
         if upstream.status_code >= 400 or not routed.stream:
             return await self._whole_body(upstream, routed, lease)
-        held = await self._hold_until_first_token(upstream)
+        # One iterator for the whole stream: the prefix is read from it, the rest follows.
+        chunks = upstream.aiter_bytes()
+        held = await self._hold_until_first_token(upstream, chunks)
         lease.first_token()
         self._observe_ttft(routed, lease)
 
@@ -111,7 +113,8 @@ class Proxy:
                 lease.finish()
                 self._count(routed, lease.instance.pool, "cancelled")
 
-        return _PassThroughResponse(self._pass_through(held, upstream, routed, lease), close,
+        return _PassThroughResponse(self._pass_through(held, chunks, upstream, routed, lease),
+                                    close,
                                     status_code=upstream.status_code,
                                     media_type="text/event-stream",
                                     headers={**SSE_HEADERS, BACKEND_HEADER: lease.instance.name})
@@ -135,19 +138,20 @@ class Proxy:
                         media_type=upstream.headers.get("content-type", "application/json"),
                         headers={BACKEND_HEADER: lease.instance.name})
 
-    async def _hold_until_first_token(self, upstream: httpx.Response) -> bytes:
+    async def _hold_until_first_token(self, upstream: httpx.Response,
+                                      chunks: AsyncIterator[bytes]) -> bytes:
         try:
-            return await self._read_prefix(upstream)
+            return await self._read_prefix(chunks)
         except BaseException:
             await upstream.aclose()
             raise
 
     @staticmethod
-    async def _read_prefix(upstream: httpx.Response) -> bytes:
+    async def _read_prefix(chunks: AsyncIterator[bytes]) -> bytes:
         held = bytearray()
         scanned = 0
         try:
-            async for chunk in upstream.aiter_bytes():
+            async for chunk in chunks:
                 held += chunk
                 state, scanned = _scan_events(held, scanned)
                 if state == "error":
@@ -160,13 +164,14 @@ class Proxy:
                                    f"{type(error).__name__}") from None
         raise RetryableFailure("stream ended before the first token")
 
-    async def _pass_through(self, held: bytes, upstream: httpx.Response, routed: RoutedRequest,
+    async def _pass_through(self, held: bytes, chunks: AsyncIterator[bytes],
+                            upstream: httpx.Response, routed: RoutedRequest,
                             lease: Lease) -> AsyncIterator[bytes]:
         events = held.count(b"data: ")
         outcome = "error"
         try:
             yield held
-            async for chunk in upstream.aiter_bytes():
+            async for chunk in chunks:
                 events += chunk.count(b"data: ")
                 yield chunk
             outcome = "ok"
