@@ -13,7 +13,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= agent,operator,dev
+EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
