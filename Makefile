@@ -5,6 +5,7 @@
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
+#   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
 #   make dev-cluster-stop   stop every process the dev cluster started
@@ -17,7 +18,7 @@ EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
+.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched bench-router \
 	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -71,6 +72,9 @@ dashboards: setup
 
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
+
+bench-router: setup
+	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router
 
 clean:
 	rm -rf $(VENV) build *.egg-info

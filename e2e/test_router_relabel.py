@@ -145,6 +145,7 @@ def test_relabelling_a_pod_moves_long_requests_within_one_watch_event(
                                                               "agent-b": "short"},
                              5, "the relabel to reach the router", period_s=0.05)
         elapsed_s = time.monotonic() - started
+        print(f"relabel of two pods reached the router in {elapsed_s * 1000:.0f} ms")
         assert long_request_served_by(base_url) == "agent-a"
         # A watch event, not a resync: well under the watch's 30 s renewal.
         assert elapsed_s < 5, elapsed_s
