@@ -58,6 +58,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Pipelined execution (SPP): a chunk that samples this request's next token is still in
+    # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
+    # while it is set.
+    in_flight: bool = False
     # Times on the scheduler's clock, filled as the request progresses.
     first_scheduled_s: float | None = None
     first_token_s: float | None = None

@@ -29,12 +29,16 @@ from slipstream.agent.scheduler.request import FinishReason, Request, RequestSta
 class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at once
     max_batched_tokens: int = 512  # token budget per iteration (prefill chunks + decodes)
+    # KVP: a chunk never crosses from one KVP group into the next (Medha progressive KVP).
+    kvp_tokens_per_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
+        if self.kvp_tokens_per_group is not None and self.kvp_tokens_per_group < 1:
+            raise ValueError("kvp_tokens_per_group must be >= 1")
 
 
 class Scheduler:
@@ -88,7 +92,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
 
         # Oldest first, so that preemption (newest first) never hits a request already granted.
-        decodes = sorted((r for r in self.running if not r.in_prefill), key=lambda r: r.arrival_s)
+        decodes = sorted((r for r in self.running if not r.in_prefill and not r.in_flight),
+                         key=lambda r: r.arrival_s)
         granted: set[str] = set()
         for request in decodes:
             if request.status is not RequestStatus.RUNNING:
@@ -99,11 +104,11 @@ class Scheduler:
             granted.add(request.request_id)
             budget -= 1
 
-        in_prefill = [r for r in self.running if r.in_prefill]
+        in_prefill = [r for r in self.running if r.in_prefill and not r.in_flight]
         for request in in_prefill:
             if budget <= 0:
                 break
-            size = min(request.num_uncomputed_tokens, budget)
+            size = self._chunk_size(request, budget)
             if self.block_manager.can_grow(request.block_ids, request.num_computed_tokens + size):
                 self.block_manager.grow(request.block_ids, request.num_computed_tokens + size)
                 chunks.append(self._chunk(request, size))
@@ -111,7 +116,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            size = min(request.num_uncomputed_tokens, budget)
+            size = self._chunk_size(request, budget)
             if not self.block_manager.can_grow(request.block_ids, request.num_computed_tokens + size):
                 break  # admission by free KV blocks; FCFS, so nobody jumps the head
             self.waiting.popleft()
@@ -139,6 +144,13 @@ class Scheduler:
                     request.first_token_s = now_s
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        size = min(request.num_uncomputed_tokens, budget)
+        group = self.config.kvp_tokens_per_group
+        if group is not None:
+            size = min(size, group - request.num_computed_tokens % group)
+        return size
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
         start = request.num_computed_tokens

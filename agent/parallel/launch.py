@@ -1,0 +1,123 @@
+"""Starting and stopping this node's worker processes; ``slipstream worker`` for extra nodes.
+
+    one node:   slipstream serve --tp 2 --spp 2 --kvp 2   (the controller starts all 8 ranks)
+    many nodes: controller pod  slipstream serve ...      (starts SLIPSTREAM_NODE_RANKS)
+                other pods      slipstream worker         (start their SLIPSTREAM_NODE_RANKS)
+
+Each worker is ``python -m slipstream.agent.parallel.worker`` with its rank in the
+environment (``env.py``). Children die with the process that started them: Linux delivers
+SIGKILL to them when it exits (``PR_SET_PDEATHSIG``), and ``LocalWorkers.stop`` terminates,
+then kills, whatever is left. No orphan keeps a GPU or a port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from slipstream.agent.parallel.env import NodeEnv, WorkerEnv
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+WORKER_MODULE = "slipstream.agent.parallel.worker"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for MASTER_PORT, which torch binds itself)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec. Linux only; elsewhere `stop()` is the guard.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class LocalWorkers:
+    """The worker processes this node started, one per rank."""
+
+    def __init__(self, ranks: tuple[int, ...], world_size: int, controller_addr: str,
+                 master_addr: str, master_port: int) -> None:
+        self.processes: dict[int, subprocess.Popen] = {}
+        for local_rank, rank in enumerate(ranks):
+            env = WorkerEnv(rank=rank, local_rank=local_rank, world_size=world_size,
+                            controller_addr=controller_addr, master_addr=master_addr,
+                            master_port=master_port)
+            self.processes[rank] = subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE], env={**os.environ, **env.to_environ()},
+                preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads run at this point
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {rank: process.pid for rank, process in self.processes.items()}
+
+    def exited(self) -> dict[int, int]:
+        """Ranks whose process has exited, with its exit code."""
+        return {rank: code for rank, process in self.processes.items()
+                if (code := process.poll()) is not None}
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Ask politely (SIGTERM), then SIGKILL whatever is still there after ``grace_s``."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+# -- `slipstream worker`: a node that holds ranks but not the controller ----------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Start this node's share of a multi-node instance's worker ranks and wait for them. "
+        "Configured by environment variables, as the operator sets them: "
+        "SLIPSTREAM_WORLD_SIZE, SLIPSTREAM_NODE_RANKS (e.g. 8-15), "
+        "SLIPSTREAM_CONTROLLER_ADDR (host:port), MASTER_ADDR, MASTER_PORT. "
+        "Exits non-zero as soon as any rank fails, so the pod restarts.")
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = NodeEnv.from_environ()
+    missing = [name for name, value in (("SLIPSTREAM_WORLD_SIZE", env.world_size),
+                                        ("SLIPSTREAM_NODE_RANKS", env.node_ranks),
+                                        ("SLIPSTREAM_CONTROLLER_ADDR", env.controller_addr),
+                                        ("MASTER_ADDR", env.master_addr),
+                                        ("MASTER_PORT", env.master_port)) if value is None]
+    if missing:
+        log.error("slipstream worker needs %s in its environment", ", ".join(missing))
+        return 2
+    workers = LocalWorkers(env.node_ranks, env.world_size, env.controller_addr,
+                           env.master_addr, env.master_port)
+    signal.signal(signal.SIGTERM, lambda *_: (workers.stop(), sys.exit(0)))
+    log.info("started ranks %s", list(workers.pids))
+    try:
+        while True:
+            exited = workers.exited()
+            if any(code != 0 for code in exited.values()) or len(exited) == len(workers.processes):
+                break
+            time.sleep(0.5)
+    finally:
+        workers.stop()
+    failed = {rank: code for rank, code in workers.exited().items() if code != 0}
+    if failed:
+        log.error("worker ranks failed: %s", failed)
+        return 1
+    return 0
