@@ -169,6 +169,12 @@ class LLMEngine:
         if close is not None:
             close()
 
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if a worker process is gone (cheap; call when idle)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            check()
+
     def step(self) -> list[RequestOutput]:
         if self.pipeline_depth > 1:
             return self._step_pipelined()

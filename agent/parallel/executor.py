@@ -50,25 +50,25 @@ class ParallelExecutor:
             raise ValueError(f"SLIPSTREAM_WORLD_SIZE={node_env.world_size} but tp*spp*kvp = "
                              f"{self.world_size}")
         if node_env.controller_addr:
-            _, _, port = node_env.controller_addr.rpartition(":")
-            self.socket = ControllerSocket("*", int(port))
             connect_addr = node_env.controller_addr
+            bind_host, port = "*", int(connect_addr.rpartition(":")[2])
         else:
-            self.socket = ControllerSocket("127.0.0.1")
-            connect_addr = f"127.0.0.1:{self.socket.port}"
+            bind_host, port = "127.0.0.1", free_port()
+            connect_addr = f"127.0.0.1:{port}"
         local_ranks = (node_env.node_ranks if node_env.node_ranks is not None
                        else tuple(range(self.world_size)))
-        self.workers: LocalWorkers | None = None
         self.pipeline_depth = parallel.spp
         self.last_forward_s = 0.0  # not measurable from here; kept for the runner interface
         self._next_seq = 0
         self._in_flight: deque[int] = deque()
         self._closed = False
+        # Workers first: they are forked, and the socket below starts ZeroMQ's I/O threads.
+        # They keep retrying the connection until the socket is bound.
+        self.workers = LocalWorkers(local_ranks, self.world_size, connect_addr,
+                                    node_env.master_addr or "127.0.0.1",
+                                    node_env.master_port or free_port()) if local_ranks else None
         try:
-            if local_ranks:
-                self.workers = LocalWorkers(local_ranks, self.world_size, connect_addr,
-                                            node_env.master_addr or "127.0.0.1",
-                                            node_env.master_port or free_port())
+            self.socket = ControllerSocket(bind_host, port)
             threads = max(1, (os.cpu_count() or 1) // max(1, len(local_ranks)))
             self.num_kv_blocks = self._start(config, threads, start_timeout_s)
         except BaseException:
@@ -150,6 +150,12 @@ class ParallelExecutor:
             results.append((seq, sampled))
         return results
 
+    def check_alive(self) -> None:
+        """Raise ``WorkerLost`` if a worker is gone. Only while idle: ``collect`` watches
+        while batches are in flight."""
+        if not self._in_flight and self._recv(0.0) is not None:
+            raise WorkerLost("a worker sent a message while the pipeline was idle")
+
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
         seq = self.submit(batch)
         while True:
@@ -176,11 +182,13 @@ class ParallelExecutor:
         if self._closed:
             return
         self._closed = True
+        socket = getattr(self, "socket", None)
         try:
-            if self.socket.identities:
-                self.socket.broadcast(STOP)
+            if socket is not None and socket.identities:
+                socket.broadcast(STOP)
         except PeerLost:
             pass
         if self.workers is not None:
             self.workers.stop()
-        self.socket.close()
+        if socket is not None:
+            socket.close()

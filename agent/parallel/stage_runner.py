@@ -98,19 +98,17 @@ class StageRunner:
             dist.recv(hidden_in, src=self.groups.prev_rank)
         started = time.monotonic()
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend, hidden_in)
-        result = None
-        if not self.stage.is_last:
-            self._send(hidden)
-        elif self.computes_logits:
+        logits = None
+        if self.computes_logits:
             logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
-            if self.is_sampler:
-                result = self._sample(batch, sample_rows, logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         coords = self.groups.coords
         self.spans.append(StageSpan(batch_seq, coords.rank, coords.stage, coords.kvp_group,
                                     len(positions), started, time.monotonic()))
-        return result
+        if not self.stage.is_last:
+            self._send(hidden)
+        return self._sample(batch, sample_rows, logits) if self.is_sampler else None
 
     def finish_sends(self) -> None:
         if self._pending_send is not None:

@@ -1,7 +1,8 @@
 """The worker process: owns one rank, runs every batch the controller sends, in order.
 
-    node launcher -> python -m slipstream.agent.parallel.worker  (rank etc. in the environment)
-      connect to the controller -> HELLO -> INIT (engine config) -> process groups, model shard
+    node launcher (launch.py) -> run_worker(WorkerEnv)   or, by hand,
+    python -m slipstream.agent.parallel.worker            (rank etc. in the environment)
+      -> connect to the controller -> HELLO -> INIT (engine config) -> process groups, model shard
       -> READY -> loop: BATCH -> StageRunner.run -> (sampler rank) RESULT
 
 Batches are handled strictly in arrival order on every rank. That order is what makes the
@@ -10,7 +11,7 @@ collectives are issued in the same sequence on every member of a group.
 
 A worker never outlives its controller: it exits when the controller's connection drops (even
 while blocked in a collective), and a locally started worker also dies with its parent
-process (``PR_SET_PDEATHSIG``, set by the launcher).
+process (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -94,17 +95,23 @@ def serve_forever(env: WorkerEnv) -> int:
     return 0
 
 
-def main() -> int:
+def run_worker(env: WorkerEnv) -> None:
+    """A worker process's whole life; never returns."""
+    from slipstream.agent.parallel.launch import die_with_parent
+
+    die_with_parent()
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches the whole process group; the controller decides when
     # workers stop, so they ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = serve_forever(WorkerEnv.from_environ())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = serve_forever(env)
     sys.stdout.flush()
+    sys.stderr.flush()
     # Skip interpreter teardown: gloo/NCCL threads can hang it, and there is nothing to flush.
     os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    run_worker(WorkerEnv.from_environ())

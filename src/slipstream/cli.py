@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("slipstream.agent.server.cli", "Serve a model behind an OpenAI-compatible HTTP API."),
     "make-tiny-model": ("slipstream.agent.engine.tiny_model",
                         "Write a small random-weight Llama in Hugging Face format."),
+    "worker": ("slipstream.agent.parallel.launch",
+               "Start this node's worker ranks of a multi-node instance (env-configured)."),
 }
 
 
