@@ -2,6 +2,7 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-transport controller->worker hop per iteration (ZeroMQ + msgspec/pickle)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine clean
+.PHONY: setup serve test test-unit lint-imports bench-engine bench-transport clean
 
 setup: $(STAMP)
 
@@ -35,6 +36,9 @@ test-unit: setup
 
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+
+bench-transport: setup
+	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
 clean:
 	rm -rf $(VENV) build *.egg-info
