@@ -3,6 +3,9 @@
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
 #   make bench-transport controller->worker hop per iteration (ZeroMQ + msgspec/pickle)
+#   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
+#   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
+#   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +15,8 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine bench-transport clean
+.PHONY: setup serve test test-unit lint-imports bench-engine bench-transport bench-metrics \
+	bench-sched clean prometheus-tools dashboards
 
 setup: $(STAMP)
 
@@ -28,7 +32,13 @@ serve: setup
 lint-imports: setup
 	$(BIN)/lint-imports
 
-test: setup lint-imports
+# promtool and prometheus (Debian package) for the alert-rule, dashboard and scrape tests.
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; }
+
+test: setup lint-imports prometheus-tools
 	$(BIN)/pytest
 
 test-unit: setup
@@ -39,6 +49,15 @@ bench-engine: setup
 
 bench-transport: setup
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
+
+bench-metrics: setup
+	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
+
+dashboards: setup
+	cd charts && $(abspath $(BIN))/python -m dashgen
+
+bench-sched: setup
+	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,6 +15,7 @@ request, stops, and calls ``on_fatal`` so the server can exit non-zero and be re
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -78,6 +79,10 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+        # Everything loaded so far (model, tokenizer, tables) lives for the whole process;
+        # moving it out of the collector's generations keeps GC pauses out of schedule().
+        gc.collect()
+        gc.freeze()
         self.healthy = True
         self._thread.start()
 

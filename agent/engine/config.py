@@ -123,6 +123,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | flashinfer
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp x spp x kvp ranks
+    # A profile directory (``slipstream profile``) turns on the time-budget packer; without
+    # one the scheduler packs a plain token budget of max_batched_tokens.
+    profile_dir: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -26,20 +26,13 @@ from dataclasses import dataclass, field
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions_total: int
 
 
 @dataclass
@@ -74,20 +67,33 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.runner = _make_runner(config, self.model_config)
         self.pipeline_depth: int = getattr(self.runner, "pipeline_depth", 1)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks)
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
         if config.parallel.kvp > 1 and scheduler_config.kvp_tokens_per_group is None:
             scheduler_config = dataclasses.replace(
                 scheduler_config, kvp_tokens_per_group=config.parallel.kvp_tokens_per_group)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        # Swap preemption needs somewhere to put the blocks: a host pool as large as the
+        # device one, so that any preempted request fits.
+        num_host_blocks = self.runner.num_kv_blocks if scheduler_config.preemption == "swap" else 0
+        if num_host_blocks and not config.parallel.is_single_process:
+            self.close()
+            raise ValueError("swap preemption is not supported with parallel workers yet; "
+                             "use --preemption recompute")
+        if num_host_blocks:
+            self.runner.allocate_host_cache(num_host_blocks)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager,
+                                   predictor=_load_predictor(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
-        # Pipelined execution: batch seq -> (batch, each request's preemption count at send),
-        # and request id -> seq of the batch that will bring its next token.
-        self._dispatched: dict[int, tuple[Batch, dict[str, int]]] = {}
+        # Called on the engine thread after each executed batch (metrics); keep it cheap.
+        self.on_step: Callable[[StepStats], None] | None = None
+        # Pipelined execution: batch seq -> (batch, each request's preemption count at send,
+        # clock readings for StepStats), and request id -> seq of the batch that will bring its
+        # next token.
+        self._dispatched: dict[int, tuple[Batch, dict[str, int], float, float]] = {}
         self._sampling_seq: dict[str, int] = {}
 
     @property
@@ -159,7 +165,16 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv_blocks_used=self.block_manager.kv_blocks_used,
             kv_blocks_total=self.block_manager.kv_blocks_total,
-            num_preemptions_total=self.scheduler.num_preemptions_total)
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            kvp_active_degree=self._kvp_active_degree())
+
+    def _kvp_active_degree(self) -> int:
+        """KVP groups the widest running request's KV spans (progressive KVP)."""
+        group_tokens = self.scheduler.config.kvp_tokens_per_group
+        if self.config.parallel.kvp == 1 or group_tokens is None:
+            return 1
+        widest = max((r.num_computed_tokens for r in self.scheduler.running), default=0)
+        return max(1, -(-widest // group_tokens))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -178,11 +193,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.pipeline_depth > 1:
             return self._step_pipelined()
-        batch = self.scheduler.schedule(self.clock())
+        schedule_start_s = self.clock()
+        batch = self.scheduler.schedule(schedule_start_s)
         if batch.is_empty:
             return []
+        execute_start_s = self.clock()
         sampled = self.runner.execute(batch)
         now = self.clock()
+        if self.on_step is not None:
+            self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
+                                   self.runner.last_forward_s))
         self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
                 if (out := self._process(rid, token, now)) is not None]
@@ -192,9 +212,10 @@ class LLMEngine:
         runner = self.runner
         sent = False
         if runner.num_in_flight < self.pipeline_depth:
-            batch = self.scheduler.schedule(self.clock())
+            schedule_start_s = self.clock()
+            batch = self.scheduler.schedule(schedule_start_s)
             if not batch.is_empty:
-                self._dispatch(batch)
+                self._dispatch(batch, schedule_start_s)
                 sent = True
         if runner.num_in_flight == 0:
             return []
@@ -203,12 +224,13 @@ class LLMEngine:
         return [output for seq, sampled in runner.collect(block=block)
                 for output in self._complete(seq, sampled)]
 
-    def _dispatch(self, batch: Batch) -> None:
+    def _dispatch(self, batch: Batch, schedule_start_s: float) -> None:
+        execute_start_s = self.clock()
         seq = self.runner.submit(batch)
         requests = self.scheduler.requests
         generations = {chunk.request_id: requests[chunk.request_id].num_preemptions
                        for chunk in batch.chunks}
-        self._dispatched[seq] = (batch, generations)
+        self._dispatched[seq] = (batch, generations, schedule_start_s, execute_start_s)
         for chunk in batch.chunks:
             if chunk.sample:
                 requests[chunk.request_id].in_flight = True
@@ -219,7 +241,7 @@ class LLMEngine:
             self.scheduler.update(Batch(chunks=advanced), {}, self.clock())
 
     def _complete(self, seq: int, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        batch, generations = self._dispatched.pop(seq)
+        batch, generations, schedule_start_s, execute_start_s = self._dispatched.pop(seq)
         requests = self.scheduler.requests
         current = []
         for chunk in batch.chunks:
@@ -237,6 +259,9 @@ class LLMEngine:
             else:
                 sampled.pop(request_id, None)
         now = self.clock()
+        if self.on_step is not None:  # execute time here includes the wait in the pipeline
+            self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
+                                   self.runner.last_forward_s))
         self.scheduler.update(Batch(chunks=tuple(current)),
                               {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
@@ -304,3 +329,9 @@ def _make_runner(config: EngineConfig, model_config: ModelConfig):
     from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
 
     return ParallelExecutor(config)
+
+
+def _load_predictor(config: EngineConfig) -> RuntimePredictor | None:
+    if config.profile_dir is None:
+        return None
+    return RuntimePredictor.from_directory(config.profile_dir)

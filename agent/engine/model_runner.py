@@ -42,8 +42,7 @@ def resolve_device(requested: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -53,7 +52,7 @@ class ModelRunner:
         self.backend = select_backend(self.device, config.attention_backend)
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.kv_caches = self._allocate(self.num_kv_blocks, self.device)
-        self.host_kv_caches = self._allocate(num_host_blocks, torch.device("cpu"))
+        self.host_kv_caches = self._allocate(0, torch.device("cpu"))
         self.sampler = Sampler(config.seed)
         # Seconds spent in the model forward (and logits) by the last execute(): the rest of
         # an engine step is scheduling, tensor preparation, sampling and output handling.
@@ -66,6 +65,10 @@ class ModelRunner:
         element_bytes = torch.finfo(self.dtype).bits // 8
         bytes_per_token = self.model_config.kv_bytes_per_token // 4 * element_bytes
         return max(1, int(self.config.kv_cache_memory_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
+
+    def allocate_host_cache(self, num_blocks: int) -> None:
+        """Host-memory KV blocks that swap preemption copies device blocks into."""
+        self.host_kv_caches = self._allocate(num_blocks, torch.device("cpu"))
 
     def _allocate(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         shape = (num_blocks, BLOCK_SIZE, self.model_config.num_kv_heads, self.model_config.head_dim)

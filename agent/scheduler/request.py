@@ -55,6 +55,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)  # KV held in host memory (swapped)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -62,6 +63,9 @@ class Request:
     # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
     # while it is set.
     in_flight: bool = False
+    # Set by the scheduler at add(): absolute TTFT deadline and total prefill work (urgency.py).
+    ttft_deadline_s: float | None = None
+    prefill_work_s: float | None = None
     # Times on the scheduler's clock, filled as the request progresses.
     first_scheduled_s: float | None = None
     first_token_s: float | None = None

@@ -1,52 +1,77 @@
 """The iteration scheduler: owns the queues and the block manager, and emits one Batch per step.
 
 There are no prefill or decode phases. Each running request has ``num_computed_tokens``
-catching up to ``num_tokens``; a step grants each request some of its missing tokens. Running
-decodes are granted first (one token each), then prefill chunks in queue order until the
-packer's budget is spent. A chunk is admitted only if its KV blocks fit. When a decode cannot
-get a block, the newest running request is preempted by recompute: its blocks are freed and it
-goes back to the front of the queue with its generated tokens intact.
+catching up to ``num_tokens``; a step grants each request some of its missing tokens:
 
-The engine calls, every iteration::
+    schedule(now):
+        policy.on_step(now)                 # e.g. Justitia's virtual clock
+        displace                            # SRPT only: a shorter waiting request evicts
+        swap in                             # swapped requests come back when blocks allow
+        grant every running decode          # KV pressure -> preempt the policy's victim
+        PrefillBudget: decodes, then prefill chunks in policy order (packer.py)
+        -> Batch(decodes first, then prefill chunks, swap copies, predicted time)
+
+A chunk is admitted only if its KV blocks fit. With a runtime predictor the budget is a time
+(``target_batch_time_ms``); without one, time is proportional to tokens and the budget is
+``max_batched_tokens``. The engine calls, every iteration::
 
     batch = scheduler.schedule(now_s)
     sampled = runner.execute(batch)          # {request_id: token_id}
     scheduler.update(batch, sampled, now_s)
-    ...engine checks stop conditions, then scheduler.finish(request_id, reason)
+    ...engine checks stop conditions, then scheduler.finish(request_id, reason, now_s)
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-
-from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
-from slipstream.agent.scheduler.block_manager import BlockManager
+from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
+from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.agent.scheduler.length_predictor import LengthPredictor, RunningMeanLengthPredictor
+from slipstream.agent.scheduler.packer import PrefillBudget
+from slipstream.agent.scheduler.policies import PolicyContext
+from slipstream.agent.scheduler.policy_registry import make_policy
+from slipstream.agent.scheduler.predictor import BatchTimeModel, TokenBudgetModel
+from slipstream.agent.scheduler.preemption import Preemptor
+from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
+from slipstream.agent.scheduler.priority_index import PrefillQueue
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
+from slipstream.agent.scheduler.urgency import UrgencyModel
 
+__all__ = ["Scheduler", "SchedulerConfig"]
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256  # running requests at once
-    max_batched_tokens: int = 512  # token budget per iteration (prefill chunks + decodes)
-    # KVP: a chunk never crosses from one KVP group into the next (Medha progressive KVP).
-    kvp_tokens_per_group: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_batched_tokens < 1:
-            raise ValueError("max_batched_tokens must be >= 1")
-        if self.kvp_tokens_per_group is not None and self.kvp_tokens_per_group < 1:
-            raise ValueError("kvp_tokens_per_group must be >= 1")
+RUNNING = RequestStatus.RUNNING
+WAITING = RequestStatus.WAITING
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 predictor: BatchTimeModel | None = None,
+                 length_predictor: LengthPredictor | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        if predictor is None:
+            self.model: BatchTimeModel = TokenBudgetModel(config.max_batched_tokens,
+                                                          config.target_batch_time_ms)
+            self.packer_config = config.token_budget_packer_config()
+        else:
+            self.model = predictor
+            self.packer_config = config.packer_config()
+        self.prefill_times = PrefillTimeCache(self.model, self.packer_config,
+                                              spp_degree=config.spp_degree)
+        self.urgency = UrgencyModel(self.prefill_times, config.min_ttft_deadline_s,
+                                    config.ttft_deadline_factor)
+        self.length_predictor = length_predictor or RunningMeanLengthPredictor()
+        self.policy = make_policy(config.policy, PolicyContext(
+            urgency=self.urgency,
+            length_predictor=self.length_predictor,
+            kv_capacity_tokens=max(1, block_manager.kv_blocks_total * block_manager.block_size),
+            decode_step_s=config.target_batch_time_ms / 1000.0,
+            srpt_preemptible_fraction=config.srpt_preemptible_fraction,
+        ))
+        self.queue = PrefillQueue(self.policy)
+        self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
 
@@ -55,23 +80,34 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        request.status = RequestStatus.WAITING
+        capacity_tokens = self.block_manager.kv_blocks_total * self.block_manager.block_size
+        if request.num_tokens + 1 > capacity_tokens:
+            raise ValueError(f"request {request.request_id!r} needs {request.num_tokens + 1} KV "
+                             f"tokens; the device holds {capacity_tokens}")
+        request.status = WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.urgency.assign(request)
+        self.policy.on_add(request, request.arrival_s)
+        self.queue.add_waiting(request, request.arrival_s)
 
     def finish(self, request_id: str, reason: FinishReason, now_s: float | None = None) -> Request | None:
         """Remove a request and free its blocks at once. Unknown ids are ignored."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
+        if request.status is RUNNING:
             self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self.block_manager.release(request.block_ids)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        self.queue.remove(request)
+        self.preemptor.release(request)
+        self.urgency.forget(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_s = now_s
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.length_predictor.observe(request)
+        self.policy.on_finish(request, now_s if now_s is not None else 0.0)
         return request
 
     def has_unfinished(self) -> bool:
@@ -79,62 +115,47 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.queue.waiting)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     # -- one iteration ----------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> Batch:
-        budget = self.config.max_batched_tokens
-        chunks: list[ScheduledChunk] = []
-
-        # Oldest first, so that preemption (newest first) never hits a request already granted.
-        decodes = sorted((r for r in self.running if not r.in_prefill and not r.in_flight),
-                         key=lambda r: r.arrival_s)
-        granted: set[str] = set()
-        for request in decodes:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if not self._reserve(request, request.num_tokens, granted):
-                continue
-            chunks.append(self._chunk(request, request.num_uncomputed_tokens))
-            granted.add(request.request_id)
-            budget -= 1
-
-        in_prefill = [r for r in self.running if r.in_prefill and not r.in_flight]
-        for request in in_prefill:
-            if budget <= 0:
-                break
-            size = self._chunk_size(request, budget)
-            if self.block_manager.can_grow(request.block_ids, request.num_computed_tokens + size):
-                self.block_manager.grow(request.block_ids, request.num_computed_tokens + size)
-                chunks.append(self._chunk(request, size))
-                budget -= size
-
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            size = self._chunk_size(request, budget)
-            if not self.block_manager.can_grow(request.block_ids, request.num_computed_tokens + size):
-                break  # admission by free KV blocks; FCFS, so nobody jumps the head
-            self.waiting.popleft()
-            self.block_manager.grow(request.block_ids, request.num_computed_tokens + size)
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_s is None:
-                request.first_scheduled_s = now_s
-            self.running.append(request)
-            chunks.append(self._chunk(request, size))
-            budget -= size
-
-        return Batch(chunks=tuple(chunks))
+        self.policy.on_step(now_s)
+        self._displace(now_s)
+        swap_in = self._swap_in(now_s)
+        swap_out: list[BlockCopy] = []
+        decodes = self._grant_decodes(now_s, swap_out)
+        if self._unblock_head_prefill(now_s, swap_out):
+            decodes = [request for request in decodes if request.status is RUNNING]
+        budget = PrefillBudget(self.model, self.packer_config)
+        # A decode's KV after this step is its start position + 1.
+        budget.add_decodes(len(decodes), sum(r.num_computed_tokens for r in decodes) + len(decodes))
+        grants = self._pack_prefills(now_s, budget)
+        chunks = [self._decode_chunk(request) for request in decodes]
+        chunks.extend(self._admit(request, size, now_s) for request, size in grants)
+        return Batch(
+            chunks=tuple(chunks),
+            swap_out=tuple(swap_out),
+            swap_in=tuple(swap_in),
+            predicted_time_s=budget.time_ms / 1000.0,
+            meta={"num_decodes": len(decodes), "num_prefills": len(grants),
+                  "long_prefill": budget.has_long_prefill},
+        )
 
     def update(self, batch: Batch, sampled: dict[str, int], now_s: float) -> None:
         """Advance each scheduled request past its chunk and append its sampled token."""
+        prefilling = self.queue.prefilling
         for chunk in batch.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not RUNNING:
                 continue  # finished or aborted while the batch ran
             request.num_computed_tokens = chunk.end_pos
             token = sampled.get(chunk.request_id)
@@ -142,15 +163,179 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 if request.first_token_s is None:
                     request.first_token_s = now_s
+            if request in prefilling:
+                self.queue.rekey(request, now_s)
 
-    # -- helpers ----------------------------------------------------------------------------
+    # -- steps of schedule() ----------------------------------------------------------------
 
-    def _chunk_size(self, request: Request, budget: int) -> int:
-        size = min(request.num_uncomputed_tokens, budget)
-        group = self.config.kvp_tokens_per_group
-        if group is not None:
-            size = min(size, group - request.num_computed_tokens % group)
-        return size
+    def _displace(self, now_s: float) -> None:
+        """TRAIL-style limited preemption: a shorter waiting request evicts a longer runner."""
+        if not self.policy.can_displace or not self.queue.waiting or not self.running:
+            return
+        for _ in range(self.config.max_displacements_per_step):
+            head = self.queue.first_waiting(now_s)
+            first_chunk = min(head.num_uncomputed_tokens, self.packer_config.initial_chunk_tokens)
+            seats_full = len(self.running) >= self.config.max_num_seqs
+            memory_short = self.block_manager.kv_blocks_free < blocks_for_tokens(
+                first_chunk, self.block_manager.block_size)
+            if not (seats_full or memory_short):
+                return
+            victim = max(self.running, key=lambda r: self.policy.victim_key(r, now_s))
+            if not self.policy.may_displace(head, victim, now_s):
+                return
+            self._preempt(victim, now_s, swap_out=None)  # early preemption: recompute is cheap
+
+    def _swap_in(self, now_s: float) -> list[BlockCopy]:
+        copies: list[BlockCopy] = []
+        if not self.swapped:
+            return copies
+        # Keep a block per running request free so their decodes can grow without preempting.
+        reserve = len(self.running)
+        for request in sorted(self.swapped, key=lambda r: self.policy.urgency(r, now_s)):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            copy = self.preemptor.swap_in(request, reserve_blocks=reserve + 1)
+            if copy is None:
+                break
+            copies.append(copy)
+            self.swapped.remove(request)
+            self.running.append(request)
+            if request.in_prefill:
+                self.queue.start_prefilling(request, now_s)
+            reserve += 1
+        return copies
+
+    def _grant_decodes(self, now_s: float, swap_out: list[BlockCopy]) -> list[Request]:
+        """Reserve a block for every running decode, preempting the least urgent if needed."""
+        manager = self.block_manager
+        block_size = manager.block_size
+        # Running requests are either in the prefilling index or decoding (one token short).
+        prefilling = self.queue.prefilling.members
+        decodes = [r for r in self.running if r not in prefilling and not r.in_flight]
+        shortfall = [r for r in decodes
+                     if r.num_computed_tokens // block_size >= len(r.block_ids)]
+        if len(shortfall) <= manager.kv_blocks_free:  # the common case: no pressure, no sorting
+            for request in shortfall:
+                request.block_ids.extend(manager.device.allocate(1))
+            return decodes
+        order = sorted(self.running, key=lambda r: self.policy.victim_key(r, now_s))
+        granted: list[Request] = []
+        tail = len(order) - 1
+        for request in order:
+            if request.status is not RUNNING or request in self.queue.prefilling \
+                    or request.in_flight:
+                continue
+            while not manager.can_grow(request.block_ids, request.num_tokens):
+                while tail >= 0 and order[tail].status is not RUNNING:
+                    tail -= 1
+                victim = order[tail] if tail >= 0 else request
+                if victim is request:
+                    self._preempt(request, now_s, swap_out)
+                    break
+                self._preempt(victim, now_s, swap_out)
+            else:
+                manager.grow(request.block_ids, request.num_tokens)
+                granted.append(request)
+        return granted
+
+    def _unblock_head_prefill(self, now_s: float, swap_out: list[BlockCopy]) -> bool:
+        """Let the most urgent running prefill take blocks from less urgent running requests.
+
+        Prefill chunks never preempt on their own, so running prefills could otherwise fill
+        the cache and wait on each other forever. Only the head is served this way.
+        """
+        head = next(self.queue.prefilling.ordered(now_s, self.policy.score_scale), None)
+        if head is None:
+            return False
+        request = head[2]
+        manager = self.block_manager
+        next_tokens = request.num_computed_tokens + min(request.num_uncomputed_tokens,
+                                                        self.packer_config.min_chunk_tokens)
+        need = manager.blocks_needed(request.block_ids, next_tokens)
+        if need <= manager.kv_blocks_free:
+            return False
+        urgency = self.policy.urgency
+        head_urgency = urgency(request, now_s)
+        victims = sorted((r for r in self.running if urgency(r, now_s) > head_urgency),
+                         key=lambda r: urgency(r, now_s), reverse=True)
+        preempted = False
+        for victim in victims:
+            if need <= manager.kv_blocks_free:
+                break
+            self._preempt(victim, now_s, swap_out)
+            preempted = True
+        return preempted
+
+    def _pack_prefills(self, now_s: float, budget: PrefillBudget) -> list[tuple[Request, int]]:
+        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full."""
+        config, manager, policy = self.config, self.block_manager, self.policy
+        block_size = manager.block_size
+        seats = config.max_num_seqs - len(self.running)
+        free_blocks = manager.kv_blocks_free
+        watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
+        waiting_blocked = False
+        grants: list[tuple[Request, int]] = []
+        misses = 0
+        # Swapped requests resume before anything new is admitted.
+        include_waiting = seats > 0 and not self.swapped
+        for request in self.queue.candidates(now_s, include_waiting):
+            if budget.exhausted:
+                break
+            if request.in_flight:
+                continue  # SPP: the token of its last chunk is not back yet
+            is_new = request.status is WAITING
+            size = 0
+            if not (is_new and (seats <= 0 or waiting_blocked)):
+                kv_before = request.num_computed_tokens
+                room = free_blocks - (watermark if is_new else 0)
+                fit_tokens = (len(request.block_ids) + room) * block_size - kv_before
+                slack = self.urgency.relative_slack(request, now_s) if budget.is_long(kv_before) else 0.0
+                size = budget.chunk_for(kv_before, request.num_uncomputed_tokens, slack, fit_tokens)
+            if size <= 0:
+                waiting_blocked |= is_new and policy.head_of_line_blocking
+                misses += 1
+                if misses >= config.max_prefill_candidates:
+                    break
+                continue
+            budget.add_prefill(kv_before, size)
+            free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
+            seats -= is_new
+            grants.append((request, size))
+        return grants
+
+    # -- state changes ----------------------------------------------------------------------
+
+    def _admit(self, request: Request, size: int, now_s: float) -> ScheduledChunk:
+        self.block_manager.grow(request.block_ids, request.num_computed_tokens + size)
+        if request.status is WAITING:
+            request.status = RUNNING
+            self.running.append(request)
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = now_s
+            if size < request.num_uncomputed_tokens:
+                self.queue.start_prefilling(request, now_s)
+            else:
+                self.queue.remove(request)
+        return self._chunk(request, size)
+
+    def _preempt(self, request: Request, now_s: float, swap_out: list[BlockCopy] | None) -> None:
+        self.running.remove(request)
+        self.queue.remove(request)
+        computed_tokens = request.num_computed_tokens
+        copy = self.preemptor.preempt(request, allow_swap=swap_out is not None)
+        self.num_preemptions_total += 1
+        if copy is not None:
+            swap_out.append(copy)
+            self.swapped.append(request)
+            return
+        self.urgency.note_recompute(request, computed_tokens)
+        self.queue.add_waiting(request, now_s)
+
+    def _decode_chunk(self, request: Request) -> ScheduledChunk:
+        outputs = request.output_token_ids
+        token = outputs[-1] if outputs else request.prompt_token_ids[-1]
+        return ScheduledChunk(request.request_id, (token,), request.num_computed_tokens,
+                              tuple(request.block_ids), True, request.sampling, len(outputs))
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -164,28 +349,3 @@ class Scheduler:
             sampling=request.sampling,
             num_generated=request.num_output_tokens,
         )
-
-    def _reserve(self, request: Request, num_tokens: int, granted: set[str]) -> bool:
-        """Grow ``request`` to ``num_tokens``, preempting the newest ungranted others if needed."""
-        while not self.block_manager.can_grow(request.block_ids, num_tokens):
-            victim = self._pick_victim(exclude=request, granted=granted)
-            if victim is None:
-                self._preempt(request)
-                return False
-            self._preempt(victim)
-        self.block_manager.grow(request.block_ids, num_tokens)
-        return True
-
-    def _pick_victim(self, exclude: Request, granted: set[str]) -> Request | None:
-        candidates = [r for r in self.running if r is not exclude and r.request_id not in granted]
-        return max(candidates, key=lambda r: r.arrival_s) if candidates else None
-
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free the KV, keep the tokens, requeue at the front."""
-        self.running.remove(request)
-        self.block_manager.release(request.block_ids)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.waiting.appendleft(request)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
+from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server.chat import create_chat_completion
 from slipstream.agent.server.completions import create_completion
 from slipstream.agent.server.config import ServerConfig
@@ -48,8 +49,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
               manage_engine: bool = True) -> FastAPI:
     """The app for ``engine``. With ``manage_engine`` the app starts and stops the engine."""
     config = config or ServerConfig()
+    tpot_s = None if config.slo_tpot_ms is None else config.slo_tpot_ms / 1000.0
     metrics = ServingMetrics(engine.stats, pool=config.pool,
-                             long_prompt_threshold_tokens=config.long_prompt_threshold_tokens)
+                             long_prompt_threshold_tokens=config.long_prompt_threshold_tokens,
+                             default_slo=RequestSLO(ttft_s=config.slo_ttft_s, tpot_s=tpot_s),
+                             attainment_target=config.slo_attainment_target)
+    # Per-iteration metrics; set before the engine thread starts, read only by it.
+    engine.engine.on_step = metrics.step_metrics.observe
     ctx = ServingContext(engine=engine, metrics=metrics, config=config)
 
     @contextlib.asynccontextmanager

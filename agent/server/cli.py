@@ -21,6 +21,8 @@ import logging
 import os
 from pathlib import Path
 
+from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
+
 from slipstream.agent.server.config import (
     DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
 
@@ -93,6 +95,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "get the rest of the context)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
+    slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
+    slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
+                     help="TTFT objective for requests that bring no slo of their own; counted "
+                          "in slipstream_slo_requests_total and drawn on the dashboards")
+    slo.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS",
+                     help="TPOT objective for requests that bring no slo of their own")
+    slo.add_argument("--slo-attainment-target", type=float, default=0.99, metavar="RATIO",
+                     help="share of requests that should meet their SLO; the burn-rate alerts "
+                          "read it from slipstream_slo_attainment_target_ratio")
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--policy", choices=POLICY_NAMES, default="lars",
+                       help="prefill order: lars (least relative slack, Medha), fcfs, edf, lrs, "
+                            "srpt (TRAIL, limited preemption) or justitia (fair per app_id)")
+    sched.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                       help="runtime profile from `slipstream profile`; enables the time-budget "
+                            "packer (adaptive chunking). Without it each iteration packs "
+                            "--max-batched-tokens tokens")
+    sched.add_argument("--target-batch-time-ms", type=float, default=None, metavar="MS",
+                       help="iteration time budget with --profile; default: --slo-tpot-ms if "
+                            "given, else 50")
+    sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
+                       help="most of the budget a long prefill yields to short ones (Medha)")
+    sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144,
+                       metavar="TOKENS", help="processed KV at which a prefill counts as long")
+    sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
+                       help="how decodes are preempted under KV pressure")
+
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
@@ -101,8 +131,21 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         pool=args.pool or os.environ.get("SLIPSTREAM_POOL") or "unified",
         long_prompt_threshold_tokens=args.long_prompt_threshold_tokens,
         default_max_tokens_cap=args.default_max_tokens,
+        slo_ttft_s=args.slo_ttft_seconds,
+        slo_tpot_ms=args.slo_tpot_ms,
+        slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
     )
+
+
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    target_ms = args.target_batch_time_ms or args.slo_tpot_ms or 50.0
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        policy=args.policy, target_batch_time_ms=target_ms,
+        max_space_share_fraction=args.max_space_share_fraction,
+        long_request_threshold_tokens=args.long_request_threshold_tokens,
+        preemption=args.preemption)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,12 +154,12 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.parallel.config import ParallelConfig
     from slipstream.agent.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from slipstream.agent.engine.errors import EngineDeadError
-    from slipstream.agent.parallel.config import ParallelConfig
 
     try:
         server_config = server_config_from_args(args)
@@ -124,10 +167,10 @@ def run(args: argparse.Namespace) -> int:
             model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
             device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-            max_batched_tokens=args.max_batched_tokens, seed=args.seed,
+            max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
             parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
                                     kvp_tokens_per_group=args.kvp_tokens_per_group))
-        engine = AsyncEngine(engine_config)
+        engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
     except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2

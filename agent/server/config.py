@@ -22,6 +22,10 @@ class ServerConfig:
     pool: str = "unified"  # metrics label: which prefill pool this instance serves
     long_prompt_threshold_tokens: int = DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS
     default_max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    # The ServingReplica's SLO: applied (for metrics) to requests that bring none of their own.
+    slo_ttft_s: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_attainment_target: float = 0.99
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -31,5 +35,12 @@ class ServerConfig:
             raise ValueError("long_prompt_threshold_tokens must be positive")
         if self.default_max_tokens_cap < 1:
             raise ValueError("default_max_tokens_cap must be positive")
+        for name in ("slo_ttft_s", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 < self.slo_attainment_target < 1:
+            raise ValueError("slo_attainment_target must be in (0, 1), got "
+                             f"{self.slo_attainment_target}")
         if not self.pool:
             raise ValueError("pool must be a non-empty label")

@@ -232,8 +232,10 @@ async def start_generation(ctx: ServingContext, http_request: Request,
     try:
         first = await run_until_disconnect(http_request, anext(outputs))
     except ValueError as error:
+        timer.finish(None, "error")
         raise bad_request(str(error)) from None
     except StopAsyncIteration:
+        timer.finish(None, "error")
         raise APIError(500, "the engine ended the request without output") from None
     except ClientDisconnected:
         timer.finish(None, "abort")

@@ -1,83 +1,129 @@
 """Prometheus metrics of one serving instance, scraped from ``GET /metrics``.
 
-    engine RequestOutput stream --(RequestTimer, per request)--> histograms and counters
+    engine RequestOutput stream --(RequestTimer, per request)--> latency histograms, counters,
+                                                                 in-flight gauges by class
+    engine step --(LLMEngine.on_step -> StepMetrics, step_metrics.py)--> batch histograms
     engine.stats() --(EngineStatsCollector, at scrape time)--> queue, KV and preemption gauges
 
 Latency histograms carry ``request_class`` (short/long by prompt length) and ``pool`` labels,
-so the SLO dashboards can split them the way the pools split traffic. Everything lives in a
-private ``CollectorRegistry``: two apps in one process (tests) never share series.
+so the SLO dashboards can split them the way the pools split traffic. Names and help texts come
+from ``metric_names``, the registry the dashboards and alert rules are checked against.
+Everything lives in a private ``CollectorRegistry``: two apps in one process (tests) never
+share series.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from slipstream.agent.engine.sampling_params import RequestOutput
+from slipstream.agent.engine.stats import EngineStats
 from slipstream.agent.scheduler.request import RequestSLO
-
-if TYPE_CHECKING:
-    from slipstream.agent.engine.engine import EngineStats
-
-
-def log_spaced_buckets(low_s: float, high_s: float, ratio: float = 2 ** 0.5) -> tuple[float, ...]:
-    """Bucket bounds from ``low_s`` growing by ``ratio`` until ``high_s`` is covered."""
-    bounds = [low_s]
-    while bounds[-1] < high_s:
-        bounds.append(bounds[-1] * ratio)
-    return tuple(float(f"{bound:.4g}") for bound in bounds)
-
+from slipstream.agent.server import metric_names as names
+from slipstream.agent.server.step_metrics import StepMetrics, log_spaced_buckets
 
 # Request-level latencies: TTFT SLOs run from ~100 ms (chat) to tens of seconds (1M-token
 # prefill). Token-level latencies: TPOT SLOs are tens of ms, a CPU tiny model is ~1 ms.
 REQUEST_LATENCY_BUCKETS_S = log_spaced_buckets(0.005, 60.0)
 TOKEN_LATENCY_BUCKETS_S = log_spaced_buckets(0.001, 10.0)
+DEFAULT_ATTAINMENT_TARGET = 0.99
 
-_LABELS = ("request_class", "pool")
+# ``*_created`` timestamps would add a series per counter and histogram child that no
+# dashboard reads; Prometheus 2 stores them as separate, untyped series.
+disable_created_metrics()
+
+
+def with_bound(buckets: tuple[float, ...], bound_s: float | None) -> tuple[float, ...]:
+    """``buckets`` plus the SLO threshold itself, so ``le="<slo>"`` counts attainment exactly."""
+    return buckets if bound_s is None else tuple(sorted({*buckets, float(bound_s)}))
+
+
+def _histogram(spec: names.MetricSpec, buckets: tuple[float, ...],
+               registry: CollectorRegistry) -> Histogram:
+    return Histogram(spec.name, spec.help, spec.labels, buckets=buckets, registry=registry)
+
+
+def _counter(spec: names.MetricSpec, registry: CollectorRegistry) -> Counter:
+    return Counter(spec.constructor_name, spec.help, spec.labels, registry=registry)
+
+
+def _gauge(spec: names.MetricSpec, registry: CollectorRegistry) -> Gauge:
+    return Gauge(spec.name, spec.help, spec.labels, registry=registry)
 
 
 class ServingMetrics:
-    """All metrics of one app. ``stats_source`` is read only when Prometheus scrapes."""
+    """All metrics of one app. ``stats_source`` is read only when Prometheus scrapes;
+    ``step_metrics.observe`` is meant for ``LLMEngine.on_step``."""
 
     def __init__(self, stats_source: Callable[[], EngineStats], *, pool: str,
-                 long_prompt_threshold_tokens: int) -> None:
+                 long_prompt_threshold_tokens: int, default_slo: RequestSLO | None = None,
+                 attainment_target: float = DEFAULT_ATTAINMENT_TARGET) -> None:
         self.pool = pool
         self.long_prompt_threshold_tokens = long_prompt_threshold_tokens
+        self.default_slo = default_slo or RequestSLO()
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
-        self.ttft_s = Histogram("slipstream_time_to_first_token_seconds",
-                                "Arrival to first output token.", _LABELS,
-                                buckets=REQUEST_LATENCY_BUCKETS_S, registry=reg)
-        self.tpot_s = Histogram("slipstream_time_per_output_token_seconds",
-                                "Mean time per output token after the first, per request.",
-                                _LABELS, buckets=TOKEN_LATENCY_BUCKETS_S, registry=reg)
-        self.itl_s = Histogram("slipstream_inter_token_latency_seconds",
-                               "Gap between successive token deliveries to the API layer.",
-                               _LABELS, buckets=TOKEN_LATENCY_BUCKETS_S, registry=reg)
-        self.e2e_s = Histogram("slipstream_e2e_request_latency_seconds",
-                               "Arrival to the last output token.", _LABELS,
-                               buckets=REQUEST_LATENCY_BUCKETS_S, registry=reg)
-        self.requests = Counter("slipstream_requests", "Finished requests by finish reason.",
-                                ("finish_reason",), registry=reg)
-        self.prompt_tokens = Counter("slipstream_prompt_tokens", "Prompt tokens of finished "
-                                     "requests.", registry=reg)
-        self.generation_tokens = Counter("slipstream_generation_tokens",
-                                         "Tokens generated and delivered.", registry=reg)
-        self.slo_outcomes = Counter("slipstream_slo_requests",
-                                    "Finished requests that carried an SLO, by met or missed.",
-                                    ("slo", "outcome", "request_class", "pool"), registry=reg)
+        self.ttft_s = _histogram(names.TTFT, with_bound(REQUEST_LATENCY_BUCKETS_S,
+                                                        self.default_slo.ttft_s), reg)
+        self.tpot_s = _histogram(names.TPOT, with_bound(TOKEN_LATENCY_BUCKETS_S,
+                                                        self.default_slo.tpot_s), reg)
+        self.itl_s = _histogram(names.ITL, TOKEN_LATENCY_BUCKETS_S, reg)
+        self.e2e_s = _histogram(names.E2E, REQUEST_LATENCY_BUCKETS_S, reg)
+        self.requests = _counter(names.REQUESTS, reg)
+        self.prompt_tokens = _counter(names.PROMPT_TOKENS, reg)
+        self.generation_tokens = _counter(names.GENERATION_TOKENS, reg)
+        self.slo_outcomes = _counter(names.SLO_REQUESTS, reg)
+        self.in_flight = _gauge(names.REQUESTS_IN_FLIGHT, reg)
+        self._create_children()
+        self._set_constants(attainment_target)
+        self.step_metrics = StepMetrics()
+        reg.register(self.step_metrics)
         reg.register(EngineStatsCollector(stats_source))
+
+    def _create_children(self) -> None:
+        """Export every label combination from the start (as zeros), so rates and ratios in
+        dashboards and alerts exist before the first request of a kind arrives."""
+        for request_class in ("short", "long"):
+            labels = (request_class, self.pool)
+            for histogram in (self.ttft_s, self.tpot_s, self.itl_s, self.e2e_s):
+                histogram.labels(*labels)
+            for phase in ("prefill", "decode"):
+                self.in_flight.labels(*labels, phase)
+            for slo in ("ttft", "tpot", "all"):
+                for outcome in ("met", "missed"):
+                    self.slo_outcomes.labels(slo, outcome, *labels)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
+
+    def _set_constants(self, attainment_target: float) -> None:
+        _gauge(names.POOL_ROLE, self.registry).labels(self.pool).set(1)
+        _gauge(names.SLO_ATTAINMENT_TARGET, self.registry).set(attainment_target)
+        if self.default_slo.ttft_s is not None:
+            _gauge(names.SLO_TTFT_TARGET, self.registry).set(self.default_slo.ttft_s)
+        if self.default_slo.tpot_s is not None:
+            _gauge(names.SLO_TPOT_TARGET, self.registry).set(self.default_slo.tpot_s)
 
     def request_class(self, num_prompt_tokens: int) -> str:
         return "long" if num_prompt_tokens >= self.long_prompt_threshold_tokens else "short"
 
+    def effective_slo(self, slo: RequestSLO | None) -> RequestSLO | None:
+        """The request's objectives, each missing one filled from the instance default."""
+        default = self.default_slo
+        ttft_s = slo.ttft_s if slo is not None and slo.ttft_s is not None else default.ttft_s
+        tpot_s = slo.tpot_s if slo is not None and slo.tpot_s is not None else default.tpot_s
+        if ttft_s is None and tpot_s is None:
+            return None
+        return RequestSLO(ttft_s=ttft_s, tpot_s=tpot_s)
+
     def start_request(self, num_prompt_tokens: int, slo: RequestSLO | None) -> RequestTimer:
-        return RequestTimer(self, self.request_class(num_prompt_tokens), num_prompt_tokens, slo)
+        return RequestTimer(self, self.request_class(num_prompt_tokens), num_prompt_tokens,
+                            self.effective_slo(slo))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -91,6 +137,9 @@ class RequestTimer:
         self._metrics = metrics
         self._labels = (request_class, metrics.pool)
         self._itl_s = metrics.itl_s.labels(*self._labels)  # bound once: observed per token
+        self._in_prefill = metrics.in_flight.labels(*self._labels, "prefill")
+        self._in_decode = metrics.in_flight.labels(*self._labels, "decode")
+        self._in_prefill.inc()
         self._num_prompt_tokens = num_prompt_tokens
         self._slo = slo
         self._arrival_s = time.monotonic()
@@ -105,6 +154,9 @@ class RequestTimer:
         now_s = time.monotonic()
         if self._last_token_s is None:
             self._first_token_s = now_s
+            if not self._recorded:
+                self._in_prefill.dec()
+                self._in_decode.inc()
         else:
             self._itl_s.observe(now_s - self._last_token_s)
         self._last_token_s = now_s
@@ -116,6 +168,7 @@ class RequestTimer:
         if self._recorded:
             return
         self._recorded = True
+        (self._in_prefill if self._last_token_s is None else self._in_decode).dec()
         metrics = self._metrics
         metrics.requests.labels(finish_reason).inc()
         metrics.prompt_tokens.inc(self._num_prompt_tokens)
@@ -140,12 +193,17 @@ class RequestTimer:
         if self._slo is None:
             return
         counter = self._metrics.slo_outcomes
+        all_met = True
         if self._slo.ttft_s is not None:
-            outcome = "met" if ttft_s <= self._slo.ttft_s else "missed"
-            counter.labels("ttft", outcome, *self._labels).inc()
+            met = ttft_s <= self._slo.ttft_s
+            all_met &= met
+            counter.labels("ttft", "met" if met else "missed", *self._labels).inc()
         if self._slo.tpot_s is not None and tpot_s is not None:
-            outcome = "met" if tpot_s <= self._slo.tpot_s else "missed"
-            counter.labels("tpot", outcome, *self._labels).inc()
+            met = tpot_s <= self._slo.tpot_s
+            all_met &= met
+            counter.labels("tpot", "met" if met else "missed", *self._labels).inc()
+        # Goodput counts requests that met every objective they had.
+        counter.labels("all", "met" if all_met else "missed", *self._labels).inc()
 
 
 class EngineStatsCollector(Collector):
@@ -159,14 +217,14 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
-        queue = GaugeMetricFamily("slipstream_queue_depth", "Requests in the scheduler by "
-                                  "state.", labels=["state"])
+        queue = GaugeMetricFamily(names.QUEUE_DEPTH.name, names.QUEUE_DEPTH.help,
+                                  labels=names.QUEUE_DEPTH.labels)
         queue.add_metric(["waiting"], stats.num_waiting)
         queue.add_metric(["running"], stats.num_running)
         yield queue
-        yield GaugeMetricFamily("slipstream_kv_cache_blocks_used", "Paged KV blocks in use.",
-                                value=stats.kv_blocks_used)
-        yield GaugeMetricFamily("slipstream_kv_cache_blocks_total", "Paged KV blocks in the "
-                                "cache.", value=stats.kv_blocks_total)
-        yield CounterMetricFamily("slipstream_preemptions", "Requests preempted (recompute or "
-                                  "swap) since start.", value=stats.num_preemptions_total)
+        for spec, value in ((names.KV_BLOCKS_USED, stats.kv_blocks_used),
+                            (names.KV_BLOCKS_CAPACITY, stats.kv_blocks_total),
+                            (names.KVP_ACTIVE_DEGREE, stats.kvp_active_degree)):
+            yield GaugeMetricFamily(spec.name, spec.help, value=value)
+        yield CounterMetricFamily(names.PREEMPTIONS.constructor_name, names.PREEMPTIONS.help,
+                                  value=stats.num_preemptions_total)

@@ -3,6 +3,7 @@ session. Tests talk to it over HTTP only, with the official ``openai`` client or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -77,19 +78,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerHandle]:
+@contextlib.contextmanager
+def serve(model_dir: Path, log_dir: Path, *extra_args: str,
+          pool: str = POOL_LABEL) -> Iterator[ServerHandle]:
+    """Run ``slipstream serve`` on a free port until the block ends (then stop it by PID)."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {**os.environ, "SLIPSTREAM_POOL": POOL_LABEL}
+    log_path = log_dir / "serve.log"
+    env = {**os.environ, "SLIPSTREAM_POOL": pool}
     env.pop("POD_IP", None)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            _slipstream("serve", "--model", str(tiny_model_dir), "--port", str(port),
+            _slipstream("serve", "--model", str(model_dir), "--port", str(port),
                         "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
                         "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
-                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning"),
+                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
+                        *extra_args),
             stdout=log, stderr=subprocess.STDOUT, env=env)
     handle = ServerHandle(f"http://127.0.0.1:{port}", process)
     try:
@@ -102,6 +105,23 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerHandle]:
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("server")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A factory for servers with extra ``slipstream serve`` flags; all stop at session end."""
+    with contextlib.ExitStack() as stack:
+        def start(*extra_args: str, pool: str = POOL_LABEL) -> ServerHandle:
+            return stack.enter_context(serve(tiny_model_dir, tmp_path_factory.mktemp("server"),
+                                             *extra_args, pool=pool))
+        yield start
 
 
 def _wait_until_healthy(handle: ServerHandle, log_path: Path) -> None:

@@ -169,6 +169,6 @@ def test_metrics_record_requests(server):
     assert server.metric("slipstream_time_to_first_token_seconds_count", **labels) \
         == ttft_before + 1
     assert server.metric("slipstream_generation_tokens_total") == tokens_before + 6
-    assert server.metric("slipstream_kv_cache_blocks_total") == 512
+    assert server.metric("slipstream_kv_cache_blocks_capacity") == 512
     assert server.metric("slipstream_requests_total", finish_reason="length") >= 1
     assert server.metric("slipstream_e2e_request_latency_seconds_count", **labels) >= 1

@@ -1,0 +1,42 @@
+"""What the engine reports about itself, as pure data (no torch): the metrics layer and its
+tests import this without the model stack.
+
+    LLMEngine.stats() -> EngineStats       (a snapshot; AsyncEngine refreshes it every step)
+    LLMEngine.step(): schedule -> execute -> StepStats -> on_step(stats) -> update
+
+``StepStats`` holds engine-clock readings, not durations, so that building one costs nothing
+beyond the clock reads the step makes anyway; the observer reads ``batch`` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slipstream.agent.scheduler.batch import Batch
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    kvp_active_degree: int = 1  # KVP groups the widest running request spans
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    batch: Batch
+    schedule_start_s: float  # before Scheduler.schedule()
+    execute_start_s: float  # after it, before ModelRunner.execute()
+    execute_end_s: float  # after execute() returned the sampled tokens
+    forward_s: float  # the model forward inside the execution (ModelRunner.last_forward_s)
+
+    @property
+    def schedule_s(self) -> float:
+        return self.execute_start_s - self.schedule_start_s
+
+    @property
+    def execute_s(self) -> float:
+        return self.execute_end_s - self.execute_start_s

@@ -1,0 +1,76 @@
+"""Scheduler configuration: one frozen, validated object, built once and passed explicitly.
+
+The CRD's ``spec.scheduler`` (policy, targetBatchTimeMs, maxSpaceShareFraction,
+longRequestThresholdTokens, preemption) maps onto these fields one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from slipstream.agent.scheduler.packer import PackerConfig
+
+POLICY_NAMES = ("fcfs", "edf", "lrs", "lars", "srpt", "justitia")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running requests at once
+    # Without a runtime predictor the time budget becomes this token budget per iteration.
+    max_batched_tokens: int = 512
+    policy: str = "lars"
+    target_batch_time_ms: float = 50.0  # t_target; should come from the TPOT SLO
+    max_space_share_fraction: float = 0.5
+    long_request_threshold_tokens: int = 262_144
+    preemption: str = "recompute"
+    kvp_tokens_per_group: int | None = None
+    spp_degree: int = 1
+    min_ttft_deadline_s: float = 0.5
+    ttft_deadline_factor: float = 1.5
+    max_prefill_candidates: int = 64  # prefills examined per iteration that got no chunk
+    srpt_preemptible_fraction: float = 0.8  # TRAIL's c
+    max_displacements_per_step: int = 1
+    # Blocks kept free when admitting new requests, as a fraction of the device pool, so
+    # running decodes can grow without an immediate preemption.
+    admission_watermark_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.spp_degree < 1:
+            raise ValueError("spp_degree must be >= 1")
+        if self.max_prefill_candidates < 1:
+            raise ValueError("max_prefill_candidates must be >= 1")
+        if not 0.0 < self.srpt_preemptible_fraction <= 1.0:
+            raise ValueError("srpt_preemptible_fraction must be in (0, 1]")
+        if self.max_displacements_per_step < 0:
+            raise ValueError("max_displacements_per_step must be >= 0")
+        if not 0.0 <= self.admission_watermark_fraction < 1.0:
+            raise ValueError("admission_watermark_fraction must be in [0, 1)")
+        self.packer_config()  # validates the packer fields too
+
+    def packer_config(self) -> PackerConfig:
+        return PackerConfig(
+            target_batch_time_ms=self.target_batch_time_ms,
+            max_space_share_fraction=self.max_space_share_fraction,
+            long_request_threshold_tokens=self.long_request_threshold_tokens,
+            kvp_tokens_per_group=self.kvp_tokens_per_group,
+        )
+
+    def token_budget_packer_config(self) -> PackerConfig:
+        """Without a predictor: any chunk size, filled to exactly ``max_batched_tokens``."""
+        return replace(
+            self.packer_config(),
+            chunk_granularity_tokens=1,
+            min_chunk_tokens=1,
+            initial_chunk_tokens=min(512, self.max_batched_tokens),
+            max_chunk_tokens=self.max_batched_tokens,
+            full_batch_fraction=1.0,
+        )

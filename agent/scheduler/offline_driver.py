@@ -1,0 +1,138 @@
+"""Drive a Scheduler on a fake clock, with a fake runner that checks the KV bookkeeping.
+
+    arrivals --> drive() --> Scheduler.schedule() --> FakeKvRunner.execute() --> update/finish
+                  clock += the batch's predicted time
+
+For unit tests, benchmarks and quick what-ifs; the discrete-event simulator (``agent/sim``)
+is the full version. The fake runner keeps a "KV cache" of device and host blocks holding
+``(request_id, position, token)`` per slot. It applies swap copies, writes each chunk's
+tokens into its block table, and before sampling checks that every earlier position of the
+sequence is present and correct, so a lost block, a wrong table or a bad swap fails loudly.
+The token it samples depends only on (request id, position), so a request's output is the
+same however often it is preempted.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
+from slipstream.agent.scheduler.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int  # the request finishes (LENGTH) after this many tokens
+    app_id: str = "default"
+    ttft_s: float | None = None
+
+
+@dataclass
+class DriveResult:
+    finished: dict[str, Request] = field(default_factory=dict)
+    end_s: float = 0.0
+    num_steps: int = 0
+
+
+def sampled_token(request_id: str, position: int, vocab_size: int = 32_000) -> int:
+    return zlib.crc32(f"{request_id}:{position}".encode()) % vocab_size
+
+
+class KvCorruption(AssertionError):
+    pass
+
+
+class FakeKvRunner:
+    """Executes batches against a dictionary KV cache, checking what the scheduler granted."""
+
+    def __init__(self, block_size: int, check_kv: bool = True) -> None:
+        self.block_size = block_size
+        self.check_kv = check_kv
+        self.device: dict[tuple[int, int], tuple[str, int, int]] = {}
+        self.host: dict[tuple[int, int], tuple[str, int, int]] = {}
+
+    def execute(self, batch: Batch) -> dict[str, int]:
+        if not self.check_kv:
+            return {chunk.request_id: sampled_token(chunk.request_id, chunk.end_pos)
+                    for chunk in batch.chunks if chunk.sample}
+        for copy in batch.swap_out:
+            self._copy(self.device, self.host, copy.src_block_ids, copy.dst_block_ids)
+        for copy in batch.swap_in:
+            self._copy(self.host, self.device, copy.src_block_ids, copy.dst_block_ids)
+        sampled: dict[str, int] = {}
+        for chunk in batch.chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                position = chunk.start_pos + offset
+                block = chunk.block_ids[position // self.block_size]
+                self.device[(block, position % self.block_size)] = (chunk.request_id, position, token)
+            if chunk.sample and self.check_kv:
+                self._check_prefix(chunk.request_id, chunk.end_pos, chunk.block_ids)
+                sampled[chunk.request_id] = sampled_token(chunk.request_id, chunk.end_pos)
+        return sampled
+
+    def _copy(self, src: dict, dst: dict, src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...]) -> None:
+        for src_block, dst_block in zip(src_blocks, dst_blocks, strict=True):
+            for slot in range(self.block_size):
+                value = src.get((src_block, slot))
+                if value is None:
+                    dst.pop((dst_block, slot), None)
+                else:
+                    dst[(dst_block, slot)] = value
+
+    def _check_prefix(self, request_id: str, end_pos: int, block_ids: tuple[int, ...]) -> None:
+        for position in range(end_pos):
+            block = block_ids[position // self.block_size]
+            value = self.device.get((block, position % self.block_size))
+            if value is None or value[0] != request_id or value[1] != position:
+                raise KvCorruption(f"{request_id}: KV at position {position} is {value}")
+
+
+def make_request(arrival: Arrival) -> Request:
+    prompt = [sampled_token(arrival.request_id, -1 - i) for i in range(arrival.prompt_tokens)]
+    return Request(
+        request_id=arrival.request_id,
+        prompt_token_ids=prompt,
+        max_tokens=arrival.output_tokens,
+        arrival_s=arrival.arrival_s,
+        app_id=arrival.app_id,
+        slo=RequestSLO(ttft_s=arrival.ttft_s),
+    )
+
+
+def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_000,
+          idle_step_s: float = 1e-3, until_s: float | None = None, check_kv: bool = True,
+          on_batch: Callable[[Batch, float], None] | None = None) -> DriveResult:
+    """Run until every request finished (or ``until_s``); the clock follows predicted times."""
+    pending = sorted(arrivals, key=lambda a: a.arrival_s)[::-1]  # pop() takes the earliest
+    runner = FakeKvRunner(scheduler.block_manager.block_size, check_kv)
+    result = DriveResult()
+    now_s = 0.0
+    while pending or scheduler.has_unfinished():
+        if until_s is not None and now_s >= until_s:
+            break
+        while pending and pending[-1].arrival_s <= now_s:
+            scheduler.add(make_request(pending.pop()))
+        if not scheduler.has_unfinished():
+            now_s = pending[-1].arrival_s
+            continue
+        batch = scheduler.schedule(now_s)
+        if on_batch is not None:
+            on_batch(batch, now_s)
+        sampled = runner.execute(batch)
+        now_s += batch.predicted_time_s if batch.chunks else idle_step_s
+        scheduler.update(batch, sampled, now_s)
+        for request_id in sampled:
+            request = scheduler.requests[request_id]
+            if request.num_output_tokens >= request.max_tokens:
+                result.finished[request_id] = scheduler.finish(request_id, FinishReason.LENGTH, now_s)
+        result.num_steps += 1
+        if result.num_steps >= max_steps:
+            raise RuntimeError(f"not done after {max_steps} steps")
+    result.end_s = now_s
+    return result

@@ -1,0 +1,148 @@
+"""Every Prometheus metric Slipstream exports, by its exposed name: the one list that the agent's
+metrics, the operator's metrics, the Grafana dashboards and the alert rules agree on.
+
+    metric_names.AGENT_METRICS    -> agent/server/metrics.py registers them, /metrics shows them
+    metric_names.OPERATOR_METRICS -> the operator registers them
+    both                          -> charts' dashboards and alert rules may only query these
+
+Names follow Prometheus conventions: the ``slipstream_`` prefix, base units in the name
+(``_seconds``, ``_tokens``, ``_ratio``), ``_total`` on counters, ``_info`` on constant-1
+gauges that carry labels. Names here are the exposed family names, so counters include
+``_total`` (``prometheus_client`` adds it back when given a name without it).
+
+This module imports nothing, so the operator can use it without pulling in the agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+REQUEST_LABELS = ("request_class", "pool")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def constructor_name(self) -> str:
+        """The name ``prometheus_client`` constructors expect (counters without ``_total``)."""
+        return self.name.removesuffix("_total") if self.type == "counter" else self.name
+
+
+def _spec(name: str, type_: MetricType, labels: tuple[str, ...], help_text: str) -> MetricSpec:
+    return MetricSpec(name, type_, labels, help_text)
+
+
+# -- agent: per request (recorded by the HTTP layer as outputs stream) ---------------------------
+TTFT = _spec("slipstream_time_to_first_token_seconds", "histogram", REQUEST_LABELS,
+             "Arrival to first output token.")
+TPOT = _spec("slipstream_time_per_output_token_seconds", "histogram", REQUEST_LABELS,
+             "Mean time per output token after the first, per request.")
+ITL = _spec("slipstream_inter_token_latency_seconds", "histogram", REQUEST_LABELS,
+            "Gap between successive token deliveries to the API layer.")
+E2E = _spec("slipstream_e2e_request_latency_seconds", "histogram", REQUEST_LABELS,
+            "Arrival to the last output token.")
+REQUESTS = _spec("slipstream_requests_total", "counter", ("finish_reason",),
+                 "Finished requests by finish reason.")
+PROMPT_TOKENS = _spec("slipstream_prompt_tokens_total", "counter", (),
+                      "Prompt tokens of finished requests.")
+GENERATION_TOKENS = _spec("slipstream_generation_tokens_total", "counter", (),
+                          "Tokens generated and delivered.")
+SLO_REQUESTS = _spec("slipstream_slo_requests_total", "counter",
+                     ("slo", "outcome", *REQUEST_LABELS),
+                     "Finished requests that carried an SLO, by objective (ttft, tpot, or all "
+                     "of them) and outcome (met, missed).")
+REQUESTS_IN_FLIGHT = _spec("slipstream_requests_in_flight", "gauge", (*REQUEST_LABELS, "phase"),
+                           "Accepted, unfinished requests by class: phase=prefill before the "
+                           "first token (queued or prefilling), phase=decode after it.")
+
+# -- agent: engine state (read from a snapshot when scraped) ------------------------------------
+QUEUE_DEPTH = _spec("slipstream_queue_depth", "gauge", ("state",),
+                    "Requests in the scheduler by state (waiting, running).")
+KV_BLOCKS_USED = _spec("slipstream_kv_cache_blocks_used", "gauge", (), "Paged KV blocks in use.")
+KV_BLOCKS_CAPACITY = _spec("slipstream_kv_cache_blocks_capacity", "gauge", (),
+                        "Paged KV blocks in the cache.")
+PREEMPTIONS = _spec("slipstream_preemptions_total", "counter", (),
+                    "Requests preempted (recompute or swap) since start.")
+KVP_ACTIVE_DEGREE = _spec("slipstream_kvp_active_degree", "gauge", (),
+                          "KV-parallel groups spanned by the widest running request.")
+
+# -- agent: per engine step (recorded by the step observer) -------------------------------------
+PREFILL_CHUNK_TOKENS = _spec("slipstream_prefill_chunk_tokens", "histogram", (),
+                             "Tokens in each scheduled prefill chunk (adaptive chunking).")
+BATCH_TOKENS = _spec("slipstream_batch_tokens", "histogram", (),
+                     "Tokens in each executed batch (decodes plus prefill chunks).")
+BATCH_TIME_ACTUAL = _spec("slipstream_batch_time_actual_seconds", "histogram", (),
+                          "Measured execution time of each batch (inputs, forward, sampling).")
+BATCH_TIME_PREDICTED = _spec("slipstream_batch_time_predicted_seconds", "histogram", (),
+                             "The runtime predictor's estimate for each batch, when the packer "
+                             "made one.")
+SCHEDULE_TIME = _spec("slipstream_schedule_time_seconds", "histogram", (),
+                      "Time the scheduler took to build each batch.")
+SCHEDULED_TOKENS = _spec("slipstream_scheduled_tokens_total", "counter", ("phase",),
+                         "Tokens executed, by phase (prefill, decode).")
+
+# -- agent: identity and configuration ----------------------------------------------------------
+POOL_ROLE = _spec("slipstream_pool_role_info", "gauge", ("pool",),
+                  "Always 1; the pool label says which prefill pool this instance serves.")
+SLO_TTFT_TARGET = _spec("slipstream_slo_ttft_target_seconds", "gauge", (),
+                        "The default TTFT objective applied to requests without their own.")
+SLO_TPOT_TARGET = _spec("slipstream_slo_tpot_target_seconds", "gauge", (),
+                        "The default TPOT objective applied to requests without their own.")
+SLO_ATTAINMENT_TARGET = _spec("slipstream_slo_attainment_target_ratio", "gauge", (),
+                              "Share of requests that should meet their SLO (alert threshold).")
+
+AGENT_METRICS: tuple[MetricSpec, ...] = (
+    TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, SLO_REQUESTS,
+    REQUESTS_IN_FLIGHT, QUEUE_DEPTH, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, PREEMPTIONS,
+    KVP_ACTIVE_DEGREE, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
+    BATCH_TIME_PREDICTED, SCHEDULE_TIME, SCHEDULED_TOKENS, POOL_ROLE, SLO_TTFT_TARGET,
+    SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET)
+
+# -- operator ----------------------------------------------------------------------------------
+OPERATOR_RECONCILES = _spec("slipstream_operator_reconciles_total", "counter", ("result",),
+                            "Reconciliations of ServingReplicas by result (success, error, "
+                            "requeue).")
+OPERATOR_RECONCILE_ERRORS = _spec("slipstream_operator_reconcile_errors_total", "counter", (),
+                                  "Reconciliations that raised.")
+OPERATOR_PLACEMENT_FAILURES = _spec("slipstream_operator_placement_failures_total", "counter", (),
+                                    "Instances that could not be placed (gang did not fit).")
+OPERATOR_REBALANCE_MOVES = _spec("slipstream_operator_rebalance_moves_total", "counter",
+                                 ("from_pool", "to_pool"),
+                                 "Instances moved between prefill pools by the rebalancer.")
+OPERATOR_INSTANCE_RESTARTS = _spec("slipstream_operator_instance_restarts_total", "counter", (),
+                                   "Instances recreated after one of their pods failed.")
+OPERATOR_POOL_INSTANCES = _spec("slipstream_operator_pool_instances", "gauge",
+                                ("replica", "pool"), "Instances per pool of each ServingReplica.")
+OPERATOR_POOL_PRESSURE = _spec("slipstream_operator_pool_pressure", "gauge", ("replica", "pool"),
+                               "P90 instance pressure of each pool, as the rebalancer saw it.")
+
+OPERATOR_METRICS: tuple[MetricSpec, ...] = (
+    OPERATOR_RECONCILES, OPERATOR_RECONCILE_ERRORS, OPERATOR_PLACEMENT_FAILURES,
+    OPERATOR_REBALANCE_MOVES, OPERATOR_INSTANCE_RESTARTS, OPERATOR_POOL_INSTANCES,
+    OPERATOR_POOL_PRESSURE)
+
+ALL_METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in AGENT_METRICS + OPERATOR_METRICS}
+
+# Series Prometheus makes itself for every target; queries may use them too.
+PROMETHEUS_BUILTINS = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})
+
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def family_of(series_name: str) -> MetricSpec | None:
+    """The registered family a series name belongs to (``x_bucket`` -> ``x``), or None."""
+    if series_name in ALL_METRICS:
+        return ALL_METRICS[series_name]
+    for suffix in _HISTOGRAM_SUFFIXES:
+        spec = ALL_METRICS.get(series_name.removesuffix(suffix))
+        if series_name.endswith(suffix) and spec is not None and spec.type == "histogram":
+            return spec
+    return None

@@ -1,0 +1,100 @@
+"""The instance internals dashboard: what one agent's engine is doing each iteration (queues,
+KV cache, preemptions, batch composition, adaptive chunk sizes, predicted against actual
+batch time, scheduling cost, KVP degree)."""
+
+from __future__ import annotations
+
+from dashgen.grafana import Panel, Target, dashboard, query_variable, table, timeseries
+from dashgen.queries import INSTANCE_FILTER, RATE, mean, quantile
+from slipstream.agent.server import metric_names as names
+
+UID = "slipstream-instance-internals"
+SEL = "{" + INSTANCE_FILTER + "}"
+
+
+def _state_row() -> list[Panel]:
+    used, capacity = names.KV_BLOCKS_USED.name, names.KV_BLOCKS_CAPACITY.name
+    return [
+        timeseries("Scheduler queues", "Requests waiting for admission and running, per "
+                   "instance.",
+                   Target(f"sum by (instance, state) ({names.QUEUE_DEPTH.name}{SEL})",
+                          "{{instance}} {{state}}"), width=8),
+        timeseries("Requests in flight by class", "Before the first token (prefill) and after "
+                   "it (decode), by request class.",
+                   Target(f"sum by (request_class, phase) "
+                          f"({names.REQUESTS_IN_FLIGHT.name}{SEL})",
+                          "{{request_class}} {{phase}}"), width=8),
+        timeseries("KV cache usage", "Share of paged KV blocks in use; the saturation alert "
+                   "fires above 95% for 10 minutes.",
+                   Target(f"sum by (instance) ({used}{SEL}) / sum by (instance) "
+                          f"({capacity}{SEL})", "{{instance}}"), unit="percentunit", width=8),
+        timeseries("KV blocks", "Blocks in use and the cache's capacity.",
+                   Target(f"sum by (instance) ({used}{SEL})", "used {{instance}}"),
+                   Target(f"sum by (instance) ({capacity}{SEL})", "capacity {{instance}}"),
+                   width=8),
+        timeseries("Preemptions per second", "Requests preempted (recompute or swap) because "
+                   "KV blocks ran out.",
+                   Target(f"sum by (instance) (rate({names.PREEMPTIONS.name}{SEL}[{RATE}]))",
+                          "{{instance}}"), width=8),
+        timeseries("Active KVP degree", "KV-parallel groups spanned by the widest running "
+                   "request (progressive KVP).",
+                   Target(f"max by (instance) ({names.KVP_ACTIVE_DEGREE.name}{SEL})",
+                          "{{instance}}"), width=8),
+    ]
+
+
+def _batch_row() -> list[Panel]:
+    actual, predicted = names.BATCH_TIME_ACTUAL, names.BATCH_TIME_PREDICTED
+    return [
+        timeseries("Batch time: predicted against actual", "p50 and p99 of the runtime "
+                   "predictor's estimate and of the measured execution time. Predicted stays "
+                   "empty until the packer predicts.",
+                   Target(quantile(0.5, actual, labels=INSTANCE_FILTER), "actual p50"),
+                   Target(quantile(0.99, actual, labels=INSTANCE_FILTER), "actual p99"),
+                   Target(quantile(0.5, predicted, labels=INSTANCE_FILTER), "predicted p50"),
+                   Target(quantile(0.99, predicted, labels=INSTANCE_FILTER), "predicted p99"),
+                   unit="s"),
+        timeseries("Mean batch time: actual / predicted", "Above 1 the predictor is "
+                   "optimistic and batches overrun the time budget; refresh the profile.",
+                   Target(f"({mean(actual, labels=INSTANCE_FILTER)}) / "
+                          f"({mean(predicted, labels=INSTANCE_FILTER)})", "actual / predicted"),
+                   Target(mean(actual, labels=INSTANCE_FILTER), "mean actual (s)")),
+        timeseries("Prefill chunk size", "Tokens per prefill chunk: with a fixed time budget, "
+                   "early chunks are large and late (attention-heavy) chunks small.",
+                   Target(quantile(0.5, names.PREFILL_CHUNK_TOKENS, labels=INSTANCE_FILTER),
+                          "p50"),
+                   Target(quantile(0.99, names.PREFILL_CHUNK_TOKENS, labels=INSTANCE_FILTER),
+                          "p99"),
+                   Target(mean(names.PREFILL_CHUNK_TOKENS, labels=INSTANCE_FILTER), "mean"),
+                   width=8),
+        timeseries("Tokens per batch", "Decodes plus prefill chunk tokens in each iteration.",
+                   Target(quantile(0.5, names.BATCH_TOKENS, labels=INSTANCE_FILTER), "p50"),
+                   Target(quantile(0.99, names.BATCH_TOKENS, labels=INSTANCE_FILTER), "p99"),
+                   width=8),
+        timeseries("Scheduled tokens per second", "Tokens executed, by phase.",
+                   Target(f"sum by (phase) (rate({names.SCHEDULED_TOKENS.name}{SEL}[{RATE}]))",
+                          "{{phase}}"), width=8),
+        timeseries("Scheduling time p99", "Time the scheduler took to build a batch: the CPU "
+                   "cost of the policy and the packer, per iteration.",
+                   Target(quantile(0.99, names.SCHEDULE_TIME, labels=INSTANCE_FILTER), "p99"),
+                   Target(mean(names.SCHEDULE_TIME, labels=INSTANCE_FILTER), "mean"),
+                   unit="s", width=12),
+        timeseries("Iterations per second", "Engine steps that executed a batch.",
+                   Target(f"sum by (instance) (rate({actual.name}_count{SEL}[{RATE}]))",
+                          "{{instance}}"), width=12),
+    ]
+
+
+def build() -> dict:
+    role = names.POOL_ROLE.name
+    variables = [
+        query_variable("job", "Job", f"label_values({role}, job)"),
+        query_variable("instance", "Instance",
+                       f'label_values({role}{{job=~"$job"}}, instance)'),
+    ]
+    roles = table("Instances and their pools", "One row per agent: its pool role.",
+                  Target(f"max by (instance, pool) ({role}{SEL})"))
+    rows = [("Instances", [roles]), ("Engine state", _state_row()),
+            ("Batches", _batch_row())]
+    return dashboard(UID, "Slipstream / Instance internals", "Per-iteration engine behaviour "
+                     "of each agent.", rows, variables)
