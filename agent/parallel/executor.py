@@ -15,7 +15,6 @@ on a dead worker.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 
@@ -69,20 +68,19 @@ class ParallelExecutor:
                                     node_env.master_port or free_port()) if local_ranks else None
         try:
             self.socket = ControllerSocket(bind_host, port)
-            threads = max(1, (os.cpu_count() or 1) // max(1, len(local_ranks)))
-            self.num_kv_blocks = self._start(config, threads, start_timeout_s)
+            self.num_kv_blocks = self._start(config, start_timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, config: EngineConfig, threads: int, timeout_s: float) -> int:
+    def _start(self, config: EngineConfig, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         joined: set[bytes] = set()
         while len(joined) < self.world_size:
             identity, _, _ = self._expect(HELLO, deadline)
             joined.add(identity)
         self.socket.identities = sorted(joined)
-        self.socket.broadcast(INIT, encode_object(WorkerInit(config, threads)))
+        self.socket.broadcast(INIT, encode_object(WorkerInit(config)))
         blocks: dict[bytes, int] = {}
         while len(blocks) < self.world_size:
             identity, _, frames = self._expect(READY, deadline)

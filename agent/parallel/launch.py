@@ -6,10 +6,13 @@
 
 Workers are forked (not spawned) from the process that starts them, which has already
 imported torch and the model code: starting 8 ranks costs no import at all, where spawning
-costs seconds per rank on a busy CPU (vLLM forks for the same reason). Forking is safe here
-because it happens before the starter creates threads of its own (its ZeroMQ socket comes
-after) and before anything initialises CUDA: the controller never touches the device, and
-each worker initialises its own.
+costs seconds per rank on a busy CPU (vLLM forks for the same reason). What makes it safe:
+- it happens before the starter creates threads of its own (its ZeroMQ socket comes after);
+- the controller never touches the device, so each worker initialises CUDA itself; should
+  CUDA already be initialised in this process, workers are spawned instead;
+- OpenMP's thread pool does not survive a fork (a child that uses several threads after its
+  parent did can hang), so a forked worker computes on one CPU thread. On GPU that costs
+  nothing; on CPU, parallel serving is for correctness, not speed.
 
 Children die with the process that started them: the fork server exits when its parent does,
 and each worker asked Linux for SIGKILL when its parent goes (``PR_SET_PDEATHSIG``); a worker
@@ -54,7 +57,9 @@ class LocalWorkers:
                  master_addr: str, master_port: int) -> None:
         from slipstream.agent.parallel.worker import run_worker
 
-        context = multiprocessing.get_context("fork")
+        torch = sys.modules.get("torch")
+        cuda_started = torch is not None and torch.cuda.is_initialized()
+        context = multiprocessing.get_context("spawn" if cuda_started else "fork")
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         for local_rank, rank in enumerate(ranks):
             env = WorkerEnv(rank=rank, local_rank=local_rank, world_size=world_size,

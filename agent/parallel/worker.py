@@ -16,6 +16,7 @@ process (``PR_SET_PDEATHSIG``).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -40,7 +41,6 @@ class WorkerInit:
     """What the controller tells every worker after HELLO."""
 
     engine_config: EngineConfig
-    num_threads: int  # CPU threads per worker, so ranks do not oversubscribe the cores
 
 
 def worker_device(requested: str, local_rank: int) -> torch.device:
@@ -65,7 +65,9 @@ def serve_forever(env: WorkerEnv) -> int:
     init: WorkerInit = decode_object(frames[0])
     try:
         config = init.engine_config
-        torch.set_num_threads(init.num_threads)
+        # One CPU thread: the ranks share the cores, and OpenMP's pool does not survive the
+        # fork that started this process (see launch.py).
+        torch.set_num_threads(1)
         device = worker_device(config.device, env.local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -106,6 +108,7 @@ def run_worker(env: WorkerEnv) -> None:
     # workers stop, so they ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a worker is stuck
     code = serve_forever(env)
     sys.stdout.flush()
     sys.stderr.flush()
