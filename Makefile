@@ -6,6 +6,9 @@
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
+#   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
+#                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
+#   make dev-cluster-stop   stop every process the dev cluster started
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,8 +18,9 @@ EXTRAS ?= agent,operator,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit lint-imports bench-engine bench-transport bench-metrics \
-	bench-sched clean prometheus-tools dashboards
+.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-transport \
+	bench-metrics bench-sched clean prometheus-tools dashboards dev-cluster dev-cluster-status \
+	dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -43,6 +47,20 @@ test: setup lint-imports prometheus-tools
 
 test-unit: setup
 	$(BIN)/pytest tests/unit
+
+test-e2e: setup
+	$(BIN)/pytest e2e -m e2e
+
+# Pods on the fake nodes run as local processes with $(BIN) first on PATH, each on its own
+# loopback address (127.N.x.y).
+dev-cluster: setup
+	$(BIN)/python e2e/cluster/devcluster.py start
+
+dev-cluster-status:
+	$(PYTHON) e2e/cluster/devcluster.py status
+
+dev-cluster-stop:
+	$(PYTHON) e2e/cluster/devcluster.py stop
 
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine

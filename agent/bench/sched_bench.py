@@ -20,7 +20,6 @@ The predictor is the H100 Llama-3-8B profile when found, else an analytic model.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import platform
 import statistics
@@ -32,30 +31,19 @@ import numpy as np
 from slipstream.agent.scheduler.block_manager import BlockManager
 from slipstream.agent.scheduler.config import POLICY_NAMES, SchedulerConfig
 from slipstream.agent.scheduler.offline_driver import Arrival, FakeKvRunner, make_request
+from slipstream.agent.bench.datasets import (H100_LLAMA3_8B_TP8, SHAREGPT_LENGTHS,
+                                             find_shared_data, read_length_trace)
 from slipstream.agent.scheduler.predictor import AnalyticModel, RuntimePredictor
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8
 from slipstream.agent.scheduler.request import FinishReason
 from slipstream.agent.scheduler.scheduler import Scheduler
 
-PROFILE_PARTS = ("shared", "data", "perf", "h100-llama3-8b-tp8")
-SHAREGPT_PARTS = ("shared", "data", "traces", "sharegpt_8k_lengths.csv")
-
-
-def find_shared(parts: tuple[str, ...]) -> Path | None:
-    for parent in [Path.cwd(), *Path.cwd().parents]:
-        candidate = parent.joinpath(*parts)
-        if candidate.exists():
-            return candidate
-    return None
-
 
 def length_sampler(seed: int):
     rng = np.random.default_rng(seed)
-    trace = find_shared(SHAREGPT_PARTS)
+    trace = find_shared_data(*SHAREGPT_LENGTHS)
     if trace is not None:
-        with trace.open() as handle:
-            rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
-                    for r in csv.DictReader(handle)]
+        rows = read_length_trace(trace)
         return lambda: rows[int(rng.integers(len(rows)))]
     return lambda: (int(min(8000, rng.lognormal(7.0, 1.0))) + 1,
                     int(min(1000, rng.lognormal(5.5, 0.8))) + 1)
@@ -127,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    profile = args.profile_dir or find_shared(PROFILE_PARTS)
+    profile = args.profile_dir or find_shared_data(*H100_LLAMA3_8B_TP8)
     if profile is not None:
         meta = None if (profile / "profile.json").exists() else VIDUR_H100_LLAMA3_8B_TP8
         predictor, predictor_name = RuntimePredictor.from_directory(profile, meta=meta), profile.name

@@ -1,0 +1,227 @@
+"""LARS against FCFS on the live engine: short-request TTFT when a few long prompts arrive.
+
+The two systems are the ones Medha compares: FCFS is plain chunked prefill in arrival order
+(no space sharing: a long prefill takes the whole budget), LARS is Medha's scheduler (least
+relative slack first, and a long prefill yields up to half the budget to short ones). The
+long-request threshold is scaled to the tiny CPU model (``--long-threshold-tokens``), since the
+production default of 256K tokens is beyond what a CPU prefills in seconds.
+
+One workload, replayed in real time against a fresh engine per policy, in one run:
+  * mostly short requests (prompt and output lengths drawn from the ShareGPT length trace in
+    ``../shared/data`` and scaled down to the tiny model), Poisson arrivals;
+  * a few long prompts, each taking seconds to prefill on this CPU;
+  * an arrival rate set to ``--load`` times the engine's measured short-request capacity.
+
+The engine is the real one (model, paged KV, scheduler, sampler); only the HTTP layer is left
+out, so that client noise does not blur the scheduler's effect. TTFT is measured from each
+request's scheduled arrival time. Writes ``policy_live.json`` and ``policy_live.png``::
+
+    python -m slipstream.agent.bench.policy_live_bench --out results/policy-live
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from slipstream.agent.bench.datasets import SHAREGPT_LENGTHS, find_shared_data, read_length_trace
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.profiler import profile
+from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.tiny_model import ensure_default_model, slipstream_cache_dir
+from slipstream.agent.scheduler.config import SchedulerConfig
+
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    at_s: float
+    prompt: list[int]
+    max_tokens: int
+    is_long: bool
+
+
+def short_lengths(rng: np.random.Generator, count: int, scale: float) -> list[tuple[int, int]]:
+    """(prompt, output) lengths from the ShareGPT trace, scaled; uniform if it is missing."""
+    trace = find_shared_data(*SHAREGPT_LENGTHS)
+    if trace is not None:
+        rows = read_length_trace(trace)
+        picks = rng.choice(len(rows), count)
+        return [(max(8, int(rows[i][0] * scale)), max(4, min(48, int(rows[i][1] * scale))))
+                for i in picks]
+    return [(int(rng.integers(16, 256)), int(rng.integers(4, 32))) for _ in range(count)]
+
+
+def build_workload(rng: np.random.Generator, rate_per_s: float, duration_s: float,
+                   long_count: int, long_tokens: int, scale: float, vocab: int) -> list[Arrival]:
+    arrivals, now, index = [], 0.0, 0
+    count = int(rate_per_s * duration_s * 1.2) + 1
+    lengths = short_lengths(rng, count, scale)
+    while now < duration_s and index < len(lengths):
+        now += float(rng.exponential(1.0 / rate_per_s))
+        prompt_len, output_len = lengths[index]
+        arrivals.append(Arrival(f"short-{index}", now, rng.integers(10, vocab - 300,
+                                prompt_len).tolist(), output_len, False))
+        index += 1
+    # Long prompts land in the first half, so short requests keep arriving behind them.
+    for i, at in enumerate(np.linspace(0.1, 0.5, long_count) * duration_s):
+        arrivals.append(Arrival(f"long-{i}", float(at), rng.integers(10, vocab - 300,
+                                long_tokens).tolist(), 8, True))
+    return sorted(arrivals, key=lambda a: a.at_s)
+
+
+SYSTEMS = {  # name -> (policy, max_space_share_fraction)
+    "fcfs": ("fcfs", 0.0),
+    "lars": ("lars", 0.5),
+    "edf": ("edf", 0.5),
+    "fcfs+space-sharing": ("fcfs", 0.5),
+}
+
+
+def make_engine(model_dir: Path, profile_dir: Path, system: str,
+                long_threshold_tokens: int) -> LLMEngine:
+    policy, space_share = SYSTEMS[system]
+    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", profile_dir=profile_dir,
+                                  kv_cache_memory_gib=1.0),
+                     SchedulerConfig(policy=policy, target_batch_time_ms=50.0,
+                                     max_space_share_fraction=space_share,
+                                     long_request_threshold_tokens=long_threshold_tokens))
+
+
+def replay(engine: LLMEngine, arrivals: list[Arrival], label: str) -> dict[str, dict]:
+    """Feed arrivals at their times; returns per-request TTFT/E2E in seconds."""
+    by_id = {a.request_id: a for a in arrivals}
+    records: dict[str, dict] = {}
+    pending = list(arrivals)
+    start = time.monotonic()
+    with tqdm(total=len(arrivals), desc=label, unit="req") as progress:
+        while pending or engine.has_unfinished():
+            now = time.monotonic() - start
+            while pending and pending[0].at_s <= now:
+                arrival = pending.pop(0)
+                engine.add_request(arrival.prompt, SamplingParams(
+                    max_tokens=arrival.max_tokens, temperature=0.0, ignore_eos=True),
+                    arrival.request_id)
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, pending[0].at_s - now))
+                continue
+            for output in engine.step():
+                at = time.monotonic() - start
+                record = records.setdefault(output.request_id, {})
+                record.setdefault("ttft_s", at - by_id[output.request_id].at_s)
+                if output.finished:
+                    record["e2e_s"] = at - by_id[output.request_id].at_s
+                    record["arrival_s"] = by_id[output.request_id].at_s
+                    record["long"] = by_id[output.request_id].is_long
+                    progress.update()
+    return records
+
+
+def measure_capacity(model_dir: Path, profile_dir: Path, rng: np.random.Generator,
+                     scale: float, vocab: int) -> float:
+    """Short requests per second the engine completes when they all arrive at once."""
+    engine = make_engine(model_dir, profile_dir, "fcfs", 1 << 30)
+    lengths = short_lengths(rng, 96, scale)
+    params = [SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+              for _, out in lengths]
+    prompts = [rng.integers(10, vocab - 300, p).tolist() for p, _ in lengths]
+    started = time.monotonic()
+    for prompt, param in zip(prompts, params):
+        engine.add_request(prompt, param)
+    while engine.has_unfinished():
+        engine.step()
+    return len(prompts) / (time.monotonic() - started)
+
+
+def summarize(records: dict[str, dict]) -> dict:
+    short = [r["ttft_s"] for r in records.values() if not r["long"]]
+    long = [r for r in records.values() if r["long"]]
+    return {"short_ttft_p50_s": float(np.percentile(short, 50)),
+            "short_ttft_p99_s": float(np.percentile(short, 99)),
+            "short_ttft_mean_s": float(np.mean(short)), "short_completed": len(short),
+            "long_completed": len(long), "long_e2e_s": [r["e2e_s"] for r in long],
+            "long_ttft_s": [r["ttft_s"] for r in long]}
+
+
+def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cdf, timeline) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, records in results.items():
+        short = sorted(r["ttft_s"] for r in records.values() if not r["long"])
+        cdf.plot(short, np.arange(1, len(short) + 1) / len(short), label=policy)
+        points = sorted((r["arrival_s"], r["ttft_s"]) for r in records.values() if not r["long"])
+        timeline.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=3,
+                      label=policy)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("short-request TTFT (s)")
+    cdf.set_ylabel("fraction of requests")
+    cdf.legend()
+    timeline.set_yscale("log")
+    timeline.set_xlabel("arrival time (s)")
+    timeline.set_ylabel("short-request TTFT (s)")
+    timeline.set_title("convoys show as spikes")
+    timeline.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/policy-live"))
+    parser.add_argument("--systems", default="fcfs,lars",
+                        help=f"comma-separated, from {sorted(SYSTEMS)}")
+    parser.add_argument("--duration-s", type=float, default=40.0)
+    parser.add_argument("--load", type=float, default=0.5,
+                        help="short-request arrival rate as a fraction of measured capacity")
+    parser.add_argument("--long-count", type=int, default=3)
+    parser.add_argument("--long-tokens", type=int, default=24_000)
+    parser.add_argument("--long-threshold-tokens", type=int, default=4096,
+                        help="processed KV at which a prefill counts as long (space sharing)")
+    parser.add_argument("--length-scale", type=float, default=0.1,
+                        help="ShareGPT lengths are multiplied by this for the tiny CPU model")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model_dir = ensure_default_model()
+    profile_dir = slipstream_cache_dir() / "profiles" / f"cpu-{model_dir.name}"
+    if not (profile_dir / "profile.json").is_file():
+        profile(model_dir, "cpu", profile_dir, repeats=7)
+    rng = np.random.default_rng(args.seed)
+    vocab = 4096
+    capacity = measure_capacity(model_dir, profile_dir, rng, args.length_scale, vocab)
+    rate = args.load * capacity
+    arrivals = build_workload(rng, rate, args.duration_s, args.long_count, args.long_tokens,
+                              args.length_scale, vocab)
+    results = {}
+    for system in args.systems.split(","):
+        engine = make_engine(model_dir, profile_dir, system, args.long_threshold_tokens)
+        results[system] = replay(engine, arrivals, system)
+    summary = {policy: summarize(records) for policy, records in results.items()}
+    if "fcfs" in summary and "lars" in summary:
+        summary["lars_p99_improvement_x"] = (summary["fcfs"]["short_ttft_p99_s"]
+                                             / summary["lars"]["short_ttft_p99_s"])
+    report = {"settings": {**{k: v for k, v in vars(args).items() if k != "out"},
+                           "capacity_req_per_s": capacity, "rate_req_per_s": rate,
+                           "requests": len(arrivals), "profile": str(profile_dir)},
+              "summary": summary, "requests": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "policy_live.json").write_text(json.dumps(report, indent=2))
+    plot(results, args.out / "policy_live.png")
+    print(json.dumps({"settings": report["settings"], "summary": summary}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
