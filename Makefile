@@ -2,6 +2,7 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-transport controller->worker hop per iteration (ZeroMQ + msgspec/pickle)
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
@@ -18,8 +19,9 @@ EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched bench-router \
-	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
+.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
+	bench-router bench-transport clean prometheus-tools dashboards dev-cluster dev-cluster-status \
+	dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -63,6 +65,9 @@ dev-cluster-stop:
 
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+
+bench-transport: setup
+	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
 bench-metrics: setup
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics

@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                         "Write a small random-weight Llama in Hugging Face format."),
     "router": ("slipstream.agent.router.cli",
                "Route OpenAI requests to short/long prefill pools by prompt length."),
+    "worker": ("slipstream.agent.parallel.launch",
+               "Start this node's worker ranks of a multi-node instance (env-configured)."),
     "profile": ("slipstream.agent.engine.profiler",
                 "Measure per-layer op times of the engine on this device (for --profile)."),
 }
