@@ -2,10 +2,12 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-transport controller->worker hop per iteration (ZeroMQ + msgspec/pickle)
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make generate     regenerate the CRD YAML (crds/, chart) and the control API's protobuf code
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
+#   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
 #   make dev-cluster-stop   stop every process the dev cluster started
@@ -14,12 +16,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= agent,operator,dev
+EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
-	clean prometheus-tools dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
+	bench-router bench-transport clean prometheus-tools dashboards generate dev-cluster \
+	dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -64,6 +67,9 @@ dev-cluster-stop:
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
 
+bench-transport: setup
+	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
+
 bench-metrics: setup
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 
@@ -77,6 +83,9 @@ generate: setup
 
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
+
+bench-router: setup
+	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router
 
 clean:
 	rm -rf $(VENV) build *.egg-info

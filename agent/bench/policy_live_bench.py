@@ -1,5 +1,11 @@
 """LARS against FCFS on the live engine: short-request TTFT when a few long prompts arrive.
 
+The two systems are the ones Medha compares: FCFS is plain chunked prefill in arrival order
+(no space sharing: a long prefill takes the whole budget), LARS is Medha's scheduler (least
+relative slack first, and a long prefill yields up to half the budget to short ones). The
+long-request threshold is scaled to the tiny CPU model (``--long-threshold-tokens``), since the
+production default of 256K tokens is beyond what a CPU prefills in seconds.
+
 One workload, replayed in real time against a fresh engine per policy, in one run:
   * mostly short requests (prompt and output lengths drawn from the ShareGPT length trace in
     ``../shared/data`` and scaled down to the tiny model), Poisson arrivals;
@@ -72,10 +78,22 @@ def build_workload(rng: np.random.Generator, rate_per_s: float, duration_s: floa
     return sorted(arrivals, key=lambda a: a.at_s)
 
 
-def make_engine(model_dir: Path, profile_dir: Path, policy: str) -> LLMEngine:
+SYSTEMS = {  # name -> (policy, max_space_share_fraction)
+    "fcfs": ("fcfs", 0.0),
+    "lars": ("lars", 0.5),
+    "edf": ("edf", 0.5),
+    "fcfs+space-sharing": ("fcfs", 0.5),
+}
+
+
+def make_engine(model_dir: Path, profile_dir: Path, system: str,
+                long_threshold_tokens: int) -> LLMEngine:
+    policy, space_share = SYSTEMS[system]
     return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", profile_dir=profile_dir,
                                   kv_cache_memory_gib=1.0),
-                     SchedulerConfig(policy=policy, target_batch_time_ms=50.0))
+                     SchedulerConfig(policy=policy, target_batch_time_ms=50.0,
+                                     max_space_share_fraction=space_share,
+                                     long_request_threshold_tokens=long_threshold_tokens))
 
 
 def replay(engine: LLMEngine, arrivals: list[Arrival], label: str) -> dict[str, dict]:
@@ -110,10 +128,11 @@ def replay(engine: LLMEngine, arrivals: list[Arrival], label: str) -> dict[str, 
 def measure_capacity(model_dir: Path, profile_dir: Path, rng: np.random.Generator,
                      scale: float, vocab: int) -> float:
     """Short requests per second the engine completes when they all arrive at once."""
-    engine = make_engine(model_dir, profile_dir, "fcfs")
+    engine = make_engine(model_dir, profile_dir, "fcfs", 1 << 30)
+    lengths = short_lengths(rng, 96, scale)
     params = [SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
-              for _, out in short_lengths(rng, 48, scale)]
-    prompts = [rng.integers(10, vocab - 300, p).tolist() for p, _ in short_lengths(rng, 48, scale)]
+              for _, out in lengths]
+    prompts = [rng.integers(10, vocab - 300, p).tolist() for p, _ in lengths]
     started = time.monotonic()
     for prompt, param in zip(prompts, params):
         engine.add_request(prompt, param)
@@ -162,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/policy-live"))
-    parser.add_argument("--policies", default="fcfs,lars")
+    parser.add_argument("--systems", default="fcfs,lars",
+                        help=f"comma-separated, from {sorted(SYSTEMS)}")
     parser.add_argument("--duration-s", type=float, default=40.0)
-    parser.add_argument("--load", type=float, default=0.8,
+    parser.add_argument("--load", type=float, default=0.5,
                         help="short-request arrival rate as a fraction of measured capacity")
     parser.add_argument("--long-count", type=int, default=3)
     parser.add_argument("--long-tokens", type=int, default=24_000)
+    parser.add_argument("--long-threshold-tokens", type=int, default=4096,
+                        help="processed KV at which a prefill counts as long (space sharing)")
     parser.add_argument("--length-scale", type=float, default=0.1,
                         help="ShareGPT lengths are multiplied by this for the tiny CPU model")
     parser.add_argument("--seed", type=int, default=0)
@@ -183,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     arrivals = build_workload(rng, rate, args.duration_s, args.long_count, args.long_tokens,
                               args.length_scale, vocab)
     results = {}
-    for policy in args.policies.split(","):
-        results[policy] = replay(make_engine(model_dir, profile_dir, policy), arrivals, policy)
+    for system in args.systems.split(","):
+        engine = make_engine(model_dir, profile_dir, system, args.long_threshold_tokens)
+        results[system] = replay(engine, arrivals, system)
     summary = {policy: summarize(records) for policy, records in results.items()}
     if "fcfs" in summary and "lars" in summary:
         summary["lars_p99_improvement_x"] = (summary["fcfs"]["short_ttft_p99_s"]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from starlette.requests import Request
 
+from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server.config import ServerConfig
@@ -207,6 +208,10 @@ class Generation:
                 with anyio.CancelScope(shield=True):
                     await release(self._ctx, self._prepared.request_id, self._outputs)
 
+    @property
+    def engine_healthy(self) -> bool:
+        return self._ctx.engine.healthy
+
     async def collect(self) -> list[RequestOutput]:
         async with contextlib.aclosing(self.__aiter__()) as outputs:
             return [output async for output in outputs]
@@ -230,6 +235,8 @@ async def start_generation(ctx: ServingContext, http_request: Request,
                                       priority=prepared.priority, slo=prepared.slo)
     except ValueError as error:
         raise bad_request(str(error)) from None
+    except EngineDeadError as error:
+        raise APIError(503, str(error), code="engine_unavailable") from None
     timer = ctx.metrics.start_request(len(prepared.prompt_token_ids), prepared.slo)
     try:
         first = await run_until_disconnect(http_request, anext(outputs))
@@ -244,6 +251,10 @@ async def start_generation(ctx: ServingContext, http_request: Request,
         with anyio.CancelScope(shield=True):
             await release(ctx, prepared.request_id, outputs)
         raise
+    if first.finish_reason == "error" and not ctx.engine.healthy:
+        # The engine died before this request's first token: a real 503, even for a stream.
+        timer.finish(first, "error")
+        raise engine_failure(first, engine_healthy=False)
     return Generation(ctx, prepared, outputs, first, timer)
 
 
@@ -251,7 +262,7 @@ async def collect_outputs(http_request: Request, generation: Generation) -> list
     """All outputs of a non-streaming request; an engine failure becomes a 500."""
     outputs = await run_until_disconnect(http_request, generation.collect())
     if outputs[-1].finish_reason == "error":
-        raise engine_failure(outputs[-1])
+        raise engine_failure(outputs[-1], generation.engine_healthy)
     return outputs
 
 
@@ -265,5 +276,10 @@ def sse_event(json_text: str) -> bytes:
     return b"data: " + json_text.encode() + b"\n\n"
 
 
-def engine_failure(output: RequestOutput) -> APIError:
+def engine_failure(output: RequestOutput, engine_healthy: bool = True) -> APIError:
+    """500 for a failed step the engine survived; 503 when the engine itself is gone (a
+    worker died): the instance is restarting and the client should retry elsewhere."""
+    if not engine_healthy:
+        return APIError(503, output.error or "the engine is unavailable",
+                        code="engine_unavailable")
     return APIError(500, output.error or "the engine failed while generating", code="engine_error")
