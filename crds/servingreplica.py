@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES
 from slipstream.crds.cel import Rule, one_of, positive, power_of_two, rules
 
 GROUP = "slipstream.dev"
@@ -24,8 +25,8 @@ PLURAL = "servingreplicas"
 SINGULAR = "servingreplica"
 SHORT_NAMES = ("sr",)
 
-SCHEDULER_POLICIES = ("lars", "lrs", "edf", "fcfs", "srpt", "justitia")
-PREEMPTION_MODES = ("recompute", "swap")
+# The agent's own lists, so the API accepts exactly what `slipstream serve` does.
+SCHEDULER_POLICIES = POLICY_NAMES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOL_NAMES = ("short", "long")
 UNIFIED_POOL = "unified"  # the pool label of every instance when spec.pools is absent

@@ -86,7 +86,9 @@ def is_ready(pod: dict | None) -> bool:
 
 
 def servingreplica(name: str, namespace: str, model_dir: Path, *, instances: int = 2,
-                   tp: int = 8, **spec_extra) -> dict:
+                   tp: int = 1, **spec_extra) -> dict:
+    """A spec for the tiny model (4 heads, 2 KV heads, 4 layers: tp <= 2, spp <= 4). Each
+    "GPU" is one worker process of the agent, so small instances keep the e2e tier light."""
     spec = {"model": {"name": "tiny", "source": {"hostPath": {"path": str(model_dir)}}},
             "image": "slipstream-agent:e2e", "instances": instances,
             "parallelism": {"tp": tp}, "placement": {"gpusPerNode": 8}, **spec_extra}

@@ -50,7 +50,7 @@ def test_two_operators_one_leader_and_failover(dev_cluster, operator_release, sr
                      if leads(dev_cluster, operator_release, p)], 60, "a leading operator")
         assert len(leaders) == 1
 
-        dev_cluster.apply(servingreplica("lead", namespace, tiny_model_dir, instances=1, tp=8))
+        dev_cluster.apply(servingreplica("lead", namespace, tiny_model_dir, instances=1))
         wait_ready(dev_cluster, namespace, "lead", "1/1")
         assert len(replica_pods(dev_cluster, namespace, "lead")) == 1
 

@@ -47,7 +47,7 @@ def test_short_pool_pressure_moves_one_instance_per_cooldown(dev_cluster, sr_nam
                                                              tiny_model_dir):
     namespace = sr_namespace
     dev_cluster.apply(servingreplica(
-        "mixed", namespace, tiny_model_dir, instances=4, tp=4,
+        "mixed", namespace, tiny_model_dir, instances=4,
         pools={"short": 1, "longPrefillThresholdTokens": 8192,
                "rebalance": {"enabled": True, "periodSeconds": 2,
                              "cooldownSeconds": COOLDOWN_S, "hysteresis": 0.2,

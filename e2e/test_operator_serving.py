@@ -1,5 +1,6 @@
-"""(2) A ServingReplica of 2 tp=8 instances on the 2 fake 8-GPU nodes: placed, bound by
-kube-scheduler, agents Ready, status and printer columns right, completions served.
+"""(2) A ServingReplica of 2 instances of 8 GPUs (tp 2 x spp 2 x kvp 2) on the 2 fake 8-GPU
+nodes: placed one per node, bound by kube-scheduler, agents Ready with all 8 worker ranks
+each, status and printer columns right, completions served.
 (8) Deleting it removes every child by garbage collection."""
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def owned_children(dev_cluster, namespace: str, uid: str) -> list[str]:
 def test_two_instances_on_two_nodes_serve_and_are_collected(dev_cluster, sr_namespace,
                                                              tiny_model_dir):
     namespace = sr_namespace
-    with timed("kubectl apply -> Ready, 2 instances of tp=8 on 2 nodes") as timer:
-        dev_cluster.apply(servingreplica("chat", namespace, tiny_model_dir, instances=2, tp=8))
+    with timed("kubectl apply -> Ready, 2 instances of 8 ranks on 2 nodes") as timer:
+        dev_cluster.apply(servingreplica("chat", namespace, tiny_model_dir, instances=2,
+                                         parallelism={"tp": 2, "spp": 2, "kvp": 2}))
         replica = wait_ready(dev_cluster, namespace, "chat", "2/2")
     assert timer.elapsed_s < 180
 

@@ -71,7 +71,9 @@ def build_instance_service_spec(replica: str, namespace: str, instance: str) -> 
             "publishNotReadyAddresses": True,
             "selector": {naming.INSTANCE_LABEL: instance},
             "ports": [{"name": "http", "port": naming.HTTP_PORT},
-                      {"name": "grpc-control", "port": naming.CONTROL_PORT}],
+                      {"name": "grpc-control", "port": naming.CONTROL_PORT},
+                      {"name": "parallel", "port": naming.PARALLEL_CONTROLLER_PORT},
+                      {"name": "rendezvous", "port": naming.RENDEZVOUS_PORT}],
         },
     }
 
@@ -145,17 +147,25 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
     }
 
 
-def agent_command(spec: ServingReplicaSpec, *, rank: int, controller_host: str) -> list[str]:
-    """Rank 0 serves HTTP and drives the instance; other ranks are workers it connects to.
-    The parallel layout reaches the agent through the ConfigMap and the SLIPSTREAM_* rank
-    variables, not flags, so one command line serves every topology."""
+def agent_command(spec: ServingReplicaSpec, *, rank: int) -> list[str]:
+    """Pod 0 runs the controller (HTTP, scheduler) and its node's ranks; every further pod
+    runs `slipstream worker` for its node's ranks. The rank layout comes from the
+    SLIPSTREAM_* variables (see ``parallel_env``)."""
     if rank > 0:
-        return ["slipstream", "worker", "--controller", controller_host,
-                "--config", f"{CONFIG_MOUNT_DIR}/{ENGINE_CONFIG_FILE}"]
+        return ["slipstream", "worker"]
+    parallel, scheduler = spec.parallelism, spec.scheduler
     command = ["slipstream", "serve", "--model", model_path(spec),
                "--served-model-name", spec.model.name, "--dtype", spec.model.dtype,
                "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT),
-               "--control-port", str(naming.CONTROL_PORT)]
+               "--control-port", str(naming.CONTROL_PORT),
+               "--tp", str(parallel.tp), "--spp", str(parallel.spp), "--kvp", str(parallel.kvp),
+               "--kvp-tokens-per-group", str(parallel.kvp_tokens_per_group),
+               "--policy", scheduler.policy,
+               "--target-batch-time-ms", _number(scheduler.target_batch_time_ms),
+               "--max-space-share-fraction", _number(scheduler.max_space_share_fraction),
+               "--long-request-threshold-tokens", str(scheduler.long_request_threshold_tokens),
+               "--preemption", scheduler.preemption,
+               "--slo-attainment-target", _number(spec.slo.attainment_target)]
     if spec.model.max_model_len is not None:
         command += ["--max-model-len", str(spec.model.max_model_len)]
     if spec.pools is not None:
@@ -168,14 +178,33 @@ def agent_command(spec: ServingReplicaSpec, *, rank: int, controller_host: str) 
     return command
 
 
+def parallel_env(spec: ServingReplicaSpec, namespace: str, instance: str, share: NodeShare,
+                 num_pods: int) -> list[dict]:
+    """The multi-node interface of `slipstream serve`/`worker` (agent/parallel/env.py). A
+    single-pod instance needs none of it beyond the world size: its controller starts every
+    rank locally."""
+    world_size = spec.parallelism.gpus_per_instance
+    env = [{"name": "SLIPSTREAM_WORLD_SIZE", "value": str(world_size)}]
+    if num_pods == 1:
+        return env
+    controller_host = f"rank-0.{instance}.{namespace}.svc"
+    last_rank = share.first_rank + share.gpus - 1
+    return env + [
+        {"name": "SLIPSTREAM_NODE_RANKS", "value": f"{share.first_rank}-{last_rank}"},
+        {"name": "SLIPSTREAM_CONTROLLER_ADDR",
+         "value": f"{controller_host}:{naming.PARALLEL_CONTROLLER_PORT}"},
+        {"name": "MASTER_ADDR", "value": controller_host},
+        {"name": "MASTER_PORT", "value": str(naming.RENDEZVOUS_PORT)},
+    ]
+
+
 def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, instance: str,
                      share: NodeShare, rank: int, num_ranks: int, pool: str) -> dict:
-    controller_host = f"rank-0.{instance}.{namespace}.svc"
     gpu_resource = spec.placement.gpu_resource
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.image,
-        "command": agent_command(spec, rank=rank, controller_host=controller_host),
+        "command": agent_command(spec, rank=rank),
         "env": [
             _field_env("POD_IP", "status.podIP"),
             _field_env("POD_NAME", "metadata.name"),
@@ -186,15 +215,12 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
             _field_env("SLIPSTREAM_POOL", f"metadata.labels['{naming.POOL_LABEL}']"),
             {"name": "SLIPSTREAM_REPLICA", "value": replica},
             {"name": "SLIPSTREAM_INSTANCE", "value": instance},
-            {"name": "SLIPSTREAM_NODE_RANK", "value": str(rank)},
-            {"name": "SLIPSTREAM_NUM_NODES", "value": str(num_ranks)},
-            {"name": "SLIPSTREAM_FIRST_RANK", "value": str(share.first_rank)},
-            {"name": "SLIPSTREAM_LOCAL_WORLD_SIZE", "value": str(share.gpus)},
-            {"name": "SLIPSTREAM_WORLD_SIZE", "value": str(spec.parallelism.gpus_per_instance)},
-            {"name": "SLIPSTREAM_CONTROLLER_HOST", "value": controller_host},
+            *parallel_env(spec, namespace, instance, share, num_ranks),
         ],
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT},
-                  {"name": "grpc-control", "containerPort": naming.CONTROL_PORT}],
+                  {"name": "grpc-control", "containerPort": naming.CONTROL_PORT},
+                  {"name": "parallel", "containerPort": naming.PARALLEL_CONTROLLER_PORT},
+                  {"name": "rendezvous", "containerPort": naming.RENDEZVOUS_PORT}],
         "resources": {"requests": {gpu_resource: str(share.gpus)},
                       "limits": {gpu_resource: str(share.gpus)}},
         "volumeMounts": _volume_mounts(spec),

@@ -32,6 +32,10 @@ ROLE_WORKER = "worker"
 
 HTTP_PORT = 8000
 CONTROL_PORT = 50051
+# Multi-node instances: the controller's ZeroMQ socket and rank 0's torch.distributed
+# rendezvous, both in the rank-0 pod, reached through the instance's headless Service.
+PARALLEL_CONTROLLER_PORT = 29400
+RENDEZVOUS_PORT = 29500
 # Kubernetes object names are DNS labels for pods' hostnames and services: 63 characters.
 MAX_NAME_LENGTH = 63
 

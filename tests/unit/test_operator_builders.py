@@ -63,13 +63,45 @@ def test_pod_is_pinned_to_its_node_and_requests_its_gpus():
     assert manifest["spec"]["tolerations"] == [
         {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert manifest["spec"]["restartPolicy"] == "Never"
-    assert env(manifest)["SLIPSTREAM_FIRST_RANK"] == "4"
-    assert env(manifest)["SLIPSTREAM_WORLD_SIZE"] == "8"
+
+
+def test_multi_node_instance_tells_each_pod_its_ranks_and_the_controller():
+    worker = env(pod(1, NodeShare(node="node-b", gpus=4, first_rank=4)))
+    assert worker["SLIPSTREAM_WORLD_SIZE"] == "8"
+    assert worker["SLIPSTREAM_NODE_RANKS"] == "4-7"
+    assert worker["SLIPSTREAM_CONTROLLER_ADDR"] == \
+        f"rank-0.chat-1.ns.svc:{naming.PARALLEL_CONTROLLER_PORT}"
+    assert worker["MASTER_ADDR"] == "rank-0.chat-1.ns.svc"
+    assert env(pod(0))["SLIPSTREAM_NODE_RANKS"] == "0-3"
+    manifest = pod(0)
+    assert (manifest["spec"]["hostname"], manifest["spec"]["subdomain"]) == ("rank-0", "chat-1")
+
+
+def test_single_pod_instance_launches_every_rank_itself():
+    manifest = builders.build_agent_pod_spec(
+        "chat", "ns", SPEC, instance="chat-0", index=0, incarnation="abcde",
+        share=NodeShare(node="node-a", gpus=8, first_rank=0), rank=0, num_ranks=1,
+        pool="short")
+    variables = env(manifest)
+    assert variables["SLIPSTREAM_WORLD_SIZE"] == "8"
+    assert "SLIPSTREAM_CONTROLLER_ADDR" not in variables
+    command = manifest["spec"]["containers"][0]["command"]
+    assert command[command.index("--tp") + 1] == "4"
+    assert command[command.index("--spp") + 1] == "2"
+    assert command[command.index("--kvp") + 1] == "1"
+
+
+def test_scheduler_and_slo_settings_reach_the_agent():
+    command = pod(0)["spec"]["containers"][0]["command"]
+    assert command[command.index("--policy") + 1] == "lars"
+    assert command[command.index("--preemption") + 1] == "recompute"
+    assert command[command.index("--target-batch-time-ms") + 1] == "50"
+    assert command[command.index("--slo-attainment-target") + 1] == "0.99"
 
 
 def test_worker_rank_runs_a_worker_without_http_probes():
     container = pod(1)["spec"]["containers"][0]
-    assert container["command"][:2] == ["slipstream", "worker"]
+    assert container["command"] == ["slipstream", "worker"]
     assert "readinessProbe" not in container
 
 
@@ -127,3 +159,23 @@ def test_long_names_are_shortened_to_dns_labels_without_collisions():
     first = naming.instance_name("x" * 70, 1)
     second = naming.instance_name("x" * 70, 2)
     assert len(first) <= 63 and len(second) <= 63 and first != second
+
+
+def test_pod_commands_parse_with_the_agents_own_argument_parsers():
+    """The operator writes command lines for `slipstream serve`/`worker`: they must stay in
+    step with those CLIs."""
+    import argparse
+
+    from slipstream.agent.parallel import launch
+    from slipstream.agent.server import cli as serve_cli
+
+    serve = argparse.ArgumentParser(exit_on_error=False)
+    serve_cli.add_arguments(serve)
+    command = pod(0)["spec"]["containers"][0]["command"]
+    args = serve.parse_args([a.replace("$(POD_IP)", "127.0.0.1") for a in command[2:]])
+    assert (args.tp, args.spp, args.kvp) == (4, 2, 1)
+    assert args.policy == "lars" and args.control_port == naming.CONTROL_PORT
+    assert args.slo_ttft_seconds == 0.5 and args.long_prompt_threshold_tokens == 4096
+    worker = argparse.ArgumentParser(exit_on_error=False)
+    launch.add_arguments(worker)
+    worker.parse_args(pod(1)["spec"]["containers"][0]["command"][2:])
