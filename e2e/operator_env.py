@@ -12,7 +12,6 @@ pod IP, which is what the client Service would route to.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -180,7 +179,3 @@ def timed(what: str):
             self.elapsed_s = time.monotonic() - self.start
             print(f"[measure] {what}: {self.elapsed_s:.2f} s", file=sys.stderr)
     return _Timer()
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false")

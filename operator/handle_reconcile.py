@@ -1,9 +1,9 @@
 """Reconcile one ServingReplica: make the children match the spec, then write the status.
 
     trigger (create/update/resume, timer, a child pod changed) --reconcile()-->
-      ConfigMap + client Services (ensure)
+      GET the replica (under a per-replica lock), ensure ConfigMap + client Services
       pods --observe_pods--> plan_instances --> tear down failed/excess instances
-      nodes + pods everywhere --gpu_nodes--> place_instance per new instance --> create pods
+      nodes + pods everywhere --gpu_nodes--> place_instances --> create pods
       build_status --> PATCH status; Events for restarts and placement failures
 
 Level-based and idempotent: it reads the cluster every time and keeps no memory between
@@ -18,7 +18,6 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
 from slipstream.operator import builders, metrics, naming
@@ -46,20 +45,12 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-@dataclass(frozen=True)
-class ReconcileResult:
-    status: ServingReplicaStatus
-    created: tuple[str, ...]
-    restarted: tuple[str, ...]
-    removed: tuple[str, ...]
-
-
 def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
-              event: EventSink) -> ReconcileResult | None:
-    """Converge one replica; None when it is gone or being deleted (garbage collection
-    takes over). The replica is read afresh under the lock: a body handed over by a trigger
-    may predate the last status write (a rebalance move), and the status written here is
-    derived from the stored one."""
+              event: EventSink) -> ServingReplicaStatus | None:
+    """Converge one replica and return its new status; None when it is gone or being
+    deleted (garbage collection takes over). The replica is read afresh under the lock: a
+    body handed over by a trigger may predate the last status write (a rebalance move), and
+    the status written here must derive from the stored one."""
     started = time.perf_counter()
     try:
         with replica_lock(namespace, name):
@@ -78,7 +69,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
 
 
 def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
-                      ) -> ReconcileResult:
+                      ) -> ServingReplicaStatus:
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     spec = ServingReplicaSpec.model_validate(body["spec"])
@@ -116,10 +107,7 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                           now=now_rfc3339())
     if status != previous:
         kube.patch_replica_status(namespace, name, status.model_dump(mode="json", by_alias=True))
-    return ReconcileResult(status=status, created=tuple(c.name for c in created),
-                           restarted=plan.restarts,
-                           removed=tuple(i.name for i in plan.tear_down
-                                         if i.index not in recreated))
+    return status
 
 
 def owner_of(event_type: str | None, pod: dict) -> tuple[str, str] | None:
