@@ -2,12 +2,18 @@
 #   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
 #   make test         install everything and run the whole test suite (CI runs this)
 #   make bench-engine engine throughput vs transformers; JSON and plots under results/
+#   make bench-transport controller->worker hop per iteration (ZeroMQ + msgspec/pickle)
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
+#   make generate     regenerate the CRD YAML (crds/, chart) and the control API's protobuf code
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
+<<<<<<< HEAD
 #   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
 #                     one hour of the Azure trace for speed (docs/simulation.md)
 #   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile
+=======
+#   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
+>>>>>>> main
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
 #   make dev-cluster-stop   stop every process the dev cluster started
@@ -16,13 +22,18 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= agent,operator,dev
+EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
+<<<<<<< HEAD
 	bench-sim bench-sim-vs-live \
 	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
+=======
+	bench-router bench-transport clean prometheus-tools dashboards generate dev-cluster \
+	dev-cluster-status dev-cluster-stop
+>>>>>>> main
 
 setup: $(STAMP)
 
@@ -67,15 +78,24 @@ dev-cluster-stop:
 bench-engine: setup
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
 
+bench-transport: setup
+	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
+
 bench-metrics: setup
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
 
+# Checked-in generated files; unit tests fail when they drift from their sources.
+generate: setup
+	$(BIN)/python -m slipstream.crds.generate
+	$(BIN)/python -m slipstream.agent.server.control_codegen
+
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
+<<<<<<< HEAD
 bench-sim: setup
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
 	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary --out $(RESULTS)/sim
@@ -87,6 +107,10 @@ bench-sim: setup
 
 bench-sim-vs-live: setup
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --out $(RESULTS)/sim-vs-live
+=======
+bench-router: setup
+	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router
+>>>>>>> main
 
 clean:
 	rm -rf $(VENV) build *.egg-info

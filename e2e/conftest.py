@@ -58,3 +58,12 @@ def dev_cluster(tmp_path_factory) -> DevCluster:
     finally:
         devcluster.stop(state_dir)
         ownership.unlink(missing_ok=True)
+
+
+# The operator's e2e tests (test_operator_*.py): the chart installed once per session, a tiny
+# model for the agents, a namespace per test. Loaded under its own name, so the test modules
+# can `from operator_env import ...`.
+operator_env = _load("operator_env", E2E_DIR / "operator_env.py")
+tiny_model_dir = operator_env.tiny_model_dir
+operator_release = operator_env.operator_release
+sr_namespace = operator_env.sr_namespace

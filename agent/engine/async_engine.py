@@ -7,7 +7,9 @@ All engine state is touched by the engine thread only; the server talks to it th
 command queue. A consumer that stops iterating (client disconnect, cancellation) aborts its
 request, and the abort is applied before the next step is scheduled, so its KV blocks are free
 within one iteration. If a step raises, every in-flight request fails with an error output
-and the engine keeps serving new requests.
+and the engine keeps serving new requests. If it raises ``EngineDeadError`` (a worker process
+died), the engine marks itself unhealthy first (the server then answers 503), fails every
+request, stops, and calls ``on_fatal`` so the server can exit non-zero and be restarted.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import gc
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import EngineStats, LLMEngine
+from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
@@ -46,8 +49,11 @@ class _Abort:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self.engine = engine or LLMEngine(config, scheduler_config)
+        self.on_fatal = on_fatal
+        self.fatal_error: str | None = None  # set once the engine died
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
@@ -86,11 +92,14 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
         self.healthy = False
+        self.engine.close()
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
+        if self.fatal_error is not None:
+            raise EngineDeadError(f"the engine is unavailable: {self.fatal_error}")
         if not self.healthy:
             raise RuntimeError("the engine is not running")
         if request_id in self._streams:
@@ -99,6 +108,9 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo))
+        if self.fatal_error is not None:  # the engine died after the check above: answer now
+            self._deliver(_error_output(request_id, f"the engine is unavailable: "
+                                                    f"{self.fatal_error}"))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str,
@@ -127,9 +139,18 @@ class AsyncEngine:
             if not self._drain_commands(block):
                 break
             if not engine.has_unfinished():
+                try:  # idle: nothing else would notice a worker dying until the next request
+                    engine.check_alive()
+                except EngineDeadError as error:
+                    self._die(str(error))
+                    return
+                self._stats = engine.stats()  # idle: let the load window decay
                 continue
             try:
                 outputs = engine.step()
+            except EngineDeadError as error:
+                self._die(str(error))
+                return
             except Exception as error:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed; failing in-flight requests")
                 outputs = self._fail_all(f"engine error: {error}")
@@ -137,6 +158,17 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output)
         self._fail_all("the engine is shutting down")
+
+    def _die(self, reason: str) -> None:
+        log.error("the engine is dead, failing every request: %s", reason)
+        self.fatal_error = reason
+        self.healthy = False  # before the failures are delivered: they must read as 503
+        # Every open stream, including requests still queued as commands: nothing else will
+        # ever answer them.
+        for request_id in list(self._streams):
+            self._deliver(_error_output(request_id, f"the engine is unavailable: {reason}"))
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _drain_commands(self, block: bool) -> bool:
         while True:
@@ -153,8 +185,7 @@ class AsyncEngine:
                                             command.request_id, app_id=command.app_id,
                                             priority=command.priority, slo=command.slo)
                 except ValueError as error:
-                    self._deliver(RequestOutput(command.request_id, [], "", 0, 0, finished=True,
-                                                finish_reason="error", error=str(error)))
+                    self._deliver(_error_output(command.request_id, str(error)))
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:
@@ -170,3 +201,8 @@ class AsyncEngine:
         if target is not None:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, output)
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", 0, 0, finished=True, finish_reason="error",
+                         error=message)

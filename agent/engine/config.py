@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.parallel.config import ParallelConfig
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -120,6 +122,7 @@ class EngineConfig:
     max_batched_tokens: int = 512
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp x spp x kvp ranks
     # A profile directory (``slipstream profile``) turns on the time-budget packer; without
     # one the scheduler packs a plain token budget of max_batched_tokens.
     profile_dir: Path | None = None

@@ -6,20 +6,30 @@ Finished and aborted requests give their KV blocks back before the next step is 
 
 This class is synchronous and single-threaded; ``AsyncEngine`` runs it on a background thread
 for the HTTP server.
+
+With ``tp x spp x kvp > 1`` the runner is a ``ParallelExecutor`` (worker processes behind
+ZeroMQ); with one process it is the in-process ``ModelRunner``, untouched. Under SPP the loop
+keeps several batches in flight (``_step_pipelined``): a prefill chunk that samples nothing
+is marked computed as soon as it is sent, so its next chunk can enter stage 1 right behind
+it, while a chunk that samples (the last prefill chunk, a decode) marks its request
+``in_flight`` and the scheduler leaves that request alone until the token is back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
@@ -56,13 +66,22 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        self.runner = ModelRunner(config, self.model_config)
+        self.runner = _make_runner(config, self.model_config)
+        self.pipeline_depth: int = getattr(self.runner, "pipeline_depth", 1)
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
+        if config.parallel.kvp > 1 and scheduler_config.kvp_tokens_per_group is None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, kvp_tokens_per_group=config.parallel.kvp_tokens_per_group)
         # Swap preemption needs somewhere to put the blocks: a host pool as large as the
         # device one, so that any preempted request fits.
         num_host_blocks = self.runner.num_kv_blocks if scheduler_config.preemption == "swap" else 0
-        self.runner.allocate_host_cache(num_host_blocks)
+        if num_host_blocks and not config.parallel.is_single_process:
+            self.close()
+            raise ValueError("swap preemption is not supported with parallel workers yet; "
+                             "use --preemption recompute")
+        if num_host_blocks:
+            self.runner.allocate_host_cache(num_host_blocks)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks)
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    predictor=_load_predictor(config))
@@ -70,8 +89,14 @@ class LLMEngine:
             self.model_config.eos_token_ids)
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
+        self.load = LoadWindow(start_s=self.clock())
         # Called on the engine thread after each executed batch (metrics); keep it cheap.
         self.on_step: Callable[[StepStats], None] | None = None
+        # Pipelined execution: batch seq -> (batch, each request's preemption count at send,
+        # clock readings for StepStats), and request id -> seq of the batch that will bring its
+        # next token.
+        self._dispatched: dict[int, tuple[Batch, dict[str, int], float, float]] = {}
+        self._sampling_seq: dict[str, int] = {}
 
     @property
     def model_name(self) -> str:
@@ -82,6 +107,9 @@ class LLMEngine:
         if self.model_config.sliding_window:
             # Without a sliding-window kernel, attention is exact only inside the window.
             limit = min(limit, self.model_config.sliding_window)
+        parallel = self.config.parallel
+        if parallel.kvp > 1:
+            limit = min(limit, parallel.max_context_tokens)  # no KVP group beyond the last
         requested = self.config.max_model_len
         if requested is not None and requested > limit:
             raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
@@ -135,15 +163,43 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
+        load = self.load.snapshot(self.clock())
+        backlog = sum(r.num_uncomputed_tokens for r in self.scheduler.requests.values()
+                      if r.in_prefill)
         return EngineStats(
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv_blocks_used=self.block_manager.kv_blocks_used,
             kv_blocks_total=self.block_manager.kv_blocks_total,
-            num_preemptions_total=self.scheduler.num_preemptions_total)
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            kvp_active_degree=self._kvp_active_degree(),
+            backlog_prompt_tokens=backlog, utilization=load.utilization,
+            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation)
+
+    def _kvp_active_degree(self) -> int:
+        """KVP groups the widest running request's KV spans (progressive KVP)."""
+        group_tokens = self.scheduler.config.kvp_tokens_per_group
+        if self.config.parallel.kvp == 1 or group_tokens is None:
+            return 1
+        widest = max((r.num_computed_tokens for r in self.scheduler.running), default=0)
+        return max(1, -(-widest // group_tokens))
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop worker processes, if any (the in-process runner has nothing to stop)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if a worker process is gone (cheap; call when idle)."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            check()
+
     def step(self) -> list[RequestOutput]:
+        if self.pipeline_depth > 1:
+            return self._step_pipelined()
         schedule_start_s = self.clock()
         batch = self.scheduler.schedule(schedule_start_s)
         if batch.is_empty:
@@ -151,10 +207,74 @@ class LLMEngine:
         execute_start_s = self.clock()
         sampled = self.runner.execute(batch)
         now = self.clock()
+        self.load.record_step(schedule_start_s, now, batch.num_tokens - batch.num_decodes)
         if self.on_step is not None:
             self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
                                    self.runner.last_forward_s))
         self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
+        return [out for rid, token in sampled.items()
+                if (out := self._process(rid, token, now)) is not None]
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Send a batch if the pipeline has room, then take the results that are back."""
+        runner = self.runner
+        sent = False
+        if runner.num_in_flight < self.pipeline_depth:
+            schedule_start_s = self.clock()
+            batch = self.scheduler.schedule(schedule_start_s)
+            if not batch.is_empty:
+                self._dispatch(batch, schedule_start_s)
+                sent = True
+        if runner.num_in_flight == 0:
+            return []
+        # Wait only when nothing more could be sent; otherwise just take what has arrived.
+        block = not sent or runner.num_in_flight >= self.pipeline_depth
+        return [output for seq, sampled in runner.collect(block=block)
+                for output in self._complete(seq, sampled)]
+
+    def _dispatch(self, batch: Batch, schedule_start_s: float) -> None:
+        execute_start_s = self.clock()
+        seq = self.runner.submit(batch)
+        requests = self.scheduler.requests
+        generations = {chunk.request_id: requests[chunk.request_id].num_preemptions
+                       for chunk in batch.chunks}
+        self._dispatched[seq] = (batch, generations, schedule_start_s, execute_start_s)
+        for chunk in batch.chunks:
+            if chunk.sample:
+                requests[chunk.request_id].in_flight = True
+                self._sampling_seq[chunk.request_id] = seq
+        # A chunk that samples nothing needs no result: the next chunk may follow it now.
+        advanced = tuple(chunk for chunk in batch.chunks if not chunk.sample)
+        if advanced:
+            self.scheduler.update(Batch(chunks=advanced), {}, self.clock())
+
+    def _complete(self, seq: int, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+        batch, generations, schedule_start_s, execute_start_s = self._dispatched.pop(seq)
+        requests = self.scheduler.requests
+        current = []
+        for chunk in batch.chunks:
+            if not chunk.sample:
+                continue
+            request_id = chunk.request_id
+            request = requests.get(request_id)
+            if self._sampling_seq.get(request_id) == seq:
+                del self._sampling_seq[request_id]
+                if request is not None:
+                    request.in_flight = False
+            # Preempted (or finished) while in flight: this token belongs to a discarded past.
+            if request is not None and request.num_preemptions == generations[request_id]:
+                current.append(chunk)
+            else:
+                sampled.pop(request_id, None)
+        now = self.clock()
+        # Pipelined batches overlap, so busy time is over-counted here; utilisation is
+        # clamped to 1 by the load window, and the prefill rate stays a fair estimate.
+        self.load.record_step(execute_start_s, now, batch.num_tokens - batch.num_decodes)
+        if self.on_step is not None:  # execute time here includes the wait in the pipeline
+            self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
+                                   self.runner.last_forward_s))
+        self.scheduler.update(Batch(chunks=tuple(current)),
+                              {rid: s.token_id for rid, s in sampled.items()}, now)
         return [out for rid, token in sampled.items()
                 if (out := self._process(rid, token, now)) is not None]
 
@@ -165,6 +285,8 @@ class LLMEngine:
             return None
         if state.first_token_s is None:
             state.first_token_s = now
+            if request.slo.ttft_s is not None:
+                self.load.record_first_token(now, now - state.arrival_s, request.slo.ttft_s)
         token, params = sampled.token_id, state.params
         if sampled.logprob is not None:
             state.logprobs.append(sampled.logprob)
@@ -211,6 +333,15 @@ class LLMEngine:
             for output in self.step():
                 tokens[output.request_id].extend(output.new_token_ids)
         return [tokens[rid] for rid in ids]
+
+
+def _make_runner(config: EngineConfig, model_config: ModelConfig):
+    """The in-process runner, or, for more than one rank, the controller of worker processes."""
+    if config.parallel.is_single_process:
+        return ModelRunner(config, model_config)
+    from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
+
+    return ParallelExecutor(config)
 
 
 def _load_predictor(config: EngineConfig) -> RuntimePredictor | None:

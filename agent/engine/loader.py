@@ -2,6 +2,10 @@
 
 Parameters are matched by name. Anything missing is an error that names the tensors; tensors
 the model does not use (rotary caches in old checkpoints) are skipped.
+
+Under parallelism each rank builds only its part of the model: a pipeline stage skips the
+checkpoint's tensors of other stages, and a tensor-parallel layer cuts its own slice out of
+the full tensor (its ``shard_tensor`` method), so the loader knows no sharding rule itself.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from slipstream.agent.engine.config import ModelConfig
+from slipstream.agent.engine.models.layers import LayerFactory, PipelineStage
 from slipstream.agent.engine.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,27 +45,38 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None, layers: LayerFactory | None = None,
+               stage: PipelineStage | None = None) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
+    stage = stage or PipelineStage.whole(config.num_layers)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, layers, stage)
+        # Names of the whole model, to tell another stage's tensors from unknown ones.
+        whole_names = set(dict(model.named_parameters())) if stage == PipelineStage.whole(
+            config.num_layers) else set(dict(LlamaForCausalLM(config).named_parameters()))
     expected = dict(model.named_parameters())
+    tied_apart = config.tie_word_embeddings and "lm_head.weight" in expected \
+        and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
     loaded: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as shard:
             for name in shard.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name not in expected:
+                target = "lm_head.weight" if tied_apart and name == "model.embed_tokens.weight" \
+                    else name
+                if target not in expected:
+                    if name in whole_names:
+                        continue  # another pipeline stage holds it
                     raise ValueError(f"{path.name}: unexpected tensor {name!r} for "
                                      f"{config.architecture}")
-                tensor = shard.get_tensor(name)
-                if tensor.shape != expected[name].shape:
+                tensor = _local_part(model, target, shard.get_tensor(name))
+                if tensor.shape != expected[target].shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                     f"shape {tuple(expected[name].shape)}")
-                loaded[name] = tensor.to(device=device, dtype=dtype)
-    if config.tie_word_embeddings:
+                                     f"shape {tuple(expected[target].shape)}")
+                loaded[target] = tensor.to(device=device, dtype=dtype)
+    if config.tie_word_embeddings and not tied_apart:
         loaded.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(loaded))
@@ -68,9 +84,17 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. "
                          f"{missing[:5]}")
     model.load_state_dict(loaded, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and stage.is_first and stage.is_last:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers (rotary inverse frequencies) were created on the meta device; rebuild them.
     model.model.rotary = type(model.model.rotary)(config.head_dim, config.rope_theta,
                                                   config.rope_scaling).to(device)
     return model.eval()
+
+
+def _local_part(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The slice of a checkpoint tensor this rank keeps (all of it unless the layer is sharded)."""
+    module_name, _, param_name = name.rpartition(".")
+    owner = model.get_submodule(module_name)
+    shard_tensor = getattr(owner, "shard_tensor", None)
+    return shard_tensor(param_name, tensor) if shard_tensor is not None else tensor

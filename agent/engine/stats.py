@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from slipstream.agent.scheduler.batch import Batch
 
 
+# Prices a prompt backlog before the engine has measured its own prefill rate.
+NOMINAL_PREFILL_TOKENS_PER_S = 1000.0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_waiting: int
@@ -23,6 +27,17 @@ class EngineStats:
     kv_blocks_total: int
     num_preemptions_total: int
     kvp_active_degree: int = 1  # KVP groups the widest running request spans
+    # Load over the recent window (LoadWindow), for the control API and pool rebalancing.
+    backlog_prompt_tokens: int = 0
+    utilization: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    slo_deviation: float = 0.0
+
+    @property
+    def queue_backlog_s(self) -> float:
+        """Seconds to prefill the backlog at the recent prefill rate."""
+        rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
+        return self.backlog_prompt_tokens / rate
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,17 @@ class VirtualClock:
             del self._last_tag[app]
 
 
+    def advance_to(self, virtual_time: float) -> None:
+        """Self-clocked mode (SCFQ): jump ``V`` to ``virtual_time`` (the tag of the request
+        just dispatched), retiring the applications whose last tag it passes. For callers
+        that see dispatches but no iterations, such as the router."""
+        self.now = max(self.now, virtual_time)
+        while self._departures and self._departures[0][0] <= self.now:
+            finish, app = heapq.heappop(self._departures)
+            if self._last_tag.get(app) == finish:
+                del self._last_tag[app]
+
+
 class JustitiaPolicy(SchedulingPolicy):
     name = "justitia"
     running_first = True

@@ -59,6 +59,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Pipelined execution (SPP): a chunk that samples this request's next token is still in
+    # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
+    # while it is set.
+    in_flight: bool = False
     # Set by the scheduler at add(): absolute TTFT deadline and total prefill work (urgency.py).
     ttft_deadline_s: float | None = None
     prefill_work_s: float | None = None

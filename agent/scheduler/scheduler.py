@@ -211,7 +211,7 @@ class Scheduler:
         block_size = manager.block_size
         # Running requests are either in the prefilling index or decoding (one token short).
         prefilling = self.queue.prefilling.members
-        decodes = [r for r in self.running if r not in prefilling]
+        decodes = [r for r in self.running if r not in prefilling and not r.in_flight]
         shortfall = [r for r in decodes
                      if r.num_computed_tokens // block_size >= len(r.block_ids)]
         if len(shortfall) <= manager.kv_blocks_free:  # the common case: no pressure, no sorting
@@ -222,7 +222,8 @@ class Scheduler:
         granted: list[Request] = []
         tail = len(order) - 1
         for request in order:
-            if request.status is not RUNNING or request in self.queue.prefilling:
+            if request.status is not RUNNING or request in self.queue.prefilling \
+                    or request.in_flight:
                 continue
             while not manager.can_grow(request.block_ids, request.num_tokens):
                 while tail >= 0 and order[tail].status is not RUNNING:
@@ -280,6 +281,8 @@ class Scheduler:
         for request in self.queue.candidates(now_s, include_waiting):
             if budget.exhausted:
                 break
+            if request.in_flight:
+                continue  # SPP: the token of its last chunk is not back yet
             is_new = request.status is WAITING
             size = 0
             if not (is_new and (seats <= 0 or waiting_blocked)):

@@ -113,7 +113,7 @@ async def _answer(handler: Awaitable[Response]) -> Response:
 def _require_healthy(ctx: ServingContext) -> None:
     if not ctx.engine.healthy:
         raise APIError(503, "the engine is not healthy; retry on another instance",
-                       code="engine_unhealthy")
+                       code="engine_unavailable")
 
 
 async def _parse_body(request: Request, model_type: type[M]) -> M:

@@ -7,6 +7,11 @@ This is the one place the server reads environment variables:
   comes from the downward API, so an agent is reachable by its pod address and nothing else.
 - ``SLIPSTREAM_POOL``: the ``pool`` metrics label when ``--pool`` is not given (the operator
   sets it from the instance's pool label).
+Multi-node launch variables (ranks, controller and rendezvous addresses) belong to the
+parallel workers and are read in ``slipstream.agent.parallel.env``.
+
+With ``--tp/--spp/--kvp`` above 1 the engine starts worker processes. If one dies, in-flight
+requests get a 503 and the process exits with ``EXIT_ENGINE_DEAD`` so it is restarted.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from slipstream.agent.server.config import (
     DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
+EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -58,6 +64,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
 
+    parallel = parser.add_argument_group(
+        "parallelism", "An instance is tp x spp x kvp worker processes (one per GPU). On one "
+        "machine they all start here; across nodes see `slipstream worker --help`.")
+    parallel.add_argument("--tp", type=int, default=1, metavar="N",
+                          help="tensor-parallel degree (within a node)")
+    parallel.add_argument("--spp", type=int, default=1, metavar="N",
+                          help="stream-pipeline-parallel stages: a prefill's chunks flow "
+                               "through the stages back to back")
+    parallel.add_argument("--kvp", type=int, default=1, metavar="N",
+                          help="KV-cache-parallel groups: a long request's KV spans groups")
+    parallel.add_argument("--kvp-tokens-per-group", type=int, default=1 << 20,
+                          metavar="TOKENS",
+                          help="progressive KVP: a request moves on to the next group once "
+                               "its current group holds this many tokens")
+
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default=None,
                       help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
@@ -73,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="cap on max_tokens for requests that leave it out (they otherwise "
                            "get the rest of the context)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    http.add_argument("--control-port", type=int, default=50051,
+                      help="gRPC control API port (health, stats, pool role; the operator's "
+                           "rebalancer reads it); 0 turns it off")
 
     slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
     slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
@@ -114,6 +138,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         slo_tpot_ms=args.slo_tpot_ms,
         slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
+        control_port=args.control_port,
     )
 
 
@@ -133,26 +158,56 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.parallel.config import ParallelConfig
     from slipstream.agent.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
     try:
         server_config = server_config_from_args(args)
         engine_config = EngineConfig(
             model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
             device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-            max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile)
+            max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
+            parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
+                                    kvp_tokens_per_group=args.kvp_tokens_per_group))
         engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
     app = build_app(engine, server_config)
+    control_server = None
+    if server_config.control_port:
+        from slipstream.agent.server.control import ControlService, start_control_server
+
+        try:
+            control_server, _ = start_control_server(
+                ControlService(engine, app.state.serving.metrics), server_config.host,
+                server_config.control_port)
+        except OSError as error:
+            logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
+                                              "--control-port, or 0 to turn it off)", error)
+            engine.engine.close()
+            return 2
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=server_config.host, port=server_config.port,
+        log_level=server_config.log_level, access_log=server_config.log_level == "debug",
+        timeout_graceful_shutdown=5))
+    # A dead worker ends the process (non-zero), after the in-flight requests got their 503s.
+    engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)
-    uvicorn.run(app, host=server_config.host, port=server_config.port,
-                log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-                timeout_graceful_shutdown=5)
+    try:
+        server.run()
+    finally:
+        if control_server is not None:
+            control_server.stop(grace=1)
+        engine.engine.close()  # workers go even if uvicorn never started the app
+    if engine.fatal_error is not None:
+        logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
+        return EXIT_ENGINE_DEAD
     return 0
 
 
@@ -166,7 +221,8 @@ def _print_banner(config: ServerConfig, model_name: str, max_model_len: int) -> 
     host = f"[{config.host}]" if ":" in config.host else config.host
     url = f"http://{host}:{config.port}"
     print(f"Slipstream serving {model_name!r} (context {max_model_len} tokens) at {url}/v1\n"
-          f"  metrics: {url}/metrics   health: {url}/health\n"
+          f"  metrics: {url}/metrics   health: {url}/health   "
+          f"control (gRPC): {host}:{config.control_port or 'off'}\n"
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'", flush=True)

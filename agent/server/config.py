@@ -27,6 +27,7 @@ class ServerConfig:
     slo_tpot_ms: float | None = None
     slo_attainment_target: float = 0.99
     log_level: str = "info"
+    control_port: int = 50051  # gRPC control API; 0 turns it off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -44,3 +45,5 @@ class ServerConfig:
                              f"{self.slo_attainment_target}")
         if not self.pool:
             raise ValueError("pool must be a non-empty label")
+        if not 0 <= self.control_port <= 65535:
+            raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")

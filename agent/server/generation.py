@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from starlette.requests import Request
 
+from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server.config import ServerConfig
@@ -86,7 +87,8 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     params = build_sampling_params(body, resolved_max_tokens, logprobs)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-        app_id=body.app_id or "default", priority=body.priority, slo=build_slo(body.slo),
+        app_id=body.app_id or "default", priority=body.priority,
+        slo=build_slo(body.slo, ctx.config),
         include_usage_in_stream=body.include_usage_in_stream)
 
 
@@ -135,11 +137,19 @@ def build_sampling_params(body: _GenerationRequest, max_tokens: int,
         raise bad_request(message, param=first_word if first_word in fields else None) from None
 
 
-def build_slo(spec: SloSpec | None) -> RequestSLO | None:
-    if spec is None or (spec.ttft_s is None and spec.tpot_ms is None):
+def build_slo(spec: SloSpec | None, config: ServerConfig | None = None) -> RequestSLO | None:
+    """The request's SLO; fields it leaves out take the instance's (``--slo-*``), so the
+    engine schedules by them and its load window measures TTFT against them (the control
+    API's SLO deviation, which drives pool rebalancing)."""
+    ttft_s = spec.ttft_s if spec is not None else None
+    tpot_ms = spec.tpot_ms if spec is not None else None
+    if config is not None:
+        ttft_s = ttft_s if ttft_s is not None else config.slo_ttft_s
+        tpot_ms = tpot_ms if tpot_ms is not None else config.slo_tpot_ms
+    tpot_s = None if tpot_ms is None else tpot_ms / 1000.0
+    if ttft_s is None and tpot_s is None:
         return None
-    tpot_s = None if spec.tpot_ms is None else spec.tpot_ms / 1000.0
-    return RequestSLO(ttft_s=spec.ttft_s, tpot_s=tpot_s)
+    return RequestSLO(ttft_s=ttft_s, tpot_s=tpot_s)
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -198,6 +208,10 @@ class Generation:
                 with anyio.CancelScope(shield=True):
                     await release(self._ctx, self._prepared.request_id, self._outputs)
 
+    @property
+    def engine_healthy(self) -> bool:
+        return self._ctx.engine.healthy
+
     async def collect(self) -> list[RequestOutput]:
         async with contextlib.aclosing(self.__aiter__()) as outputs:
             return [output async for output in outputs]
@@ -221,6 +235,8 @@ async def start_generation(ctx: ServingContext, http_request: Request,
                                       priority=prepared.priority, slo=prepared.slo)
     except ValueError as error:
         raise bad_request(str(error)) from None
+    except EngineDeadError as error:
+        raise APIError(503, str(error), code="engine_unavailable") from None
     timer = ctx.metrics.start_request(len(prepared.prompt_token_ids), prepared.slo)
     try:
         first = await run_until_disconnect(http_request, anext(outputs))
@@ -235,6 +251,10 @@ async def start_generation(ctx: ServingContext, http_request: Request,
         with anyio.CancelScope(shield=True):
             await release(ctx, prepared.request_id, outputs)
         raise
+    if first.finish_reason == "error" and not ctx.engine.healthy:
+        # The engine died before this request's first token: a real 503, even for a stream.
+        timer.finish(first, "error")
+        raise engine_failure(first, engine_healthy=False)
     return Generation(ctx, prepared, outputs, first, timer)
 
 
@@ -242,7 +262,7 @@ async def collect_outputs(http_request: Request, generation: Generation) -> list
     """All outputs of a non-streaming request; an engine failure becomes a 500."""
     outputs = await run_until_disconnect(http_request, generation.collect())
     if outputs[-1].finish_reason == "error":
-        raise engine_failure(outputs[-1])
+        raise engine_failure(outputs[-1], generation.engine_healthy)
     return outputs
 
 
@@ -256,5 +276,10 @@ def sse_event(json_text: str) -> bytes:
     return b"data: " + json_text.encode() + b"\n\n"
 
 
-def engine_failure(output: RequestOutput) -> APIError:
+def engine_failure(output: RequestOutput, engine_healthy: bool = True) -> APIError:
+    """500 for a failed step the engine survived; 503 when the engine itself is gone (a
+    worker died): the instance is restarting and the client should retry elsewhere."""
+    if not engine_healthy:
+        return APIError(503, output.error or "the engine is unavailable",
+                        code="engine_unavailable")
     return APIError(500, output.error or "the engine failed while generating", code="engine_error")

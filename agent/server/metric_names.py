@@ -3,6 +3,7 @@ metrics, the operator's metrics, the Grafana dashboards and the alert rules agre
 
     metric_names.AGENT_METRICS    -> agent/server/metrics.py registers them, /metrics shows them
     metric_names.OPERATOR_METRICS -> the operator registers them
+    metric_names.ROUTER_METRICS   -> agent/router/metrics.py (``slipstream router``'s /metrics)
     both                          -> charts' dashboards and alert rules may only query these
 
 Names follow Prometheus conventions: the ``slipstream_`` prefix, base units in the name
@@ -108,8 +109,7 @@ AGENT_METRICS: tuple[MetricSpec, ...] = (
 
 # -- operator ----------------------------------------------------------------------------------
 OPERATOR_RECONCILES = _spec("slipstream_operator_reconciles_total", "counter", ("result",),
-                            "Reconciliations of ServingReplicas by result (success, error, "
-                            "requeue).")
+                            "Reconciliations of ServingReplicas by result (success, error).")
 OPERATOR_RECONCILE_ERRORS = _spec("slipstream_operator_reconcile_errors_total", "counter", (),
                                   "Reconciliations that raised.")
 OPERATOR_PLACEMENT_FAILURES = _spec("slipstream_operator_placement_failures_total", "counter", (),
@@ -124,12 +124,52 @@ OPERATOR_POOL_INSTANCES = _spec("slipstream_operator_pool_instances", "gauge",
 OPERATOR_POOL_PRESSURE = _spec("slipstream_operator_pool_pressure", "gauge", ("replica", "pool"),
                                "P90 instance pressure of each pool, as the rebalancer saw it.")
 
+OPERATOR_RECONCILE_DURATION = _spec("slipstream_operator_reconcile_duration_seconds",
+                                    "histogram", (), "Wall time of one reconciliation, API "
+                                    "calls and waiting for the replica's lock included.")
+OPERATOR_INSTANCES_CREATED = _spec("slipstream_operator_instances_created_total", "counter", (),
+                                   "Instances whose pods were created (new, scaled up or "
+                                   "recreated).")
+
 OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     OPERATOR_RECONCILES, OPERATOR_RECONCILE_ERRORS, OPERATOR_PLACEMENT_FAILURES,
     OPERATOR_REBALANCE_MOVES, OPERATOR_INSTANCE_RESTARTS, OPERATOR_POOL_INSTANCES,
-    OPERATOR_POOL_PRESSURE)
+    OPERATOR_POOL_PRESSURE, OPERATOR_RECONCILE_DURATION, OPERATOR_INSTANCES_CREATED)
 
-ALL_METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in AGENT_METRICS + OPERATOR_METRICS}
+# -- router (``slipstream router``: length-aware pools, fair queuing) ---------------------------
+ROUTER_LABELS = ("request_class", "pool")
+ROUTER_REQUESTS = _spec("slipstream_router_requests_total", "counter", (*ROUTER_LABELS, "outcome"),
+                        "Requests the router finished, by class, the pool that served them and "
+                        "outcome (ok, error, rejected: no instance took it, cancelled: the "
+                        "client left).")
+ROUTER_RETRIES = _spec("slipstream_router_retries_total", "counter", ("pool",),
+                       "Attempts moved to another instance after one failed before the first "
+                       "token.")
+ROUTER_TTFT = _spec("slipstream_router_time_to_first_token_seconds", "histogram", ROUTER_LABELS,
+                    "Arrival at the router to the first token leaving it (fair-queue wait, "
+                    "retries and the instance's TTFT).")
+ROUTER_QUEUE_WAIT = _spec("slipstream_router_queue_wait_seconds", "histogram",
+                          ("request_class",),
+                          "Time a request waited in the router's fair queue for a free "
+                          "instance.")
+ROUTER_QUEUE_DEPTH = _spec("slipstream_router_queue_depth", "gauge", ("request_class",),
+                           "Requests waiting in the router's fair queue (all candidate "
+                           "instances saturated).")
+ROUTER_IN_FLIGHT = _spec("slipstream_router_requests_in_flight", "gauge", ("pool",),
+                         "Requests the router has sent to instances of each pool and not yet "
+                         "finished.")
+ROUTER_POOL_INSTANCES = _spec("slipstream_router_pool_instances", "gauge", ("pool",),
+                              "Instances the router currently routes to, by pool label.")
+ROUTER_BACKLOG_TOKENS = _spec("slipstream_router_backlog_tokens", "gauge", ("pool",),
+                              "Predicted backlog (prefill tokens, decodes weighted) summed over "
+                              "each pool's instances.")
+
+ROUTER_METRICS: tuple[MetricSpec, ...] = (
+    ROUTER_REQUESTS, ROUTER_RETRIES, ROUTER_TTFT, ROUTER_QUEUE_WAIT, ROUTER_QUEUE_DEPTH,
+    ROUTER_IN_FLIGHT, ROUTER_POOL_INSTANCES, ROUTER_BACKLOG_TOKENS)
+
+ALL_METRICS: dict[str, MetricSpec] = {
+    spec.name: spec for spec in AGENT_METRICS + OPERATOR_METRICS + ROUTER_METRICS}
 
 # Series Prometheus makes itself for every target; queries may use them too.
 PROMETHEUS_BUILTINS = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped"})

@@ -102,12 +102,23 @@ class ServingMetrics:
             self.requests.labels(reason)
 
     def _set_constants(self, attainment_target: float) -> None:
-        _gauge(names.POOL_ROLE, self.registry).labels(self.pool).set(1)
+        self._pool_role = _gauge(names.POOL_ROLE, self.registry)
+        self._pool_role.labels(self.pool).set(1)
         _gauge(names.SLO_ATTAINMENT_TARGET, self.registry).set(attainment_target)
         if self.default_slo.ttft_s is not None:
             _gauge(names.SLO_TTFT_TARGET, self.registry).set(self.default_slo.ttft_s)
         if self.default_slo.tpot_s is not None:
             _gauge(names.SLO_TPOT_TARGET, self.registry).set(self.default_slo.tpot_s)
+
+    def set_pool(self, pool: str) -> None:
+        """Serve another prefill pool from now on (the operator moved this instance): new
+        requests carry the new label, and the pool-role gauge says so."""
+        if pool == self.pool:
+            return
+        self._pool_role.remove(self.pool)
+        self.pool = pool
+        self._pool_role.labels(pool).set(1)
+        self._create_children()
 
     def request_class(self, num_prompt_tokens: int) -> str:
         return "long" if num_prompt_tokens >= self.long_prompt_threshold_tokens else "short"

@@ -1,6 +1,7 @@
 """The pools and rebalancing dashboard: how instances are split between the short- and
-long-prefill pools (PLA-Serve), each pool's load and latency as the agents see it, and what
-the operator did about it (moves, restarts, placement failures, reconciles)."""
+long-prefill pools (PLA-Serve), each pool's load and latency as the agents see it, how the
+router splits and queues traffic (``slipstream router``), and what the operator did about it
+(moves, restarts, placement failures, reconciles)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,43 @@ def _agent_row() -> list[Panel]:
     ]
 
 
+def _router_row() -> list[Panel]:
+    # The router is its own scrape job, so its panels filter by pool only, not by $job.
+    pool = 'pool=~"$pool"'
+    return [
+        timeseries("Routed requests by class and pool", "Requests the router finished per "
+                   "second, by prompt class, the pool that served them and outcome.",
+                   Target(f"sum by (request_class, pool, outcome) "
+                          f"(rate({names.ROUTER_REQUESTS.name}{{{pool}}}[{RATE}]))",
+                          "{{request_class}} -> {{pool}} {{outcome}}"), unit="reqps", width=8),
+        timeseries("Router TTFT p99", "Arrival at the router to the first token leaving it: "
+                   "fair-queue wait, retries and the instance's own TTFT.",
+                   Target(quantile(0.99, names.ROUTER_TTFT, "request_class, pool", labels=pool),
+                          "{{request_class}} -> {{pool}}"), unit="s", width=8),
+        timeseries("Retries before the first token", "Attempts moved to another instance of "
+                   "the pool after one failed before its first token.",
+                   Target(f"sum by (pool) (rate({names.ROUTER_RETRIES.name}{{{pool}}}"
+                          f"[{RATE}]))", "{{pool}}"), unit="ops", width=8),
+        timeseries("Fair queue", "Requests waiting because every candidate instance is "
+                   "saturated (left) and their p99 wait (right).",
+                   Target(f"sum by (request_class) ({names.ROUTER_QUEUE_DEPTH.name})",
+                          "waiting {{request_class}}"),
+                   Target(quantile(0.99, names.ROUTER_QUEUE_WAIT, "request_class", labels=""),
+                          "p99 wait {{request_class}}"),
+                   right_axis=("p99 wait short", "p99 wait long"), width=8),
+        timeseries("Router view of the pools", "Instances the router routes to per pool "
+                   "label, and its requests in flight there.",
+                   Target(f"max by (pool) ({names.ROUTER_POOL_INSTANCES.name}{{{pool}}})",
+                          "instances {{pool}}"),
+                   Target(f"sum by (pool) ({names.ROUTER_IN_FLIGHT.name}{{{pool}}})",
+                          "in flight {{pool}}"), width=8),
+        timeseries("Predicted backlog by pool", "The router's least-backlog input: pending "
+                   "prefill tokens plus weighted decodes, summed over each pool.",
+                   Target(f"sum by (pool) ({names.ROUTER_BACKLOG_TOKENS.name}{{{pool}}})",
+                          "{{pool}}"), width=8),
+    ]
+
+
 def _operator_row() -> list[Panel]:
     pool_instances = names.OPERATOR_POOL_INSTANCES.name
     return [
@@ -68,9 +106,17 @@ def _operator_row() -> list[Panel]:
              Target(f"sum (increase({names.OPERATOR_RECONCILE_ERRORS.name}[$__range]))")),
         stat("Reconciles per second", "All reconciliations.",
              Target(f"sum (rate({names.OPERATOR_RECONCILES.name}[{RATE}]))"), unit="ops"),
+        stat("Instances created", "Instances whose pods the operator created (new, scaled "
+             "up or recreated).",
+             Target(f"sum (increase({names.OPERATOR_INSTANCES_CREATED.name}[$__range]))")),
         timeseries("Reconciles by result", "Reconciliations per second by result.",
                    Target(f"sum by (result) (rate({names.OPERATOR_RECONCILES.name}[{RATE}]))",
-                          "{{result}}"), unit="ops", width=24),
+                          "{{result}}"), unit="ops", width=12),
+        timeseries("Reconcile duration", "Wall time of one reconciliation (API calls and "
+                   "the replica's lock included).",
+                   *(Target(quantile(q, names.OPERATOR_RECONCILE_DURATION, labels=""),
+                            f"p{round(q * 100)}") for q in (0.5, 0.99)),
+                   unit="s", width=12),
     ]
 
 
@@ -81,6 +127,7 @@ def build() -> dict:
         query_variable("pool", "Pool", f'label_values({role}{{job=~"$job"}}, pool)'),
     ]
     rows = [("Pools as the agents see them", _agent_row()),
+            ("Router: length-aware routing and fair queuing", _router_row()),
             ("Operator: placement and rebalancing", _operator_row())]
     return dashboard(UID, "Slipstream / Pools and rebalancing", "Short/long prefill pools: "
                      "their split, load and latency, and the operator's moves.", rows, variables)

@@ -15,12 +15,21 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("slipstream.agent.server.cli", "Serve a model behind an OpenAI-compatible HTTP API."),
     "make-tiny-model": ("slipstream.agent.engine.tiny_model",
                         "Write a small random-weight Llama in Hugging Face format."),
+    "router": ("slipstream.agent.router.cli",
+               "Route OpenAI requests to short/long prefill pools by prompt length."),
+    "worker": ("slipstream.agent.parallel.launch",
+               "Start this node's worker ranks of a multi-node instance (env-configured)."),
     "profile": ("slipstream.agent.engine.profiler",
                 "Measure per-layer op times of the engine on this device (for --profile)."),
+<<<<<<< HEAD
     "simulate": ("slipstream.agent.sim.cli",
                  "Replay a workload through the real scheduler on a performance model."),
     "bench": ("slipstream.agent.bench.cli",
               "Benchmarks; `bench serve` loads any OpenAI-compatible endpoint."),
+=======
+    "operator": ("slipstream.operator.cli",
+                 "Run the ServingReplica Kubernetes operator (kopf) in this process."),
+>>>>>>> main
 }
 
 

@@ -27,9 +27,10 @@ SERVER_START_TIMEOUT_S = 180.0
 class ServerHandle:
     """Where the server listens, plus readers for its Prometheus metrics."""
 
-    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
+    def __init__(self, base_url: str, process: subprocess.Popen, control_port: int) -> None:
         self.base_url = base_url
         self.process = process
+        self.control_target = f"127.0.0.1:{control_port}"  # the gRPC control API
         self.model = SERVED_MODEL_NAME
 
     def openai_client(self, **kwargs) -> openai.OpenAI:
@@ -82,7 +83,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def serve(model_dir: Path, log_dir: Path, *extra_args: str,
           pool: str = POOL_LABEL) -> Iterator[ServerHandle]:
     """Run ``slipstream serve`` on a free port until the block ends (then stop it by PID)."""
-    port = _free_port()
+    port, control_port = _free_port(), _free_port()
     log_path = log_dir / "serve.log"
     env = {**os.environ, "SLIPSTREAM_POOL": pool}
     env.pop("POD_IP", None)
@@ -92,9 +93,9 @@ def serve(model_dir: Path, log_dir: Path, *extra_args: str,
                         "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
                         "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
                         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
-                        *extra_args),
+                        "--control-port", str(control_port), *extra_args),
             stdout=log, stderr=subprocess.STDOUT, env=env)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", process)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", process, control_port)
     try:
         _wait_until_healthy(handle, log_path)
         yield handle

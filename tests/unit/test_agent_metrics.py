@@ -22,7 +22,7 @@ UNIT_SUFFIXES = ("_seconds", "_tokens", "_ratio", "_info", "_blocks_used", "_blo
 
 
 def test_registry_names_follow_prometheus_conventions():
-    specs = metric_names.AGENT_METRICS + metric_names.OPERATOR_METRICS
+    specs = metric_names.AGENT_METRICS + metric_names.OPERATOR_METRICS + metric_names.ROUTER_METRICS
     assert len({spec.name for spec in specs}) == len(specs)
     for spec in specs:
         assert re.fullmatch(r"slipstream_[a-z0-9_]+", spec.name), spec.name
@@ -33,6 +33,7 @@ def test_registry_names_follow_prometheus_conventions():
             assert spec.name.endswith(UNIT_SUFFIXES), f"{spec.name}: no unit in the name"
         assert spec.help.endswith("."), spec.name
     assert all(s.name.startswith("slipstream_operator_") for s in metric_names.OPERATOR_METRICS)
+    assert all(s.name.startswith("slipstream_router_") for s in metric_names.ROUTER_METRICS)
 
 
 def test_family_of_resolves_histogram_series_only():

@@ -1,27 +1,19 @@
 """The time-budget packer (Medha Algorithms 1-2) and the prefill time cache (Algorithm 3)."""
 
 import functools
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slipstream.agent.bench.datasets import H100_LLAMA3_8B_TP8, find_shared_data
 from slipstream.agent.scheduler.packer import FLOAT_SLACK, PackerConfig, PrefillBudget, largest_chunk_tokens
 from slipstream.agent.scheduler.predictor import AnalyticModel, RuntimePredictor
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8
 
 
-def find_h100_profile() -> Path | None:
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "data" / "perf" / "h100-llama3-8b-tp8"
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
-H100_DIR = find_h100_profile()
+H100_DIR = find_shared_data(*H100_LLAMA3_8B_TP8)
 needs_h100 = pytest.mark.skipif(H100_DIR is None, reason="shared/data/perf not present")
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from slipstream.agent.bench.datasets import H100_LLAMA3_8B_TP8, find_shared_data
 from slipstream.agent.scheduler.predictor import (
     BatchTimeEstimate,
     RuntimePredictor,
@@ -18,15 +19,7 @@ from slipstream.agent.scheduler.profile_table import (
 )
 
 
-def find_h100_profile() -> Path | None:
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "data" / "perf" / "h100-llama3-8b-tp8"
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
-H100_DIR = find_h100_profile()
+H100_DIR = find_shared_data(*H100_LLAMA3_8B_TP8)
 needs_h100 = pytest.mark.skipif(H100_DIR is None, reason="shared/data/perf not present")
 
 

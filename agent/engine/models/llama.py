@@ -5,6 +5,10 @@ The model works on a flat token dimension: every sequence's new tokens of this s
 concatenated, with their absolute ``positions``. Attention goes through a backend from
 ``slipstream.kernels``, which reads and writes the paged KV cache; the model never sees block
 tables. Module and parameter names follow Hugging Face, so checkpoints load by name.
+
+Sharding stays out of this file: projections come from a ``LayerFactory`` (plain layers in one
+process, tensor-parallel ones under TP) and a ``PipelineStage`` says which decoder layers to
+build (SPP). A stage that does not own the embedding takes its input as ``hidden``.
 """
 
 from __future__ import annotations
@@ -16,53 +20,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.agent.engine.config import ModelConfig, RopeScaling
+from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
 from slipstream.kernels.attention import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer: k, v [num_blocks, block, kv_heads, dim]
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
+        layers = layers or LocalLayers()
+        stage = stage or PipelineStage.whole(config.num_layers)
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.model = LlamaModel(config, layers, stage)
+        self.lm_head = layers.lm_head(config.hidden_size, config.vocab_size) \
+            if stage.is_last else None
+        if config.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
-        return self.model(input_ids, positions, kv_caches, backend)
+                kv_caches: list[KVCache], backend: AttentionBackend,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]``: after the final norm on the last stage,
+        else the residual stream to hand to the next stage. ``kv_caches`` holds one entry per
+        decoder layer this stage owns."""
+        return self.model(input_ids, positions, kv_caches, backend, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, stage: PipelineStage) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = layers.embedding(config.vocab_size, config.hidden_size) \
+            if stage.is_first else None
+        # Keyed by the global layer index, so parameter names match the checkpoint's.
+        self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(config, layers)
+                                     for index in stage.layer_indices})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], backend: AttentionBackend) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                kv_caches: list[KVCache], backend: AttentionBackend,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers.values(), kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, backend)
-        return self.norm(hidden)
+        return self.norm(hidden) if self.norm is not None else hidden
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layers)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layers)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -71,17 +88,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.scale = 1.0 / math.sqrt(config.head_dim)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.num_heads = layers.local_count(config.num_heads)
+        self.num_kv_heads = layers.local_count(config.num_kv_heads)
+        self.head_dim = head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = layers.column_linear(hidden, config.num_heads * head_dim, bias)
+        self.k_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
+        self.v_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
+        self.o_proj = layers.row_linear(config.num_heads * head_dim, hidden, False)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -97,11 +114,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_proj = layers.column_linear(hidden, intermediate, False)
+        self.up_proj = layers.column_linear(hidden, intermediate, False)
+        self.down_proj = layers.row_linear(intermediate, hidden, False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))

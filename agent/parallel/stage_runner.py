@@ -1,0 +1,158 @@
+"""One worker's share of the model: its TP shard of its pipeline stage, for its KVP group.
+
+    Batch (same description on every rank)
+      -> inputs + this KVP group's attention metadata
+      -> first stage: embed; later stages: recv the residual stream from the previous stage
+      -> this stage's decoder layers (TP all-reduces and KVP merges happen inside the layers)
+      -> not last stage: send to the next stage (asynchronously: this stage moves on at once)
+         last stage, KVP group 0: logits (vocab-parallel) -> the sampler rank samples
+
+Each batch's compute span is recorded, so a test (or a trace viewer) can see the pipeline
+overlap: stage 0 starting chunk i+1 while stage 1 still works on chunk i.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.loader import load_model, resolve_dtype
+from slipstream.agent.engine.model_runner import SampledToken
+from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
+from slipstream.agent.engine.sampler import Sampler
+from slipstream.agent.parallel.groups import ProcessGroups
+from slipstream.agent.parallel.kv_parallel import KVParallelBackend, group_metadata
+from slipstream.agent.parallel.layers import TensorParallelLayers
+from slipstream.agent.scheduler.batch import Batch, BlockCopy
+from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+from slipstream.kernels.attention import select_backend
+
+MAX_SPANS = 4096
+_WHOLE_SEQUENCE_TOKENS = 1 << 62  # "one KVP group holds everything"
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """When one rank computed one batch (``time.monotonic()`` seconds, system-wide on Linux)."""
+
+    batch_seq: int
+    rank: int
+    stage: int
+    kvp_group: int
+    num_tokens: int
+    start_s: float
+    end_s: float
+
+
+class StageRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, groups: ProcessGroups,
+                 device: torch.device) -> None:
+        parallel, coords = groups.config, groups.coords
+        self.groups = groups
+        self.device = device
+        self.dtype = resolve_dtype(config.dtype, model_config, device)
+        self.hidden_size = model_config.hidden_size
+        torch.manual_seed(config.seed)
+        self.stage = PipelineStage.split(model_config.num_layers, parallel.spp, coords.stage)
+        layers = TensorParallelLayers(groups) if parallel.tp > 1 else LocalLayers()
+        self.model = load_model(config.model_dir, device, self.dtype, model_config, layers,
+                                self.stage)
+        backend = select_backend(device, config.attention_backend)
+        self.backend = (KVParallelBackend(backend, groups.kvp_group, parallel.kvp)
+                        if parallel.kvp > 1 else backend)
+        self.tokens_per_group = (parallel.kvp_tokens_per_group if parallel.kvp > 1
+                                 else _WHOLE_SEQUENCE_TOKENS)
+        self.kv_group = coords.kvp_group
+        local_kv_heads = layers.local_count(model_config.num_kv_heads)
+        num_layers = len(self.stage.layer_indices)
+        self.num_kv_blocks = config.num_kv_blocks or _blocks_in_memory(
+            config.kv_cache_memory_gib, num_layers * local_kv_heads * model_config.head_dim,
+            self.dtype)
+        shape = (self.num_kv_blocks, BLOCK_SIZE, local_kv_heads, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
+                           torch.zeros(shape, dtype=self.dtype, device=device))
+                          for _ in range(num_layers)]
+        self.computes_logits = self.stage.is_last and coords.kvp_group == 0
+        self.is_sampler = coords.rank == parallel.sampler_rank
+        self.sampler = Sampler(config.seed) if self.is_sampler else None
+        self.spans: deque[StageSpan] = deque(maxlen=MAX_SPANS)
+        self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
+
+    @torch.inference_mode()
+    def run(self, batch_seq: int, batch: Batch) -> dict[str, SampledToken] | None:
+        """Run this rank's part of ``batch``; the sampler rank returns the sampled tokens."""
+        for copy in batch.swap_out + batch.swap_in:
+            self._copy_blocks(copy)
+        if not batch.chunks:
+            return {} if self.is_sampler else None
+        input_ids, positions, sample_rows = self._prepare(batch)
+        hidden_in = None
+        if not self.stage.is_first:
+            hidden_in = torch.empty(len(positions), self.hidden_size, dtype=self.dtype,
+                                    device=self.device)
+            dist.recv(hidden_in, src=self.groups.prev_rank)
+        started = time.monotonic()
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend, hidden_in)
+        logits = None
+        if self.computes_logits:
+            logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        coords = self.groups.coords
+        self.spans.append(StageSpan(batch_seq, coords.rank, coords.stage, coords.kvp_group,
+                                    len(positions), started, time.monotonic()))
+        if not self.stage.is_last:
+            self._send(hidden)
+        return self._sample(batch, sample_rows, logits) if self.is_sampler else None
+
+    def finish_sends(self) -> None:
+        if self._pending_send is not None:
+            self._pending_send[0].wait()
+            self._pending_send = None
+
+    def _send(self, hidden: torch.Tensor) -> None:
+        # Wait for the previous hand-off only now, so this stage computed the next batch
+        # while the last one was in transit.
+        self.finish_sends()
+        hidden = hidden.contiguous()
+        self._pending_send = (dist.isend(hidden, dst=self.groups.next_rank), hidden)
+
+    def _sample(self, batch: Batch, sample_rows: list[tuple[int, int]],
+                logits: torch.Tensor) -> dict[str, SampledToken]:
+        if not sample_rows:
+            return {}
+        chunks = [batch.chunks[i] for i, _ in sample_rows]
+        tokens, logprobs = self.sampler(logits, [c.sampling for c in chunks],
+                                        [c.num_generated for c in chunks])
+        return {chunk.request_id: SampledToken(token, logprob)
+                for chunk, token, logprob in zip(chunks, tokens, logprobs)}
+
+    def _prepare(self, batch: Batch):
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        for index, chunk in enumerate(batch.chunks):
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.end_pos))
+            if chunk.sample:
+                sample_rows.append((index, len(token_ids) - 1))
+        metadata = group_metadata(batch.chunks, self.kv_group, self.tokens_per_group, BLOCK_SIZE,
+                                  self.device)
+        self.backend.plan(metadata)
+        return (torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), sample_rows)
+
+    def _copy_blocks(self, copy: BlockCopy) -> None:
+        # Swap to host memory is not wired for parallel workers yet: the engine gives them no
+        # host pool, so the scheduler never emits swaps. Fail loudly if that changes.
+        raise NotImplementedError("swap preemption is not supported with parallel workers")
+
+
+def _blocks_in_memory(memory_gib: float, elements_per_token: int, dtype: torch.dtype) -> int:
+    bytes_per_token = 2 * elements_per_token * (torch.finfo(dtype).bits // 8)
+    return max(1, int(memory_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))

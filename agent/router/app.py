@@ -1,0 +1,172 @@
+"""The router's HTTP front door: an OpenAI-compatible proxy in front of the pools.
+
+    client --POST /v1/completions, /v1/chat/completions--> classify (prompt tokens)
+        --> Proxy.forward --> Dispatcher (pool, least backlog, fair queue) --> agent
+    client --GET /v1/models--> the first instance that answers
+    kubelet --GET /health--> 200 while some instance can take traffic
+    Prometheus --GET /metrics--> RouterMetrics
+    people --GET /router/instances--> the membership and load the router sees (JSON)
+
+Startup wires the moving parts: static backends or the pod watch fill the InstanceTable, the
+stats poller reads each agent's /metrics, and one httpx client carries all upstream traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from slipstream.agent.engine.tokenizer import Tokenizer
+from slipstream.agent.router.classify import CHAT, COMPLETIONS, LengthClassifier, parse_json_body
+from slipstream.agent.router.config import RouterConfig
+from slipstream.agent.router.dispatcher import Dispatcher
+from slipstream.agent.router.instances import BackendSpec, InstanceTable
+from slipstream.agent.router.metrics import RouterMetrics
+from slipstream.agent.router.pod_discovery import PodWatcher
+from slipstream.agent.router.proxy import BACKEND_HEADER, Proxy, forwarded_headers
+from slipstream.agent.router.stats_poller import StatsPoller
+from slipstream.agent.server.errors import APIError, error_response
+
+log = logging.getLogger(__name__)
+# Bodies larger than this are tokenized off the event loop (a 1M-token prompt takes ~1 s).
+INLINE_TOKENIZE_MAX_BYTES = 64 * 1024
+
+
+class Router:
+    """The router's state, reachable from tests as ``app.state.router``."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None) -> None:
+        self.config = config
+        self.table = InstanceTable()
+        self.metrics = RouterMetrics()
+        self.dispatcher = Dispatcher(self.table, config, self.metrics)
+        self.classifier = LengthClassifier(tokenizer, config.long_prefill_threshold_tokens)
+        self.client: httpx.AsyncClient | None = None
+        self.proxy: Proxy | None = None
+        self.poller: StatsPoller | None = None
+        self.watcher: PodWatcher | None = None
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.proxy = Proxy(self.config, self.dispatcher, self.client, self.metrics)
+        for backend in self.config.static_backends:
+            self.table.upsert(BackendSpec(name=backend.url, url=backend.url.rstrip("/"),
+                                          pool=backend.pool, instance=backend.url))
+        if self.config.kubernetes is not None:
+            self.watcher = PodWatcher(self.config.kubernetes, self.table,
+                                      asyncio.get_running_loop())
+            self.watcher.start()
+        self.poller = StatsPoller(self.table, self.client, self.config.stats_interval_s,
+                                  self.config.unhealthy_cooldown_s)
+        self.poller.start()
+
+    async def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.poller is not None:
+            await self.poller.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def route(self, request: Request, path: str, endpoint: str) -> Response:
+        raw = await request.body()
+        body = parse_json_body(raw)
+        if len(raw) > INLINE_TOKENIZE_MAX_BYTES:
+            routed = await asyncio.to_thread(self.classifier.classify, endpoint, body)
+        else:
+            routed = self.classifier.classify(endpoint, body)
+        self.table.observe_prompt(routed.request_class, routed.prompt_tokens)
+        return await self.proxy.forward(path, raw, forwarded_headers(request.headers), routed)
+
+    def instances_view(self) -> list[dict]:
+        mean = self.table.mean_prompt_tokens
+        return [{"name": i.name, "url": i.spec.url, "pool": i.pool, "instance": i.spec.instance,
+                 "in_flight": i.in_flight, "own_in_flight": i.own_in_flight,
+                 "predicted_backlog_tokens": i.predicted_backlog_tokens(
+                     self.config.decode_weight_tokens,
+                     mean("long" if i.pool == "long" else "short")),
+                 "kv_capacity_tokens": i.kv_capacity_tokens}
+                for i in sorted(self.table, key=lambda i: i.name)]
+
+
+def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    router = Router(config, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="Slipstream router", summary="Length-aware pool router (OpenAI API)",
+                  lifespan=lifespan)
+    app.state.router = router
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.route(request, "/v1/completions", COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.route(request, "/v1/chat/completions", CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for instance in router.table.candidates("short"):
+            try:
+                upstream = await router.client.get(f"{instance.spec.url}/v1/models", timeout=5)
+            except httpx.TransportError:
+                continue
+            if upstream.status_code == 200:
+                return Response(upstream.content, media_type="application/json",
+                                headers={BACKEND_HEADER: instance.name})
+        raise APIError(503, "no serving instance answered", code="no_instance_available")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.table.candidates("short") or router.table.candidates("long"):
+            return JSONResponse({"status": "ok", "instances": len(router.table)})
+        return JSONResponse({"status": "no instances"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = router.metrics.exposition(router.table, router.dispatcher.queue_depth,
+                                         config.decode_weight_tokens)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/router/instances")
+    async def instances() -> Response:
+        return Response(json.dumps({"instances": router.instances_view()}, indent=1),
+                        media_type="application/json")
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = str(error.detail) if error.detail else "error"
+        if error.status_code == 404:
+            message = ("Unknown endpoint. The Slipstream router serves /v1/completions, "
+                       "/v1/chat/completions, /v1/models, /health, /metrics and "
+                       "/router/instances.")
+        return error_response(APIError(error.status_code, message))

@@ -1,0 +1,104 @@
+"""Settings of the pool router, built once by ``slipstream router`` (or a test) and passed to
+``build_router_app``. Discovery is either static (``--backend URL=pool``) or Kubernetes pods.
+
+The label keys match what the operator writes on agent pods (``operator/naming.py``): every
+rank-0 pod carries ``slipstream.dev/role=controller``, its instance name and its pool, and its
+container port named ``http`` serves the OpenAI API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SHORT_POOL = "short"
+LONG_POOL = "long"
+UNIFIED_POOL = "unified"  # an instance outside the short/long split serves both classes
+POOLS = (SHORT_POOL, LONG_POOL, UNIFIED_POOL)
+REQUEST_CLASSES = (SHORT_POOL, LONG_POOL)
+
+POOL_LABEL = "slipstream.dev/pool"
+INSTANCE_LABEL = "slipstream.dev/instance"
+ROLE_LABEL = "slipstream.dev/role"
+REPLICA_LABEL = "slipstream.dev/replica"
+CONTROLLER_ROLE = "controller"
+HTTP_PORT_NAME = "http"
+DEFAULT_AGENT_PORT = 8000
+# Matches the CRD's default pools.longPrefillThresholdTokens.
+DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class StaticBackend:
+    url: str  # http://host:port, no trailing /v1
+    pool: str
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"backend URL must start with http:// or https://, got {self.url!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"backend pool must be one of {POOLS}, got {self.pool!r}")
+
+
+@dataclass(frozen=True)
+class KubernetesDiscovery:
+    """Watch agent pods: every pod matching ``label_selector`` with a pod IP is a backend."""
+
+    namespace: str
+    label_selector: str = f"{ROLE_LABEL}={CONTROLLER_ROLE}"
+    port_name: str = HTTP_PORT_NAME
+    default_port: int = DEFAULT_AGENT_PORT  # when the container declares no port of that name
+    kubeconfig: str | None = None  # None: in-cluster config, else $KUBECONFIG / ~/.kube/config
+
+
+@dataclass(frozen=True)
+class FairnessConfig:
+    """The fair queue's demand model: Justitia's cost needs each request's output length."""
+
+    prior_output_tokens: int = 256  # predicted output of an application's first request
+
+    def __post_init__(self) -> None:
+        if self.prior_output_tokens < 1:
+            raise ValueError("prior_output_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    long_prefill_threshold_tokens: int = DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS
+    # An instance is saturated at this many router requests in flight, or at this predicted
+    # backlog; when every candidate is saturated, requests wait in the fair queue.
+    max_in_flight_per_instance: int = 64
+    max_backlog_tokens_per_instance: int | None = None
+    # A running decode weighs this many prefill tokens in the predicted backlog.
+    decode_weight_tokens: int = 32
+    stats_interval_s: float = 1.0
+    max_attempts: int = 3  # instances tried per request before the first token
+    connect_timeout_s: float = 5.0
+    queue_timeout_s: float = 120.0  # longest wait in the fair queue before a 503
+    unhealthy_cooldown_s: float = 5.0  # a failed instance gets no traffic for this long
+    static_backends: tuple[StaticBackend, ...] = ()
+    kubernetes: KubernetesDiscovery | None = None
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.long_prefill_threshold_tokens < 1:
+            raise ValueError("long_prefill_threshold_tokens must be positive")
+        if self.max_in_flight_per_instance < 1:
+            raise ValueError("max_in_flight_per_instance must be >= 1")
+        if self.max_backlog_tokens_per_instance is not None \
+                and self.max_backlog_tokens_per_instance < 1:
+            raise ValueError("max_backlog_tokens_per_instance must be >= 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        for name in ("stats_interval_s", "connect_timeout_s", "queue_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.unhealthy_cooldown_s < 0 or self.decode_weight_tokens < 0:
+            raise ValueError("unhealthy_cooldown_s and decode_weight_tokens must be >= 0")
+        if bool(self.static_backends) == (self.kubernetes is not None):
+            raise ValueError("give either static backends or Kubernetes discovery, not both "
+                             "and not neither")

@@ -1,0 +1,163 @@
+"""Which instance serves a request, and when: least predicted backlog, fair queue when full.
+
+    RoutedRequest --acquire()--> an unsaturated candidate with the least predicted backlog
+                                 (none: wait in the class's FairQueue, smallest tag first)
+                 --> Lease --first_token() / finish()--> instance load; a freed slot drains
+                                                          the queue
+
+Candidates are the instances of the request's pool (plus unified ones), from
+``InstanceTable.candidates``. An instance is saturated at ``max_in_flight_per_instance``
+requests (this router's and others', as last reported) or at
+``max_backlog_tokens_per_instance`` predicted backlog. A retry passes the instances already
+tried in ``exclude`` and keeps its first fairness tag, so it does not lose its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slipstream.agent.router.classify import RoutedRequest
+from slipstream.agent.router.config import REQUEST_CLASSES, RouterConfig
+from slipstream.agent.router.fair_queue import FairQueue
+from slipstream.agent.router.instances import Instance, InstanceTable
+from slipstream.agent.router.metrics import RouterMetrics
+
+
+class NoInstanceError(Exception):
+    """No instance can take the request (none left to try, or the queue wait ran out)."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    routed: RoutedRequest
+    finish_tag: float
+    exclude: frozenset[str]
+    future: asyncio.Future = field(repr=False)
+
+
+class Lease:
+    """One attempt of one request on one instance; keeps the instance's load counts honest."""
+
+    def __init__(self, dispatcher: Dispatcher, instance: Instance, routed: RoutedRequest,
+                 finish_tag: float) -> None:
+        self._dispatcher = dispatcher
+        self.instance = instance
+        self.routed = routed
+        self.finish_tag = finish_tag
+        self.reached_first_token = False
+        self.finished = False
+        instance.start(routed.prompt_tokens)
+
+    def first_token(self) -> None:
+        if not self.reached_first_token and not self.finished:
+            self.reached_first_token = True
+            self.instance.first_token(self.routed.prompt_tokens)
+
+    def finish(self, output_tokens: int | None = None) -> None:
+        """Release the slot; ``output_tokens`` (on success) teaches the demand predictor."""
+        if self.finished:
+            return
+        self.finished = True
+        self.instance.finish(self.routed.prompt_tokens, self.reached_first_token)
+        self._dispatcher.released(self, output_tokens)
+
+
+class Dispatcher:
+    def __init__(self, table: InstanceTable, config: RouterConfig, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._table = table
+        self._config = config
+        self._metrics = metrics
+        self._clock = clock
+        self.queues: dict[str, FairQueue[_Waiter]] = {
+            request_class: FairQueue(config.fairness) for request_class in REQUEST_CLASSES}
+        self._rotation = itertools.count()  # spreads ties between idle instances
+        table.on_change(self.drain)
+
+    def queue_depth(self, request_class: str) -> int:
+        return len(self.queues[request_class])
+
+    def tag(self, routed: RoutedRequest) -> float:
+        """The request's fairness tag, taken once (a retry keeps it)."""
+        return self.queues[routed.request_class].tag(routed.app_id, routed.prompt_tokens,
+                                                     routed.max_tokens)
+
+    async def acquire(self, routed: RoutedRequest, finish_tag: float,
+                      exclude: frozenset[str] = frozenset()) -> Lease:
+        if not any(instance.name not in exclude
+                   for instance in self._table.candidates(routed.request_class)):
+            raise NoInstanceError("no serving instance is available for this request")
+        queue = self.queues[routed.request_class]
+        if not len(queue):
+            instance = self._pick(routed, exclude)
+            if instance is not None:
+                queue.dispatched(finish_tag)
+                return Lease(self, instance, routed, finish_tag)
+        waiter = _Waiter(routed, finish_tag, exclude, asyncio.get_running_loop().create_future())
+        queue.push(finish_tag, waiter)
+        started_s = self._clock()
+        self.drain()  # the queue may have been empty for a reason that no longer holds
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future),
+                                          self._config.queue_timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as error:
+            queue.remove(waiter)
+            if waiter.future.done() and not waiter.future.cancelled():
+                waiter.future.result().finish()  # granted just as we gave up
+            waiter.future.cancel()
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise NoInstanceError(f"every instance stayed saturated for "
+                                  f"{self._config.queue_timeout_s:.0f} s") from None
+        finally:
+            self._metrics.queue_wait_s.labels(routed.request_class).observe(
+                self._clock() - started_s)
+
+    def released(self, lease: Lease, output_tokens: int | None) -> None:
+        if output_tokens is not None:
+            self.queues[lease.routed.request_class].demand.observe(lease.routed.app_id,
+                                                                   output_tokens)
+        self.drain()
+
+    def drain(self) -> None:
+        """Grant waiting requests, smallest virtual finish time first, while slots are free."""
+        for request_class, queue in self.queues.items():
+            skipped: list[_Waiter] = []
+            while len(queue):
+                waiter = queue.peek()
+                if waiter.future.done():
+                    queue.pop()
+                    continue
+                instance = self._pick(waiter.routed, waiter.exclude)
+                if instance is None:
+                    if self._pick(waiter.routed, frozenset()) is None:
+                        break  # the class is full: the head waits for the next release
+                    skipped.append(queue.pop())  # only instances it already tried are free
+                    continue
+                queue.pop()
+                queue.dispatched(waiter.finish_tag)
+                waiter.future.set_result(Lease(self, instance, waiter.routed, waiter.finish_tag))
+            for waiter in skipped:
+                queue.push(waiter.finish_tag, waiter)
+
+    def _pick(self, routed: RoutedRequest, exclude: frozenset[str]) -> Instance | None:
+        config = self._config
+        mean_prompt = self._table.mean_prompt_tokens(routed.request_class)
+        best, best_key = None, None
+        candidates = self._table.candidates(routed.request_class)
+        offset = next(self._rotation)
+        for position, instance in enumerate(candidates):
+            if instance.name in exclude or instance.in_flight >= config.max_in_flight_per_instance:
+                continue
+            backlog = instance.predicted_backlog_tokens(config.decode_weight_tokens, mean_prompt)
+            limit = config.max_backlog_tokens_per_instance
+            if limit is not None and backlog >= limit and instance.in_flight > 0:
+                continue  # an idle instance takes even a request larger than the limit
+            key = (backlog, instance.in_flight, (position - offset) % len(candidates))
+            if best_key is None or key < best_key:
+                best, best_key = instance, key
+        return best

@@ -1,0 +1,191 @@
+"""The router's view of the serving instances: who is in which pool, and how loaded each is.
+
+    pod watch / --backend flags --upsert/remove--> InstanceTable --candidates(class)--> dispatcher
+    stats poller --report()--> Instance.load        proxy --start/first_token/finish--> load
+
+Everything here runs on the router's event loop thread; the pod watch thread hands its events
+over with ``call_soon_threadsafe``, so nothing needs a lock.
+
+Predicted backlog. An agent's ``/metrics`` says how many requests it holds before and after
+their first token, but only as of the last poll, and it counts every router's requests. This
+router knows its own requests exactly and at once. So the estimate is this router's live
+counts plus the *foreign* part of the last report (reported minus what this router had there
+at that moment), in prefill tokens: own pending prompt tokens exactly, foreign prefills at the
+pool's mean prompt length, and each decode as ``decode_weight_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from slipstream.agent.router.config import LONG_POOL, SHORT_POOL, UNIFIED_POOL
+
+# Which pools may serve a request class, in order of preference.
+_POOLS_FOR_CLASS = {SHORT_POOL: (SHORT_POOL, UNIFIED_POOL), LONG_POOL: (LONG_POOL, UNIFIED_POOL)}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One instance as discovery sees it."""
+
+    name: str  # stable key: the pod name, or the URL in static mode
+    url: str  # http://ip:port
+    pool: str
+    instance: str  # the instance it belongs to (pod label), for metrics and logs
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """What one poll of an agent's stats said."""
+
+    prefill_requests: int  # accepted, no first token yet (queued or prefilling)
+    decode_requests: int
+    kv_capacity_tokens: int | None
+
+
+class Instance:
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self.own_prefill_requests = 0
+        self.own_prefill_tokens = 0
+        self.own_decode_requests = 0
+        self._foreign_prefill_requests = 0
+        self._foreign_decode_requests = 0
+        self.kv_capacity_tokens: int | None = None
+        self.unhealthy_until_s = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pool(self) -> str:
+        return self.spec.pool
+
+    @property
+    def own_in_flight(self) -> int:
+        return self.own_prefill_requests + self.own_decode_requests
+
+    @property
+    def in_flight(self) -> int:
+        return self.own_in_flight + self._foreign_prefill_requests + self._foreign_decode_requests
+
+    def healthy(self, now_s: float) -> bool:
+        return now_s >= self.unhealthy_until_s
+
+    def mark_failed(self, now_s: float, cooldown_s: float) -> None:
+        self.unhealthy_until_s = now_s + cooldown_s
+
+    def predicted_backlog_tokens(self, decode_weight_tokens: float,
+                                 mean_prompt_tokens: float) -> float:
+        prefill = self.own_prefill_tokens + self._foreign_prefill_requests * mean_prompt_tokens
+        decodes = self.own_decode_requests + self._foreign_decode_requests
+        return prefill + decodes * decode_weight_tokens
+
+    # -- this router's requests (the proxy calls these) ---------------------------------------
+
+    def start(self, prompt_tokens: int) -> None:
+        self.own_prefill_requests += 1
+        self.own_prefill_tokens += prompt_tokens
+
+    def first_token(self, prompt_tokens: int) -> None:
+        self.own_prefill_requests -= 1
+        self.own_prefill_tokens -= prompt_tokens
+        self.own_decode_requests += 1
+
+    def finish(self, prompt_tokens: int, reached_first_token: bool) -> None:
+        if reached_first_token:
+            self.own_decode_requests -= 1
+        else:
+            self.own_prefill_requests -= 1
+            self.own_prefill_tokens -= prompt_tokens
+
+    # -- the agent's own report ---------------------------------------------------------------
+
+    def report(self, report: AgentReport) -> None:
+        # Requests this router sent that the agent has not registered yet (or already
+        # finished) make the difference negative; count those as no foreign load.
+        self._foreign_prefill_requests = max(0, report.prefill_requests
+                                             - self.own_prefill_requests)
+        self._foreign_decode_requests = max(0, report.decode_requests - self.own_decode_requests)
+        if report.kv_capacity_tokens:
+            self.kv_capacity_tokens = report.kv_capacity_tokens
+        self.unhealthy_until_s = 0.0  # it answered
+
+
+class InstanceTable:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._instances: dict[str, Instance] = {}
+        self._clock = clock
+        self._listeners: list[Callable[[], None]] = []
+        self._prompt_tokens_seen = {SHORT_POOL: 0, LONG_POOL: 0}
+        self._requests_seen = {SHORT_POOL: 0, LONG_POOL: 0}
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after membership or capacity changes (to drain waiting queues)."""
+        self._listeners.append(listener)
+
+    def changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def __iter__(self):
+        return iter(list(self._instances.values()))
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def get(self, name: str) -> Instance | None:
+        return self._instances.get(name)
+
+    def upsert(self, spec: BackendSpec) -> None:
+        """Add an instance, or apply a relabel (new pool) or a new address to a known one."""
+        current = self._instances.get(spec.name)
+        if current is None:
+            self._instances[spec.name] = Instance(spec)
+        elif current.spec != spec:
+            current.spec = spec  # in-flight requests keep their counts where they run
+        else:
+            return
+        self.changed()
+
+    def remove(self, name: str) -> None:
+        if self._instances.pop(name, None) is not None:
+            self.changed()
+
+    def replace_all(self, specs: Iterable[BackendSpec]) -> None:
+        """Make the table exactly ``specs`` (after a full list of pods)."""
+        specs = {spec.name: spec for spec in specs}
+        for name in set(self._instances) - set(specs):
+            del self._instances[name]
+        for spec in specs.values():
+            current = self._instances.get(spec.name)
+            if current is None:
+                self._instances[spec.name] = Instance(spec)
+            else:
+                current.spec = spec
+        self.changed()
+
+    def candidates(self, request_class: str) -> list[Instance]:
+        """Healthy instances that may serve ``request_class``: its own pool (and unified
+        ones); when that pool is empty, every healthy instance rather than no service."""
+        now_s = self._clock()
+        healthy = [instance for instance in self._instances.values() if instance.healthy(now_s)]
+        own = [instance for instance in healthy if instance.pool in _POOLS_FOR_CLASS[request_class]]
+        return own or healthy
+
+    def pool_sizes(self) -> dict[str, int]:
+        sizes = {pool: 0 for pool in (SHORT_POOL, LONG_POOL, UNIFIED_POOL)}
+        for instance in self._instances.values():
+            sizes[instance.pool] = sizes.get(instance.pool, 0) + 1
+        return sizes
+
+    def observe_prompt(self, request_class: str, prompt_tokens: int) -> None:
+        self._prompt_tokens_seen[request_class] += prompt_tokens
+        self._requests_seen[request_class] += 1
+
+    def mean_prompt_tokens(self, request_class: str) -> float:
+        seen = self._requests_seen[request_class]
+        return self._prompt_tokens_seen[request_class] / seen if seen else 0.0

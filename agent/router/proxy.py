@@ -1,0 +1,270 @@
+"""Forwarding one request to an instance: retry until the first token, then pure passthrough.
+
+    RoutedRequest + original body --Dispatcher.acquire--> Lease(instance)
+        --POST instance/v1/...--> hold the SSE prefix until the first token
+            failure before it (connect error, 5xx, dropped stream, error event): mark the
+            instance failed, try another (up to max_attempts), keeping the fairness tag
+            first token seen: send the held prefix, then every upstream chunk as it arrives
+
+Before the first token the client has seen nothing that it would see twice: the agent's
+streams open with a role-only chunk that carries no token, and that chunk is held back with
+the rest of the prefix. After it, bytes are forwarded as they come, never re-framed. A
+failure after the first token cannot be hidden; the client gets an OpenAI error event.
+Non-streaming answers are one body, so they are retried on any failure before it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from slipstream.agent.router.classify import RoutedRequest
+from slipstream.agent.router.config import RouterConfig
+from slipstream.agent.router.dispatcher import Dispatcher, Lease, NoInstanceError
+from slipstream.agent.router.metrics import RouterMetrics
+from slipstream.agent.server.errors import APIError
+
+log = logging.getLogger(__name__)
+BACKEND_HEADER = "x-slipstream-backend"
+FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class RetryableFailure(Exception):
+    """The attempt failed before the first token; another instance may serve it.
+    ``instance_down``: the instance itself looks broken (it gets no traffic for a while),
+    rather than this one request failing there."""
+
+    def __init__(self, message: str, instance_down: bool = True) -> None:
+        super().__init__(message)
+        self.instance_down = instance_down
+
+
+class Proxy:
+    def __init__(self, config: RouterConfig, dispatcher: Dispatcher, client: httpx.AsyncClient,
+                 metrics: RouterMetrics) -> None:
+        self._config = config
+        self._dispatcher = dispatcher
+        self._client = client
+        self._metrics = metrics
+
+    async def forward(self, path: str, body: bytes, headers: dict[str, str],
+                      routed: RoutedRequest) -> Response:
+        finish_tag = self._dispatcher.tag(routed)
+        tried: set[str] = set()
+        last_failure = "no instance answered"
+        for attempt in range(self._config.max_attempts):
+            try:
+                lease = await self._dispatcher.acquire(routed, finish_tag, frozenset(tried))
+            except NoInstanceError as error:
+                self._count(routed, routed.request_class, "rejected")
+                message = str(error) if attempt == 0 else f"{error}; last failure: {last_failure}"
+                raise APIError(503, message, code="no_instance_available") from None
+            tried.add(lease.instance.name)
+            if attempt > 0:
+                self._metrics.retries.labels(lease.instance.pool).inc()
+            try:
+                return await self._attempt(path, body, headers, routed, lease)
+            except RetryableFailure as failure:
+                last_failure = f"{lease.instance.name}: {failure}"
+                log.warning("attempt %d on %s failed before the first token: %s", attempt + 1,
+                            lease.instance.name, failure)
+                if failure.instance_down:
+                    lease.instance.mark_failed(time.monotonic(),
+                                               self._config.unhealthy_cooldown_s)
+                lease.finish()
+            except BaseException:  # the client went away, or a bug: free the slot
+                lease.finish()
+                raise
+        self._count(routed, routed.request_class, "error")
+        raise APIError(503, f"{self._config.max_attempts} instances failed before the first "
+                            f"token; last failure: {last_failure}", code="instances_failed")
+
+    async def _attempt(self, path: str, body: bytes, headers: dict[str, str],
+                       routed: RoutedRequest, lease: Lease) -> Response:
+        request = self._client.build_request("POST", f"{lease.instance.spec.url}{path}",
+                                             content=body, headers=headers)
+        try:
+            upstream = await self._client.send(request, stream=True)
+        except httpx.TransportError as error:
+            raise RetryableFailure(f"{type(error).__name__}: {error}") from None
+        if upstream.status_code >= 500:
+            text = await _read_quietly(upstream)
+            raise RetryableFailure(f"HTTP {upstream.status_code}: {text[:200]}",
+                                   instance_down=upstream.status_code in (502, 503, 504))
+        if upstream.status_code >= 400 or not routed.stream:
+            return await self._whole_body(upstream, routed, lease)
+        # One iterator for the whole stream: the prefix is read from it, the rest follows.
+        chunks = upstream.aiter_bytes()
+        held = await self._hold_until_first_token(upstream, chunks)
+        lease.first_token()
+        self._observe_ttft(routed, lease)
+
+        async def close() -> None:  # also when the client left before the body started
+            await upstream.aclose()
+            if not lease.finished:
+                lease.finish()
+                self._count(routed, lease.instance.pool, "cancelled")
+
+        return _PassThroughResponse(self._pass_through(held, chunks, upstream, routed, lease),
+                                    close,
+                                    status_code=upstream.status_code,
+                                    media_type="text/event-stream",
+                                    headers={**SSE_HEADERS, BACKEND_HEADER: lease.instance.name})
+
+    async def _whole_body(self, upstream: httpx.Response, routed: RoutedRequest,
+                          lease: Lease) -> Response:
+        try:
+            content = await upstream.aread()
+        except httpx.TransportError as error:
+            raise RetryableFailure(f"body lost: {type(error).__name__}") from None
+        finally:
+            await upstream.aclose()
+        ok = upstream.status_code < 400
+        output_tokens = _usage_completion_tokens(content) if ok else None
+        if ok:
+            lease.first_token()
+            self._observe_ttft(routed, lease)
+        lease.finish(output_tokens)
+        self._count(routed, lease.instance.pool, "ok" if ok else "error")
+        return Response(content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"),
+                        headers={BACKEND_HEADER: lease.instance.name})
+
+    async def _hold_until_first_token(self, upstream: httpx.Response,
+                                      chunks: AsyncIterator[bytes]) -> bytes:
+        try:
+            return await self._read_prefix(chunks)
+        except BaseException:
+            await upstream.aclose()
+            raise
+
+    @staticmethod
+    async def _read_prefix(chunks: AsyncIterator[bytes]) -> bytes:
+        held = bytearray()
+        scanned = 0
+        try:
+            async for chunk in chunks:
+                held += chunk
+                state, scanned = _scan_events(held, scanned)
+                if state == "error":
+                    raise RetryableFailure(f"error event before the first token: "
+                                           f"{bytes(held[-300:]).decode(errors='replace')}")
+                if state == "token":
+                    return bytes(held)
+        except httpx.TransportError as error:
+            raise RetryableFailure(f"stream lost before the first token: "
+                                   f"{type(error).__name__}") from None
+        raise RetryableFailure("stream ended before the first token")
+
+    async def _pass_through(self, held: bytes, chunks: AsyncIterator[bytes],
+                            upstream: httpx.Response, routed: RoutedRequest,
+                            lease: Lease) -> AsyncIterator[bytes]:
+        events = held.count(b"data: ")
+        outcome = "error"
+        try:
+            yield held
+            async for chunk in chunks:
+                events += chunk.count(b"data: ")
+                yield chunk
+            outcome = "ok"
+        except httpx.TransportError as error:
+            log.warning("stream from %s broke after the first token: %s", lease.instance.name,
+                        error)
+            failure = APIError(502, f"the instance serving this request failed mid-stream "
+                                    f"({type(error).__name__})", code="instance_failed")
+            yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "cancelled"  # the client went away
+            raise
+        finally:
+            await upstream.aclose()
+            # Events approximate tokens (one delta per engine step): the role chunk and
+            # [DONE] are not tokens.
+            lease.finish(max(0, events - 2) if outcome == "ok" else None)
+            self._count(routed, lease.instance.pool, outcome)
+
+    def _observe_ttft(self, routed: RoutedRequest, lease: Lease) -> None:
+        self._metrics.ttft_s.labels(routed.request_class, lease.instance.pool).observe(
+            time.monotonic() - routed.arrival_s)
+
+    def _count(self, routed: RoutedRequest, pool: str, outcome: str) -> None:
+        self._metrics.requests.labels(routed.request_class, pool, outcome).inc()
+
+
+class _PassThroughResponse(StreamingResponse):
+    """A streaming response that always runs ``on_close``, even if its body never started."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def forwarded_headers(headers: Any) -> dict[str, str]:
+    return {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
+
+
+def _scan_events(buffer: bytearray, start: int) -> tuple[str, int]:
+    """Look at complete SSE events from ``start``: ``token`` once one carries output (or the
+    stream's end), ``error`` for an error event, else ``none``; and where scanning stopped."""
+    while True:
+        end = buffer.find(b"\n\n", start)
+        if end < 0:
+            return "none", start
+        event, start = bytes(buffer[start:end]), end + 2
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return "token", start
+            state = _event_state(payload)
+            if state != "none":
+                return state, start
+
+
+def _event_state(payload: bytes) -> str:
+    try:
+        data = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "none"
+    if not isinstance(data, dict):
+        return "none"
+    if "error" in data:
+        return "error"
+    for choice in data.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or choice.get("finish_reason"):
+            return "token"
+    return "token" if data.get("usage") else "none"
+
+
+def _usage_completion_tokens(content: bytes) -> int | None:
+    try:
+        tokens = json.loads(content)["usage"]["completion_tokens"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
+    return tokens if isinstance(tokens, int) else None
+
+
+async def _read_quietly(upstream: httpx.Response) -> str:
+    try:
+        return (await upstream.aread()).decode(errors="replace")
+    except httpx.TransportError:
+        return ""
+    finally:
+        await upstream.aclose()
+

@@ -1,0 +1,86 @@
+"""Load reports from the agents, polled from their Prometheus ``/metrics``.
+
+    every stats_interval_s: GET <agent>/metrics --parse_agent_metrics()--> AgentReport
+        --> Instance.report() (foreign load, KV capacity)      no answer --> mark_failed
+
+``/metrics`` is what every agent serves already, so the router needs no second protocol. The
+agent's gRPC control API (``Stats``: backlog prompt tokens, queue seconds) would make the
+foreign backlog exact instead of estimated; the router does not depend on it yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream.agent.router.instances import AgentReport, Instance, InstanceTable
+from slipstream.agent.server import metric_names as names
+
+log = logging.getLogger(__name__)
+KV_BLOCK_TOKENS = 16  # the agents' paged KV block size
+
+
+def parse_agent_metrics(text: str) -> AgentReport:
+    """In-flight requests by phase and KV capacity from an agent's exposition text."""
+    in_flight = {"prefill": 0.0, "decode": 0.0}
+    kv_blocks = None
+    for family in text_string_to_metric_families(text):
+        if family.name == names.REQUESTS_IN_FLIGHT.name:
+            for sample in family.samples:
+                phase = sample.labels.get("phase")
+                if phase in in_flight:
+                    in_flight[phase] += sample.value
+        elif family.name == names.KV_BLOCKS_CAPACITY.name and family.samples:
+            kv_blocks = family.samples[0].value
+    return AgentReport(prefill_requests=int(in_flight["prefill"]),
+                       decode_requests=int(in_flight["decode"]),
+                       kv_capacity_tokens=int(kv_blocks * KV_BLOCK_TOKENS) if kv_blocks else None)
+
+
+class StatsPoller:
+    def __init__(self, table: InstanceTable, client: httpx.AsyncClient, interval_s: float,
+                 unhealthy_cooldown_s: float) -> None:
+        self._table = table
+        self._client = client
+        self._interval_s = interval_s
+        self._cooldown_s = unhealthy_cooldown_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="stats-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def poll_once(self) -> None:
+        instances = list(self._table)
+        await asyncio.gather(*(self._poll(instance) for instance in instances))
+        self._table.changed()  # foreign load may have dropped: waiting requests may fit now
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # never let one odd answer end the poller
+                log.exception("stats poll failed")
+            await asyncio.sleep(self._interval_s)
+
+    async def _poll(self, instance: Instance) -> None:
+        try:
+            response = await self._client.get(f"{instance.spec.url}/metrics",
+                                              timeout=max(1.0, self._interval_s))
+            response.raise_for_status()
+            report = parse_agent_metrics(response.text)
+        except (httpx.HTTPError, ValueError) as error:
+            if self._table.get(instance.name) is instance:
+                log.info("no stats from %s (%s); no traffic for %.0f s", instance.name,
+                         type(error).__name__, self._cooldown_s)
+                instance.mark_failed(time.monotonic(), self._cooldown_s)
+            return
+        instance.report(report)

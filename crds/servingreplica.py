@@ -1,0 +1,270 @@
+"""The ServingReplica API (group ``slipstream.dev``, version ``v1alpha1``): the source of truth.
+
+    these pydantic models --crds/generate.py--> CRD YAML (crds/, charts/slipstream/crds/)
+    kube-apiserver (defaults + CEL rules) --stored object--> operator: ServingReplicaSpec.parse
+
+Python names are snake_case with units; the wire names are their camelCase aliases, which is
+what users write and what the CEL rules (``self.placement.gpusPerNode``) see. The API server
+enforces the rules, so the operator trusts a stored spec; ``model_validate`` still checks types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES
+from slipstream.crds.cel import Rule, one_of, positive, power_of_two, rules
+
+GROUP = "slipstream.dev"
+VERSION = "v1alpha1"
+KIND = "ServingReplica"
+PLURAL = "servingreplicas"
+SINGULAR = "servingreplica"
+SHORT_NAMES = ("sr",)
+
+# The agent's own lists, so the API accepts exactly what `slipstream serve` does.
+SCHEDULER_POLICIES = POLICY_NAMES
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POOL_NAMES = ("short", "long")
+UNIFIED_POOL = "unified"  # the pool label of every instance when spec.pools is absent
+
+
+class ApiModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True,
+                              extra="forbid")
+
+    def to_api(self) -> dict[str, Any]:
+        """The wire form: camelCase keys, unset optionals left out."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# -- spec ---------------------------------------------------------------------------------------
+
+class HostPathSource(ApiModel):
+    path: str = Field(min_length=1, description="Directory on every GPU node holding the "
+                      "Hugging Face model (config.json, *.safetensors, tokenizer.json).")
+
+
+class PvcSource(ApiModel):
+    claim_name: str = Field(min_length=1, description="PersistentVolumeClaim with the model.")
+    sub_path: str = Field("", description="Directory of the model inside the volume.")
+
+
+class ModelSource(ApiModel):
+    model_config = ConfigDict(json_schema_extra=rules(Rule(
+        "has(self.hostPath) != has(self.pvc)",
+        "spec.model.source must set exactly one of hostPath or pvc")))
+
+    host_path: HostPathSource | None = None
+    pvc: PvcSource | None = None
+
+
+class ModelSpec(ApiModel):
+    name: str = Field(min_length=1, description="The model id clients send (served model name).")
+    source: ModelSource
+    dtype: str = Field("auto", max_length=16, json_schema_extra=rules(one_of("spec.model.dtype", DTYPES)))
+    max_model_len: int | None = Field(None, description="Context length in tokens (prompt + "
+                                      "output); default: the model's maximum.",
+                                      json_schema_extra=rules(positive("spec.model.maxModelLen",
+                                                                       "tokens")))
+
+
+class Parallelism(ApiModel):
+    tp: int = Field(1, description="Tensor-parallel degree; a TP group stays inside one node.",
+                    json_schema_extra=rules(power_of_two("spec.parallelism.tp")))
+    spp: int = Field(1, description="Stream-pipeline-parallel stages; may span nodes.",
+                     json_schema_extra=rules(power_of_two("spec.parallelism.spp")))
+    kvp: int = Field(1, description="KV-cache-parallel groups; may span nodes.",
+                     json_schema_extra=rules(power_of_two("spec.parallelism.kvp")))
+    kvp_tokens_per_group: int = Field(
+        1_048_576, description="Tokens one KVP group holds before a request takes the next.",
+        json_schema_extra=rules(Rule(
+            "self > 0 && self % 16 == 0",
+            "spec.parallelism.kvpTokensPerGroup must be a positive multiple of the 16-token "
+            "KV block")))
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return self.tp * self.spp * self.kvp
+
+
+class Toleration(ApiModel):
+    key: str | None = None
+    operator: str | None = Field(None, max_length=16, json_schema_extra=rules(one_of(
+        "spec.placement.tolerations[].operator", ("Exists", "Equal"))))
+    value: str | None = None
+    effect: str | None = None
+    toleration_seconds: int | None = None
+
+
+class Placement(ApiModel):
+    gpus_per_node: int = Field(8, description="GPUs on each node this replica may use.",
+                               json_schema_extra=rules(positive("spec.placement.gpusPerNode")))
+    gpu_resource: str = Field("nvidia.com/gpu", max_length=253, description="Extended resource name of a GPU.",
+                              json_schema_extra=rules(Rule(
+                                  "self.contains('/')",
+                                  "spec.placement.gpuResource must be an extended resource name "
+                                  "such as nvidia.com/gpu")))
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Only nodes with "
+                                          "these labels (for example a GPU product) are used.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+
+
+class RebalanceWeights(ApiModel):
+    """PLA-Serve's (alpha, beta, gamma): pressure = a*queue + b*sloDeviation - g*utilization."""
+
+    queue: float = Field(1.0, json_schema_extra=rules(Rule(
+        "self >= 0.0", "spec.pools.rebalance.weights.queue must not be negative")))
+    slo_deviation: float = Field(1.0, json_schema_extra=rules(Rule(
+        "self >= 0.0", "spec.pools.rebalance.weights.sloDeviation must not be negative")))
+    utilization: float = Field(0.25, json_schema_extra=rules(Rule(
+        "self >= 0.0", "spec.pools.rebalance.weights.utilization must not be negative")))
+
+
+class Rebalance(ApiModel):
+    model_config = ConfigDict(json_schema_extra=rules(Rule(
+        "self.cooldownSeconds >= self.periodSeconds",
+        "spec.pools.rebalance.cooldownSeconds must be at least periodSeconds",
+        field_path=".cooldownSeconds")))
+
+    enabled: bool = True
+    period_seconds: int = Field(30, json_schema_extra=rules(
+        positive("spec.pools.rebalance.periodSeconds", "seconds")))
+    cooldown_seconds: int = Field(120, json_schema_extra=rules(
+        positive("spec.pools.rebalance.cooldownSeconds", "seconds")))
+    hysteresis: float = Field(0.2, description="Relative pressure gap that must be exceeded "
+                              "before an instance moves.", json_schema_extra=rules(Rule(
+                                  "self >= 0.0",
+                                  "spec.pools.rebalance.hysteresis must not be negative")))
+    min_per_pool: int = Field(1, json_schema_extra=rules(Rule(
+        "self >= 0", "spec.pools.rebalance.minPerPool must not be negative")))
+    weights: RebalanceWeights = Field(default_factory=RebalanceWeights)
+
+
+class Pools(ApiModel):
+    long_prefill_threshold_tokens: int = Field(
+        8192, description="Prompts this long or longer go to the long pool.",
+        json_schema_extra=rules(positive("spec.pools.longPrefillThresholdTokens", "tokens")))
+    short: int = Field(description="Initial number of short-pool instances; the rest are long.",
+                       json_schema_extra=rules(Rule(
+                           "self >= 0", "spec.pools.short must not be negative")))
+    rebalance: Rebalance = Field(default_factory=Rebalance)
+
+
+class SchedulerSpec(ApiModel):
+    policy: str = Field("lars", max_length=16, json_schema_extra=rules(
+        one_of("spec.scheduler.policy", SCHEDULER_POLICIES)))
+    target_batch_time_ms: float = Field(50.0, json_schema_extra=rules(
+        positive("spec.scheduler.targetBatchTimeMs", "ms", number=True)))
+    max_space_share_fraction: float = Field(0.5, json_schema_extra=rules(Rule(
+        "self >= 0.0 && self <= 1.0",
+        "spec.scheduler.maxSpaceShareFraction must be within [0, 1]")))
+    long_request_threshold_tokens: int = Field(262_144, json_schema_extra=rules(
+        positive("spec.scheduler.longRequestThresholdTokens", "tokens")))
+    preemption: str = Field("recompute", max_length=16, json_schema_extra=rules(
+        one_of("spec.scheduler.preemption", PREEMPTION_MODES)))
+
+
+class Slo(ApiModel):
+    ttft_seconds: float | None = Field(None, json_schema_extra=rules(
+        positive("spec.slo.ttftSeconds", "seconds", number=True)))
+    tpot_milliseconds: float | None = Field(None, json_schema_extra=rules(
+        positive("spec.slo.tpotMilliseconds", "ms", number=True)))
+    attainment_target: float = Field(0.99, json_schema_extra=rules(Rule(
+        "self > 0.0 && self <= 1.0", "spec.slo.attainmentTarget must be within (0, 1]")))
+
+
+_SPEC_RULES = rules(
+    Rule("self.parallelism.tp <= self.placement.gpusPerNode",
+         "spec.parallelism.tp must not exceed spec.placement.gpusPerNode: a TP group never "
+         "spans nodes", field_path=".parallelism.tp"),
+    Rule("!has(self.pools) || self.pools.short <= self.instances",
+         "spec.pools.short must not exceed spec.instances (the long pool gets instances - "
+         "short)", field_path=".pools.short"),
+    Rule("!has(self.pools) || !self.pools.rebalance.enabled || "
+         "(self.pools.short >= self.pools.rebalance.minPerPool && "
+         "self.instances - self.pools.short >= self.pools.rebalance.minPerPool)",
+         "spec.pools.short and the long pool (spec.instances - short) must each hold at least "
+         "spec.pools.rebalance.minPerPool instances when rebalancing is enabled",
+         field_path=".pools.short"),
+)
+
+
+class ServingReplicaSpec(ApiModel):
+    model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
+
+    model: ModelSpec
+    image: str = Field(min_length=1, description="Agent container image.")
+    instances: int = Field(1, ge=0, description="Serving instances (scale subresource); each "
+                           "is tp x spp x kvp GPUs.")
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    placement: Placement = Field(default_factory=Placement)
+    pools: Pools | None = Field(None, description="Optional short/long prefill pools "
+                                "(PLA-Serve); absent means every instance serves all lengths.")
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    slo: Slo = Field(default_factory=Slo)
+
+    @property
+    def initial_short_instances(self) -> int:
+        return self.pools.short if self.pools else 0
+
+
+# -- status -------------------------------------------------------------------------------------
+
+class StatusModel(ApiModel):
+    # The operator reads back what it wrote; fields from other writers are not its business.
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """The shape of metav1.Condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class RankStatus(StatusModel):
+    rank: int = Field(description="Index of the pod (node share) in its instance; 0 leads.")
+    node: str
+    pod: str
+    gpus: int
+
+
+class InstanceStatus(StatusModel):
+    name: str
+    pool: str
+    ready: bool
+    ranks: list[RankStatus] = Field(default_factory=list)
+
+
+class PoolPressure(StatusModel):
+    short: float | None = None
+    long: float | None = None
+
+
+class PoolsStatus(StatusModel):
+    short: int
+    long: int
+    pressure: PoolPressure | None = None
+    last_rebalance_time: str | None = None
+
+
+class ServingReplicaStatus(StatusModel):
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = None
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    replicas: int | None = Field(None, description="Instances placed (scale subresource).")
+    ready_instances: int | None = None
+    ready: str | None = Field(None, description="Ready/desired instances, for kubectl get.")
+    selector: str | None = Field(None, description="Label selector of the agent pods (scale "
+                                 "subresource).")
+    instances: list[InstanceStatus] = Field(default_factory=list)
+    pools: PoolsStatus | None = None
+    endpoint: str | None = None

@@ -1,0 +1,58 @@
+"""The operator's side of the agent control API: one instance's load signals, and pool moves.
+
+    handle_rebalance --read_signals(instance)--> gRPC Stats on the rank-0 pod --> InstanceSignals
+    handle_rebalance --notify_pool(instance, pool)--> gRPC SetPool (metrics label follows)
+
+Calls block for at most ``timeout_s``; the rebalancer runs them off the event loop. An agent
+that does not answer is left out of this step rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from slipstream.agent.server.control import ControlClient
+from slipstream.operator import naming
+from slipstream.operator.instances import ObservedInstance
+from slipstream.operator.rebalancer import InstanceSignals
+
+log = logging.getLogger(__name__)
+
+
+def control_target(instance: ObservedInstance) -> str | None:
+    controller = instance.controller
+    if controller is None or not controller.ip:
+        return None
+    host = f"[{controller.ip}]" if ":" in controller.ip else controller.ip
+    return f"{host}:{naming.CONTROL_PORT}"
+
+
+def read_signals(instance: ObservedInstance, timeout_s: float = 2.0) -> InstanceSignals | None:
+    target = control_target(instance)
+    if target is None:
+        return None
+    try:
+        with ControlClient(target, timeout_s=timeout_s) as client:
+            stats = client.stats()
+    except grpc.RpcError as error:
+        log.warning("no stats from %s at %s: %s", instance.name, target, error.code())
+        return None
+    return InstanceSignals(instance=instance.name, pool=instance.pool,
+                           queue_backlog_s=stats.queue_backlog_seconds,
+                           slo_deviation=stats.slo_deviation, utilization=stats.utilization)
+
+
+def notify_pool(instance: ObservedInstance, pool: str, timeout_s: float = 2.0) -> bool:
+    """Tell the agent its new pool (best effort: the pod label is what routes traffic)."""
+    target = control_target(instance)
+    if target is None:
+        return False
+    try:
+        with ControlClient(target, timeout_s=timeout_s) as client:
+            client.set_pool(pool)
+    except grpc.RpcError as error:
+        log.warning("could not tell %s its new pool %s: %s", instance.name, pool, error.code())
+        return False
+    return True

@@ -1,0 +1,265 @@
+"""Pure builders of every child object of a ServingReplica: ``build_*_spec(...) -> dict``.
+
+    handle_reconcile: spec + placement --build_*_spec--> manifests --kopf.adopt--> API server
+
+No API calls and no kopf here, so each manifest is unit-tested as plain data. The handlers
+add owner references (``kopf.adopt``) and create or patch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from slipstream.crds.servingreplica import ServingReplicaSpec
+from slipstream.operator import naming
+from slipstream.operator.placement import NodeShare
+
+CONFIG_MOUNT_DIR = "/etc/slipstream"
+ENGINE_CONFIG_FILE = "engine.yaml"
+PVC_MOUNT_DIR = "/models"
+MODEL_VOLUME = "model"
+CONFIG_VOLUME = "engine-config"
+
+
+def model_path(spec: ServingReplicaSpec) -> str:
+    """Where the agent finds the model inside its container."""
+    source = spec.model.source
+    if source.host_path is not None:
+        return source.host_path.path  # mounted at the same path: identical on every node
+    assert source.pvc is not None  # the CRD's CEL rule guarantees exactly one source
+    sub_path = source.pvc.sub_path.strip("/")
+    return f"{PVC_MOUNT_DIR}/{sub_path}" if sub_path else PVC_MOUNT_DIR
+
+
+def engine_config(spec: ServingReplicaSpec) -> dict[str, Any]:
+    """The engine-facing part of the spec, as the agents read it from the ConfigMap."""
+    config: dict[str, Any] = {
+        "model": {"name": spec.model.name, "path": model_path(spec), "dtype": spec.model.dtype},
+        "parallelism": spec.parallelism.to_api(),
+        "scheduler": spec.scheduler.to_api(),
+        "slo": spec.slo.to_api(),
+    }
+    if spec.model.max_model_len is not None:
+        config["model"]["maxModelLen"] = spec.model.max_model_len
+    if spec.pools is not None:
+        config["pools"] = {"longPrefillThresholdTokens": spec.pools.long_prefill_threshold_tokens}
+    return config
+
+
+def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": naming.config_map_name(replica), "namespace": namespace,
+                     "labels": naming.common_labels(replica)},
+        "data": {ENGINE_CONFIG_FILE: yaml.safe_dump(engine_config(spec), sort_keys=True)},
+    }
+
+
+def build_instance_service_spec(replica: str, namespace: str, instance: str) -> dict:
+    """Headless Service of one instance: stable DNS names for its ranks (rank discovery)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": instance, "namespace": namespace,
+                     "labels": {**naming.common_labels(replica), naming.INSTANCE_LABEL: instance}},
+        "spec": {
+            "clusterIP": "None",
+            # Ranks must find each other before any of them is Ready.
+            "publishNotReadyAddresses": True,
+            "selector": {naming.INSTANCE_LABEL: instance},
+            "ports": [{"name": "http", "port": naming.HTTP_PORT},
+                      {"name": "grpc-control", "port": naming.CONTROL_PORT},
+                      {"name": "parallel", "port": naming.PARALLEL_CONTROLLER_PORT},
+                      {"name": "rendezvous", "port": naming.RENDEZVOUS_PORT}],
+        },
+    }
+
+
+def build_client_service_spec(replica: str, namespace: str, pool: str | None = None) -> dict:
+    """The client endpoint: every instance's rank-0 pod, or only those of one pool. The pool
+    Services follow the pods' pool label, so a rebalance move reroutes traffic by relabelling."""
+    selector = {naming.REPLICA_LABEL: replica, naming.ROLE_LABEL: naming.ROLE_CONTROLLER}
+    name = naming.client_service_name(replica)
+    if pool is not None:
+        selector[naming.POOL_LABEL] = pool
+        name = naming.pool_service_name(replica, pool)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": naming.common_labels(replica)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "http", "port": naming.HTTP_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec, *,
+                         instance: str, index: int, incarnation: str, share: NodeShare,
+                         rank: int, num_ranks: int, pool: str) -> dict:
+    """Pod ``rank`` (0 = controller) of one instance: ``share.gpus`` GPUs on ``share.node``."""
+    is_controller = rank == 0
+    role = naming.ROLE_CONTROLLER if is_controller else naming.ROLE_WORKER
+    labels = {
+        **naming.common_labels(replica),
+        "app.kubernetes.io/component": "agent",
+        naming.INSTANCE_LABEL: instance,
+        naming.INSTANCE_INDEX_LABEL: str(index),
+        naming.INCARNATION_LABEL: incarnation,
+        naming.RANK_LABEL: str(rank),
+        naming.NUM_RANKS_LABEL: str(num_ranks),
+        naming.ROLE_LABEL: role,
+        naming.POOL_LABEL: pool,
+    }
+    annotations = {}
+    if is_controller:
+        annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(naming.HTTP_PORT),
+                       "prometheus.io/path": "/metrics"}
+    pod_spec: dict[str, Any] = {
+        # An NCCL group does not survive a member: the operator recreates the whole instance
+        # when any pod fails, so the kubelet must not restart containers in place.
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 15,
+        "hostname": f"rank-{rank}",
+        "subdomain": instance,
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [share.node]}]}]}}},
+        "containers": [_agent_container(replica, namespace, spec, instance, share, rank,
+                                        num_ranks, pool)],
+        "volumes": _volumes(replica, spec),
+    }
+    if spec.placement.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
+    if spec.placement.tolerations:
+        pod_spec["tolerations"] = [t.to_api() for t in spec.placement.tolerations]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": naming.pod_name(instance, incarnation, rank), "namespace": namespace,
+                     "labels": labels, "annotations": annotations},
+        "spec": pod_spec,
+    }
+
+
+def agent_command(spec: ServingReplicaSpec, *, rank: int) -> list[str]:
+    """Pod 0 runs the controller (HTTP, scheduler) and its node's ranks; every further pod
+    runs `slipstream worker` for its node's ranks. The rank layout comes from the
+    SLIPSTREAM_* variables (see ``parallel_env``)."""
+    if rank > 0:
+        return ["slipstream", "worker"]
+    parallel, scheduler = spec.parallelism, spec.scheduler
+    command = ["slipstream", "serve", "--model", model_path(spec),
+               "--served-model-name", spec.model.name, "--dtype", spec.model.dtype,
+               "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT),
+               "--control-port", str(naming.CONTROL_PORT),
+               "--tp", str(parallel.tp), "--spp", str(parallel.spp), "--kvp", str(parallel.kvp),
+               "--kvp-tokens-per-group", str(parallel.kvp_tokens_per_group),
+               "--policy", scheduler.policy,
+               "--target-batch-time-ms", _number(scheduler.target_batch_time_ms),
+               "--max-space-share-fraction", _number(scheduler.max_space_share_fraction),
+               "--long-request-threshold-tokens", str(scheduler.long_request_threshold_tokens),
+               "--preemption", scheduler.preemption,
+               "--slo-attainment-target", _number(spec.slo.attainment_target)]
+    if spec.model.max_model_len is not None:
+        command += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.pools is not None:
+        command += ["--long-prompt-threshold-tokens",
+                    str(spec.pools.long_prefill_threshold_tokens)]
+    if spec.slo.ttft_seconds is not None:
+        command += ["--slo-ttft-seconds", _number(spec.slo.ttft_seconds)]
+    if spec.slo.tpot_milliseconds is not None:
+        command += ["--slo-tpot-ms", _number(spec.slo.tpot_milliseconds)]
+    return command
+
+
+def parallel_env(spec: ServingReplicaSpec, namespace: str, instance: str, share: NodeShare,
+                 num_pods: int) -> list[dict]:
+    """The multi-node interface of `slipstream serve`/`worker` (agent/parallel/env.py). A
+    single-pod instance needs none of it beyond the world size: its controller starts every
+    rank locally."""
+    world_size = spec.parallelism.gpus_per_instance
+    env = [{"name": "SLIPSTREAM_WORLD_SIZE", "value": str(world_size)}]
+    if num_pods == 1:
+        return env
+    controller_host = f"rank-0.{instance}.{namespace}.svc"
+    last_rank = share.first_rank + share.gpus - 1
+    return env + [
+        {"name": "SLIPSTREAM_NODE_RANKS", "value": f"{share.first_rank}-{last_rank}"},
+        {"name": "SLIPSTREAM_CONTROLLER_ADDR",
+         "value": f"{controller_host}:{naming.PARALLEL_CONTROLLER_PORT}"},
+        {"name": "MASTER_ADDR", "value": controller_host},
+        {"name": "MASTER_PORT", "value": str(naming.RENDEZVOUS_PORT)},
+    ]
+
+
+def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, instance: str,
+                     share: NodeShare, rank: int, num_ranks: int, pool: str) -> dict:
+    gpu_resource = spec.placement.gpu_resource
+    container: dict[str, Any] = {
+        "name": "agent",
+        "image": spec.image,
+        "command": agent_command(spec, rank=rank),
+        "env": [
+            _field_env("POD_IP", "status.podIP"),
+            _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_NAMESPACE", "metadata.namespace"),
+            _field_env("NODE_NAME", "spec.nodeName"),
+            # The pool is read from the pod's label at start; a rebalance move relabels the
+            # pod and tells the running agent over the control API.
+            _field_env("SLIPSTREAM_POOL", f"metadata.labels['{naming.POOL_LABEL}']"),
+            {"name": "SLIPSTREAM_REPLICA", "value": replica},
+            {"name": "SLIPSTREAM_INSTANCE", "value": instance},
+            *parallel_env(spec, namespace, instance, share, num_ranks),
+        ],
+        "ports": [{"name": "http", "containerPort": naming.HTTP_PORT},
+                  {"name": "grpc-control", "containerPort": naming.CONTROL_PORT},
+                  {"name": "parallel", "containerPort": naming.PARALLEL_CONTROLLER_PORT},
+                  {"name": "rendezvous", "containerPort": naming.RENDEZVOUS_PORT}],
+        "resources": {"requests": {gpu_resource: str(share.gpus)},
+                      "limits": {gpu_resource: str(share.gpus)}},
+        "volumeMounts": _volume_mounts(spec),
+    }
+    if rank == 0:
+        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
+                                       "periodSeconds": 2, "timeoutSeconds": 2,
+                                       "failureThreshold": 3}
+        # Generous: a large model loads for minutes; after that a hung engine is restarted
+        # (as a whole instance, since restartPolicy is Never).
+        container["livenessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
+                                      "initialDelaySeconds": 600, "periodSeconds": 10,
+                                      "timeoutSeconds": 5, "failureThreshold": 6}
+    return container
+
+
+def _field_env(name: str, field_path: str) -> dict:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def _volumes(replica: str, spec: ServingReplicaSpec) -> list[dict]:
+    source = spec.model.source
+    if source.host_path is not None:
+        model_volume = {"name": MODEL_VOLUME,
+                        "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    else:
+        assert source.pvc is not None
+        model_volume = {"name": MODEL_VOLUME, "persistentVolumeClaim": {
+            "claimName": source.pvc.claim_name, "readOnly": True}}
+    return [model_volume,
+            {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(replica)}}]
+
+
+def _volume_mounts(spec: ServingReplicaSpec) -> list[dict]:
+    source = spec.model.source
+    model_mount = source.host_path.path if source.host_path is not None else PVC_MOUNT_DIR
+    return [{"name": MODEL_VOLUME, "mountPath": model_mount, "readOnly": True},
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]

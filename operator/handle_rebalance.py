@@ -1,0 +1,124 @@
+"""The pool rebalancer loop of one ServingReplica (PLA-Serve Algorithm 2 around rebalancer.py).
+
+    kopf daemon per ServingReplica --run()--> every spec.pools.rebalance.periodSeconds:
+      pods --observe_pods--> ready instances --agent_client.read_signals--> InstanceSignals
+      --rebalancer.decide--> move? relabel the instance's pods (pool Services follow), SetPool,
+      Event "PoolRebalanced"; status: pools, pressures, PoolsBalanced, lastRebalanceTime
+
+The time of the last move lives in the status (``pools.lastRebalanceTime``), so the cooldown
+holds across operator restarts and leader changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from slipstream.crds.servingreplica import POOL_NAMES, ServingReplicaSpec, ServingReplicaStatus
+from slipstream.operator import agent_client, metrics, naming
+from slipstream.operator.handle_reconcile import EventSink, now_rfc3339, replica_lock
+from slipstream.operator.instances import ObservedInstance, observe_pods
+from slipstream.operator.kube import Kube
+from slipstream.operator.rebalancer import InstanceSignals, RebalanceDecision, decide
+from slipstream.operator.status import with_rebalance
+
+IDLE_CHECK_S = 30.0  # how often a replica without (enabled) pools looks again
+SignalReader = Callable[[ObservedInstance], InstanceSignals | None]
+
+
+class Stopped(Protocol):
+    async def wait(self, timeout: float | None = None) -> object: ...
+
+    def __bool__(self) -> bool: ...
+
+
+def parse_time_s(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=datetime.timezone.utc).timestamp()
+
+
+def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
+                   read_signals: SignalReader = agent_client.read_signals,
+                   clock: Callable[[], float] = time.time) -> RebalanceDecision | None:
+    """One control step; None when the replica is gone or does not rebalance. Like
+    reconcile, it reads the replica under the lock, so the two never undo each other."""
+    with replica_lock(namespace, name):
+        body = kube.get_replica(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        spec = ServingReplicaSpec.model_validate(body["spec"])
+        if spec.pools is None or not spec.pools.rebalance.enabled:
+            return None
+        previous = ServingReplicaStatus.model_validate(body.get("status") or {})
+        observed = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)),
+                                spec.placement.gpu_resource)
+        ready = [i for i in observed.values() if i.ready and i.pool in POOL_NAMES]
+        signals = [s for s in (read_signals(i) for i in sorted(ready, key=lambda i: i.index))
+                   if s is not None]
+        last_move_s = parse_time_s(previous.pools.last_rebalance_time if previous.pools else None)
+        decision = decide(signals, spec.pools.rebalance, clock(), last_move_s)
+        _export_gauges(namespace, name, decision, observed)
+        if decision.moves:
+            _move(kube, body, observed[decision.move_instance], decision, event)
+        status = with_rebalance(previous, decision, now_rfc3339(),
+                                body["metadata"].get("generation", 0))
+        if status != previous:
+            kube.patch_replica_status(namespace, name,
+                                      status.model_dump(mode="json", by_alias=True))
+    return decision
+
+
+def _move(kube: Kube, body: dict, instance: ObservedInstance, decision: RebalanceDecision,
+          event: EventSink) -> None:
+    namespace = body["metadata"]["namespace"]
+    for pod in instance.pods:
+        kube.patch_pod_labels(namespace, pod.name, {naming.POOL_LABEL: decision.to_pool})
+    agent_client.notify_pool(instance, decision.to_pool)
+    metrics.REBALANCE_MOVES.labels(decision.from_pool, decision.to_pool).inc()
+    event(body, "Normal", "PoolRebalanced",
+          f"moved {instance.name} from the {decision.from_pool} pool to the {decision.to_pool} "
+          f"pool: {decision.reason}")
+
+
+def _export_gauges(namespace: str, name: str, decision: RebalanceDecision,
+                   observed: dict[str, ObservedInstance]) -> None:
+    replica = metrics.replica_label(namespace, name)
+    pools_after = [decision.to_pool if i.name == decision.move_instance else i.pool
+                   for i in observed.values()]
+    for pool, pressure in (("short", decision.pressure_short), ("long", decision.pressure_long)):
+        if pressure is not None:
+            metrics.POOL_PRESSURE.labels(replica, pool).set(pressure)
+        metrics.POOL_INSTANCES.labels(replica, pool).set(pools_after.count(pool))
+
+
+def period_s(kube: Kube, namespace: str, name: str) -> float:
+    body = kube.get_replica(namespace, name)
+    if body is None:
+        return IDLE_CHECK_S
+    pools = ServingReplicaSpec.model_validate(body["spec"]).pools
+    if pools is None or not pools.rebalance.enabled:
+        return IDLE_CHECK_S
+    return float(pools.rebalance.period_seconds)
+
+
+async def run(kube: Kube, namespace: str, name: str, stopped: Stopped, *,
+              event: EventSink, logger) -> None:
+    """The daemon body: step, sleep a period, until kopf stops it (deletion, shutdown)."""
+    while not stopped:
+        period = await asyncio.to_thread(period_s, kube, namespace, name)
+        await stopped.wait(period)
+        if stopped:
+            break
+        try:
+            decision = await asyncio.to_thread(rebalance_step, kube, namespace, name,
+                                               event=event)
+        except Exception as error:  # noqa: BLE001 - a failed step must not end the loop
+            logger.warning(f"rebalance step failed: {error!r}")
+            continue
+        if decision is not None:
+            logger.debug(f"rebalance: {decision.outcome}: {decision.reason}")

@@ -1,0 +1,183 @@
+"""What the cluster holds for a ServingReplica, and what to change: the pure core of reconcile.
+
+    pods (labelled by the builders) --observe_pods--> {instance: ObservedInstance}
+      + spec.instances + pool memory --plan_instances--> InstancePlan
+      --> handle_reconcile: delete torn-down instances, place and create new ones
+
+An instance is healthy only as a whole: every rank present, none failed, none deleting. A pod
+that fails or disappears takes its whole instance down (NCCL groups do not survive a member),
+and the instance comes back under the same name and pool with a new incarnation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+from slipstream.crds.servingreplica import POOL_NAMES, UNIFIED_POOL, ServingReplicaSpec
+from slipstream.operator import naming
+from slipstream.operator.capacity import pod_gpu_request
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    name: str
+    instance: str
+    index: int
+    incarnation: str
+    rank: int
+    num_ranks: int
+    pool: str
+    node: str | None
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    ready: bool
+    deleting: bool
+    gpus: int
+    ip: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        # Succeeded counts as failed too: an agent is never supposed to exit.
+        return self.phase in ("Failed", "Succeeded") or self.deleting
+
+
+@dataclass(frozen=True)
+class ObservedInstance:
+    name: str
+    index: int
+    pods: tuple[ObservedPod, ...]
+
+    @property
+    def incarnations(self) -> set[str]:
+        return {pod.incarnation for pod in self.pods}
+
+    @property
+    def complete(self) -> bool:
+        """One incarnation with every rank present."""
+        if len(self.incarnations) != 1:
+            return False
+        ranks = {pod.rank for pod in self.pods}
+        return ranks == set(range(self.pods[0].num_ranks))
+
+    @property
+    def failed(self) -> bool:
+        return not self.complete or any(pod.failed for pod in self.pods)
+
+    @property
+    def ready(self) -> bool:
+        return not self.failed and all(pod.ready for pod in self.pods)
+
+    @property
+    def pool(self) -> str:
+        return self.controller.pool if self.controller else self.pods[0].pool
+
+    @property
+    def controller(self) -> ObservedPod | None:
+        return next((pod for pod in self.pods if pod.rank == 0), None)
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    keep: tuple[ObservedInstance, ...]
+    tear_down: tuple[ObservedInstance, ...]  # failed, partial or beyond spec.instances
+    restarts: tuple[str, ...]  # names of instances torn down because they failed
+    create: tuple[tuple[int, str], ...]  # (index, pool) of instances to place and create
+
+
+def observe_pod(pod: dict, gpu_resource: str) -> ObservedPod | None:
+    """Parse one agent pod; None for pods that lack our labels (not ours to manage)."""
+    metadata, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    labels = metadata.get("labels") or {}
+    try:
+        index = int(labels[naming.INSTANCE_INDEX_LABEL])
+        rank = int(labels[naming.RANK_LABEL])
+        num_ranks = int(labels[naming.NUM_RANKS_LABEL])
+        instance, incarnation = labels[naming.INSTANCE_LABEL], labels[naming.INCARNATION_LABEL]
+    except (KeyError, ValueError):
+        return None
+    conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    return ObservedPod(
+        name=metadata["name"], instance=instance, index=index, incarnation=incarnation,
+        rank=rank, num_ranks=num_ranks, pool=labels.get(naming.POOL_LABEL, UNIFIED_POOL),
+        node=spec.get("nodeName"), phase=status.get("phase", "Pending"),
+        ready=conditions.get("Ready") == "True",
+        deleting=metadata.get("deletionTimestamp") is not None,
+        gpus=pod_gpu_request(pod, gpu_resource), ip=status.get("podIP"))
+
+
+def observe_pods(pods: list[dict], gpu_resource: str) -> dict[str, ObservedInstance]:
+    by_instance: dict[str, list[ObservedPod]] = {}
+    for pod in pods:
+        observed = observe_pod(pod, gpu_resource)
+        if observed is not None:
+            by_instance.setdefault(observed.instance, []).append(observed)
+    return {name: ObservedInstance(name=name, index=members[0].index,
+                                   pods=tuple(sorted(members, key=lambda p: (p.rank, p.name))))
+            for name, members in by_instance.items()}
+
+
+def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstance],
+                   remembered_pools: dict[str, str], replica: str) -> InstancePlan:
+    """Decide which instances stay, which go, and which to create (with their pools).
+
+    ``remembered_pools`` maps instance names to the pool the status last recorded, so an
+    instance whose pods are all gone comes back in the pool it had (a rebalance move sticks).
+    """
+    slots = _surviving_slots(spec, sorted(observed.values(), key=lambda i: i.index))
+    tear_down = [i for i in observed.values() if i not in slots]
+    keep, restarts, create = [], [], []
+    pools = Counter(i.pool for i in slots if not i.failed)
+    for instance in slots:
+        if not instance.failed:
+            keep.append(instance)
+            continue
+        tear_down.append(instance)
+        restarts.append(instance.name)
+        pool = instance.pool if _valid_pool(instance.pool, spec) else _pool_for_new(spec, pools)
+        pools[pool] += 1
+        create.append((instance.index, pool))
+    used = {instance.index for instance in slots}
+    free_indices = (i for i in itertools.count() if i not in used)
+    for index in itertools.islice(free_indices, spec.instances - len(slots)):
+        remembered = remembered_pools.get(naming.instance_name(replica, index))
+        pool = remembered if remembered and _valid_pool(remembered, spec) else \
+            _pool_for_new(spec, pools)
+        pools[pool] += 1
+        create.append((index, pool))
+    return InstancePlan(keep=tuple(keep), tear_down=tuple(sorted(tear_down, key=lambda i: i.index)),
+                        restarts=tuple(restarts), create=tuple(sorted(create)))
+
+
+def _surviving_slots(spec: ServingReplicaSpec,
+                     instances: list[ObservedInstance]) -> list[ObservedInstance]:
+    """The instances that keep their slot when scaling down: failed ones go first, then the
+    highest indices, but never taking a pool below minPerPool while another choice exists."""
+    excess = len(instances) - spec.instances
+    if excess <= 0:
+        return instances
+    counts = Counter(i.pool for i in instances)
+    floor = spec.pools.rebalance.min_per_pool if spec.pools and spec.pools.rebalance.enabled \
+        else 0
+    candidates = sorted(instances, key=lambda i: (not i.failed, -i.index))
+    victims: list[ObservedInstance] = []
+    for instance in candidates:
+        if len(victims) < excess and counts[instance.pool] > floor:
+            victims.append(instance)
+            counts[instance.pool] -= 1
+    for instance in candidates:  # the floor could not be kept: highest indices go anyway
+        if len(victims) < excess and instance not in victims:
+            victims.append(instance)
+    return [i for i in instances if i not in victims]
+
+
+def _valid_pool(pool: str, spec: ServingReplicaSpec) -> bool:
+    return pool in POOL_NAMES if spec.pools is not None else pool == UNIFIED_POOL
+
+
+def _pool_for_new(spec: ServingReplicaSpec, pools: Counter[str]) -> str:
+    """Fill the short pool up to spec.pools.short, then the long pool (the CRD's rules make
+    sure that leaves the long pool its minPerPool on a fresh rollout)."""
+    if spec.pools is None:
+        return UNIFIED_POOL
+    return "short" if pools["short"] < spec.pools.short else "long"

@@ -1,0 +1,58 @@
+"""kopf registration: every ``@kopf.on.*`` function is a few lines that delegate.
+
+    ServingReplica create/update/resume, timer --> handle_reconcile.reconcile
+    agent pod changed (label slipstream.dev/replica) --> reconcile its owner
+    daemon per ServingReplica --> handle_rebalance.run (pool rebalancer)
+
+Importing this module registers the handlers with kopf's default registry; ``cli.py`` imports
+it, builds the settings and the API client (passed to handlers as ``memo.kube``) and runs kopf.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from slipstream.crds.servingreplica import GROUP, PLURAL, VERSION
+from slipstream.operator import handle_rebalance, handle_reconcile, naming
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+# A safety net under the event-driven triggers: placement retries, missed pod events.
+RESYNC_INTERVAL_S = 15.0
+
+
+def post_event(body: dict, event_type: str, reason: str, message: str) -> None:
+    kopf.event(body, type=event_type, reason=reason, message=message)
+
+
+def adopt(child: dict, owner: dict) -> None:
+    kopf.adopt(child, owner=owner)
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE)
+def on_replica_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event)
+
+
+@kopf.timer(*RESOURCE, interval=RESYNC_INTERVAL_S, idle=RESYNC_INTERVAL_S / 3)
+def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event)
+
+
+@kopf.on.event("", "v1", "pods", labels={naming.REPLICA_LABEL: kopf.PRESENT})
+def on_agent_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo,  # noqa: A002
+                       **_: Any) -> None:
+    owner = handle_reconcile.owner_of(type, dict(body))
+    if owner is not None:
+        handle_reconcile.reconcile(memo.kube, *owner, adopt=adopt, event=post_event)
+
+
+@kopf.daemon(*RESOURCE, id="rebalancer", cancellation_timeout=5.0)
+async def rebalancer(namespace: str, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo,
+                     logger: logging.Logger, **_: Any) -> None:
+    await handle_rebalance.run(memo.kube, namespace, name, stopped, event=post_event,
+                               logger=logger)

@@ -1,0 +1,92 @@
+"""A worker dies mid-request: the real HTTP server answers the in-flight requests with 503,
+exits non-zero within a bounded time, and leaves no worker process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+START_TIMEOUT_S = 180.0
+EXIT_BOUND_S = 20.0  # from the kill to the server's exit (detection is sub-second)
+EXIT_ENGINE_DEAD = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"slipstream serve exited early:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"slipstream serve did not become healthy:\n{log_path.read_text()}")
+
+
+@pytest.fixture
+def parallel_server(tiny_model_dir, tmp_path):
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "slipstream.cli", "serve", "--model", str(tiny_model_dir),
+             "--device", "cpu", "--spp", "2", "--port", str(port), "--max-model-len", "4096",
+             "--num-kv-blocks", "512", "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items()
+                                                       if not k.startswith("SLIPSTREAM_")})
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", process, log_path)
+        yield f"http://127.0.0.1:{port}", process, log_path
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_killed_worker_fails_requests_with_503_and_exits_nonzero(parallel_server):
+    base_url, process, log_path = parallel_server
+    workers = psutil.Process(process.pid).children(recursive=True)
+    assert len(workers) == 2, "spp=2 should run two worker processes"
+    body = {"prompt": "a long answer please", "max_tokens": 4000,
+            "temperature": 0, "ignore_eos": True}
+    answers: list[httpx.Response] = []
+    blocking = threading.Thread(target=lambda: answers.append(
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)))
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{base_url}/v1/completions", json={**body, "stream": True}) as stream:
+        blocking.start()
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"text"' in first  # both requests are now generating
+        os.kill(workers[-1].pid, signal.SIGKILL)
+        killed_s = time.monotonic()
+        rest = "\n".join(lines)
+    blocking.join(timeout=EXIT_BOUND_S)
+    assert answers, "the non-streaming request did not come back"
+    assert answers[0].status_code == 503, answers[0].text
+    assert answers[0].json()["error"]["code"] == "engine_unavailable"
+    assert '"engine_unavailable"' in rest  # the stream ends with a 503-class error event
+    code = process.wait(timeout=EXIT_BOUND_S)
+    assert time.monotonic() - killed_s < EXIT_BOUND_S
+    assert code == EXIT_ENGINE_DEAD, log_path.read_text()
+    assert "worker" in log_path.read_text()
+    time.sleep(0.5)
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]

@@ -1,0 +1,238 @@
+"""``slipstream router`` in front of real ``slipstream serve`` processes, over real HTTP with
+the official ``openai`` client: routing by prompt length, SSE passthrough, retry on another
+instance when one fails before the first token, and the router's own metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream.agent.server import metric_names
+
+THRESHOLD_TOKENS = 48
+BACKEND_HEADER = "x-slipstream-backend"
+SHORT_PROMPT = "hello world"
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 12
+
+
+class RouterHandle:
+    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
+        self.base_url = base_url
+        self.process = process
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
+                             timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v
+                                                  for k, v in labels.items()))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str
+               ) -> Iterator[RouterHandle]:
+    port = _free_port()
+    args = [sys.executable, "-m", "slipstream.cli", "router", "--model", str(model_dir),
+            "--port", str(port), "--long-prefill-threshold-tokens", str(THRESHOLD_TOKENS),
+            "--log-level", "warning", *extra]
+    for backend in backends:
+        args += ["--backend", backend]
+    log_path = log_dir / f"router-{port}.log"
+    env = {key: value for key, value in os.environ.items() if key != "POD_IP"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    handle = RouterHandle(f"http://127.0.0.1:{port}", process)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        yield handle
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def short_backend(start_server):
+    return start_server(pool="short")
+
+
+@pytest.fixture(scope="module")
+def long_backend(start_server):
+    return start_server(pool="long")
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model_dir, tmp_path_factory, short_backend, long_backend):
+    with run_router(tiny_model_dir, tmp_path_factory.mktemp("router"),
+                    [f"{short_backend.base_url}=short", f"{long_backend.base_url}=long"]) as r:
+        yield r
+
+
+def _served_by(router: RouterHandle, prompt: str, **kwargs) -> tuple[str, str]:
+    raw = router.client().completions.with_raw_response.create(
+        model="tiny-test", prompt=prompt, max_tokens=4, temperature=0, **kwargs)
+    return raw.headers[BACKEND_HEADER], raw.parse().choices[0].text
+
+
+def test_prompts_are_routed_to_their_pool_by_token_count(router, short_backend, long_backend):
+    assert _served_by(router, SHORT_PROMPT)[0] == short_backend.base_url
+    assert _served_by(router, LONG_PROMPT)[0] == long_backend.base_url
+    assert router.metric("slipstream_router_requests_total", request_class="long",
+                         pool="long", outcome="ok") == 1
+
+
+def test_chat_is_classified_with_the_chat_template(router, short_backend, long_backend):
+    client = router.client()
+    for content, expected in ((SHORT_PROMPT, short_backend), (LONG_PROMPT, long_backend)):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-test", messages=[{"role": "user", "content": content}], max_tokens=3)
+        assert raw.headers[BACKEND_HEADER] == expected.base_url
+        assert raw.parse().choices[0].message.content is not None
+
+
+def test_streams_pass_through_unchanged(router, short_backend):
+    request = dict(model="tiny-test", messages=[{"role": "user", "content": SHORT_PROMPT}],
+                   max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                   stream_options={"include_usage": True})
+    via_router = list(router.client().chat.completions.create(**request))
+    direct = list(short_backend.openai_client().chat.completions.create(**request))
+
+    def text(chunks) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    assert text(via_router) == text(direct)
+    assert via_router[0].choices[0].delta.role == "assistant"
+    assert via_router[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in via_router if c.choices][-1] == "length"
+
+
+def test_client_errors_come_back_unchanged_and_are_not_retried(router):
+    with pytest.raises(openai.BadRequestError, match="temperature|top_k|penalt"):
+        router.client().completions.create(model="tiny-test", prompt=SHORT_PROMPT,
+                                           max_tokens=2, presence_penalty=1.0)
+    assert router.metric("slipstream_router_retries_total") == 0
+
+
+def test_router_metrics_are_exactly_the_registry(router):
+    _served_by(router, SHORT_PROMPT)
+    text = httpx.get(f"{router.base_url}/metrics", timeout=10).text
+    exported = {family.name: family for family in text_string_to_metric_families(text)}
+    assert set(exported) == {spec.constructor_name for spec in metric_names.ROUTER_METRICS}
+    for spec in metric_names.ROUTER_METRICS:
+        for sample in exported[spec.constructor_name].samples:
+            assert set(sample.labels) - {"le"} == set(spec.labels), (spec.name, sample.labels)
+    assert router.metric("slipstream_router_pool_instances", pool="short") == 1
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0 and not result.stdout.strip(), result.stdout
+
+
+def test_a_killed_instance_is_retried_on_another_before_the_first_token(
+        tiny_model_dir, tmp_path_factory, start_server, short_backend):
+    doomed = start_server(pool="short")
+    # Stats are polled rarely here, so only failed requests can tell the router.
+    with run_router(tiny_model_dir, tmp_path_factory.mktemp("router-retry"),
+                    [f"{doomed.base_url}=short", f"{short_backend.base_url}=short"],
+                    "--stats-interval-seconds", "600") as router:
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=10)
+        client = router.client()
+        for index in range(4):
+            stream = index % 2 == 0
+            raw = client.completions.with_raw_response.create(
+                model="tiny-test", prompt=f"{SHORT_PROMPT} {index}", max_tokens=3,
+                stream=stream)
+            assert raw.headers[BACKEND_HEADER] == short_backend.base_url
+            if stream:
+                assert "".join(chunk.choices[0].text for chunk in raw.parse()
+                               if chunk.choices) is not None
+        assert router.metric("slipstream_router_retries_total", pool="short") >= 1
+        assert router.metric("slipstream_router_requests_total", outcome="ok") == 4
+
+
+class DropAfterRoleChunk:
+    """A peer that accepts a streaming request, sends the status line and the role-only chunk
+    (no token yet), then drops the connection: an instance dying mid-prefill."""
+
+    ROLE_CHUNK = (b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"m",'
+                  b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            with connection:
+                self.connections += 1
+                connection.recv(65536)
+                connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                   b"transfer-encoding: chunked\r\n\r\n"
+                                   + f"{len(self.ROLE_CHUNK):x}\r\n".encode()
+                                   + self.ROLE_CHUNK + b"\r\n")
+
+
+def test_a_stream_that_breaks_before_its_first_token_is_resent_elsewhere(
+        tiny_model_dir, tmp_path_factory, short_backend):
+    dropper = DropAfterRoleChunk()
+    # The dropper fails every request, its /metrics too: with no cooldown it stays a
+    # candidate, so each request meets it first (ties rotate) and must be resent.
+    with run_router(tiny_model_dir, tmp_path_factory.mktemp("router-drop"),
+                    [f"{dropper.url}=short", f"{short_backend.base_url}=short"],
+                    "--stats-interval-seconds", "600", "--unhealthy-cooldown-seconds", "0"
+                    ) as router:
+        dropper.connections = 0
+        client = router.client()
+        for index in range(3):
+            stream = client.chat.completions.create(
+                model="tiny-test", messages=[{"role": "user", "content": f"hi {index}"}],
+                max_tokens=4, stream=True, extra_body={"ignore_eos": True})
+            chunks = list(stream)
+            # Exactly one role chunk: the dropped attempt's was held back, never sent.
+            assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert dropper.connections >= 1
+        assert router.metric("slipstream_router_retries_total", pool="short") >= 1
+    dropper.server.close()

@@ -1,0 +1,54 @@
+"""The agent side of the control API without a model: load window arithmetic and the generated
+protobuf module in sync with control.proto. (tests/server/test_control_api.py calls the gRPC
+service of a real `slipstream serve`.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.agent.engine.stats import EngineStats
+from slipstream.agent.engine.load_window import LoadWindow
+from slipstream.agent.server import control_codegen
+
+
+def test_utilization_is_the_busy_share_of_the_window():
+    window = LoadWindow(start_s=0.0, window_s=10.0)
+    window.record_step(1.0, 2.0, prefill_tokens=0)
+    window.record_step(3.0, 4.0, prefill_tokens=0)
+    assert window.snapshot(4.0).utilization == pytest.approx(2.0 / 4.0), "young: uptime span"
+    assert window.snapshot(10.0).utilization == pytest.approx(2.0 / 10.0)
+    assert window.snapshot(12.5).utilization == pytest.approx(1.0 / 10.0), "first step aged out"
+    assert window.snapshot(30.0).utilization == 0.0
+
+
+def test_prefill_rate_is_remembered_after_the_window_empties():
+    window = LoadWindow(start_s=0.0, window_s=10.0)
+    window.record_step(0.0, 0.5, prefill_tokens=500)
+    window.record_step(0.5, 1.0, prefill_tokens=0)  # decode-only steps do not dilute it
+    assert window.snapshot(1.0).prefill_tokens_per_s == pytest.approx(1000.0)
+    assert window.snapshot(100.0).prefill_tokens_per_s == pytest.approx(1000.0)
+
+
+def test_slo_deviation_is_the_mean_relative_overshoot():
+    window = LoadWindow(start_s=0.0, window_s=10.0)
+    window.record_first_token(1.0, ttft_s=0.5, target_s=1.0)  # met: 0
+    window.record_first_token(2.0, ttft_s=3.0, target_s=1.0)  # 200 % late
+    assert window.snapshot(2.0).slo_deviation == pytest.approx(1.0)
+    assert window.snapshot(20.0).slo_deviation == 0.0
+
+
+def test_queue_backlog_seconds_prices_tokens_at_the_prefill_rate():
+    stats = EngineStats(num_waiting=3, num_running=1, kv_blocks_used=0, kv_blocks_total=10,
+                        num_preemptions_total=0, backlog_prompt_tokens=4000,
+                        prefill_tokens_per_s=2000.0)
+    assert stats.queue_backlog_s == pytest.approx(2.0)
+    unmeasured = EngineStats(0, 0, 0, 10, 0, backlog_prompt_tokens=500)
+    assert unmeasured.queue_backlog_s > 0, "a backlog is never free before the rate is known"
+
+
+def test_generated_protobuf_module_matches_the_proto(tmp_path):
+    pytest.importorskip("grpc_tools")
+    for generated in control_codegen.generate(tmp_path):
+        checked_in = control_codegen.SERVER_DIR / generated.name
+        assert checked_in.read_text() == generated.read_text(), \
+            "run python -m slipstream.agent.server.control_codegen"

@@ -1,0 +1,216 @@
+"""The ServingReplica CRD: generated YAML in sync with the models, structural, and its CEL rules
+evaluated (with cel-python, as the API server would) against valid and invalid specs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import celpy
+import pytest
+import yaml
+
+from slipstream.crds import generate
+from slipstream.crds.servingreplica import ServingReplicaSpec
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "charts" / "slipstream" / "examples").glob("servingreplica-*.yaml"))
+
+
+def openapi_schema() -> dict:
+    return generate.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+# -- generation ---------------------------------------------------------------------------------
+
+def test_checked_in_crd_yaml_matches_the_models():
+    stale = generate.stale_files(REPO)
+    assert stale == [], f"regenerate with `python -m slipstream.crds.generate`: {stale}"
+
+
+def test_generator_check_mode_reports_drift(tmp_path):
+    assert generate.main(["--root", str(tmp_path), "--check"]) == 1
+    assert generate.main(["--root", str(tmp_path)]) == 0
+    assert generate.main(["--root", str(tmp_path), "--check"]) == 0
+    (tmp_path / "crds" / generate.CRD_FILE_NAME).write_text("tampered")
+    assert generate.main(["--root", str(tmp_path), "--check"]) == 1
+
+
+def _walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _walk(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _walk(value, f"{path}[{index}]")
+
+
+def test_schema_is_structural():
+    for path, node in _walk(openapi_schema()):
+        if not isinstance(node, dict) or path.endswith("x-kubernetes-validations"):
+            continue
+        for forbidden in ("$ref", "anyOf", "allOf", "oneOf", "title", "$defs", "const"):
+            assert forbidden not in node, f"{forbidden} at {path}"
+        if "properties" in node or "items" in node:
+            assert "type" in node, f"untyped node at {path}"
+        assert node.get("additionalProperties") is not False, path
+        if "exclusiveMinimum" in node:
+            assert node["exclusiveMinimum"] is True, f"OpenAPI v3.0 wants a boolean at {path}"
+
+
+def test_subresources_and_printer_columns():
+    version = generate.crd_manifest()["spec"]["versions"][0]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.instances"
+    assert version["subresources"]["scale"]["statusReplicasPath"] == ".status.replicas"
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == ".status.ready"
+    assert columns["Short"] == ".status.pools.short"
+    assert columns["Long"] == ".status.pools.long"
+    assert columns["Phase"] == ".status.phase"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+    status = openapi_schema()["properties"]["status"]["properties"]
+    for field in ("ready", "replicas", "phase", "pools", "selector", "instances", "endpoint"):
+        assert field in status
+
+
+def test_defaults_fill_nested_objects():
+    spec = openapi_schema()["properties"]["spec"]["properties"]
+    assert spec["parallelism"]["default"] == {"tp": 1, "spp": 1, "kvp": 1,
+                                              "kvpTokensPerGroup": 1048576}
+    rebalance = spec["pools"]["properties"]["rebalance"]
+    assert rebalance["default"]["weights"] == {"queue": 1.0, "sloDeviation": 1.0,
+                                               "utilization": 0.25}
+    assert spec["parallelism"]["properties"]["tp"]["default"] == 1
+    assert spec["scheduler"]["properties"]["policy"]["default"] == "lars"
+    assert "default" not in spec["pools"], "absent pools means no pools"
+
+
+# -- CEL rules ----------------------------------------------------------------------------------
+
+def apply_defaults(schema: dict, value):
+    """The API server's structural defaulting, top-down; and, as its CEL bindings do,
+    integers in ``type: number`` fields become doubles."""
+    if schema.get("type") == "number" and isinstance(value, int):
+        return float(value)
+    if schema.get("type") == "object" and isinstance(value, dict):
+        for name, sub in (schema.get("properties") or {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(sub, value[name])
+    elif schema.get("type") == "array" and isinstance(value, list):
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def cel_errors(schema: dict, value, path: str = "spec") -> list[str]:
+    """Messages of every failing x-kubernetes-validations rule under ``schema``."""
+    environment = celpy.Environment()
+    errors = []
+    activation = {"self": celpy.json_to_cel(value)}
+    for rule in schema.get("x-kubernetes-validations", []):
+        program = environment.program(environment.compile(rule["rule"]))
+        if not program.evaluate(activation):
+            if "messageExpression" in rule:
+                message = environment.program(environment.compile(rule["messageExpression"]))
+                errors.append(str(message.evaluate(activation)))
+            else:
+                errors.append(rule["message"])
+    if schema.get("type") == "object" and isinstance(value, dict):
+        for name, sub in (schema.get("properties") or {}).items():
+            if name in value:
+                errors += cel_errors(sub, value[name], f"{path}.{name}")
+    elif schema.get("type") == "array" and isinstance(value, list):
+        for item in value:
+            errors += cel_errors(schema["items"], item, f"{path}[]")
+    return errors
+
+
+def validate(spec: dict) -> list[str]:
+    schema = openapi_schema()["properties"]["spec"]
+    return cel_errors(schema, apply_defaults(schema, copy.deepcopy(spec)))
+
+
+VALID = {
+    "model": {"name": "m", "source": {"hostPath": {"path": "/models/m"}}},
+    "image": "agent:1",
+    "instances": 4,
+    "parallelism": {"tp": 4, "spp": 2},
+    "pools": {"short": 2},
+    "slo": {"ttftSeconds": 1.5, "tpotMilliseconds": 40.0},
+}
+
+
+def with_change(path: str, value) -> dict:
+    spec = copy.deepcopy(VALID)
+    node = spec
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+    return spec
+
+
+def test_valid_spec_passes_every_rule():
+    assert validate(VALID) == []
+    for example in EXAMPLES:
+        assert validate(yaml.safe_load(example.read_text())["spec"]) == [], example.name
+
+
+INVALID = [
+    # (change, value, the field the message must name)
+    ("parallelism.tp", 3, "spec.parallelism.tp"),
+    ("parallelism.spp", 6, "spec.parallelism.spp"),
+    ("parallelism.kvp", 0, "spec.parallelism.kvp"),
+    ("parallelism.tp", 16, "spec.placement.gpusPerNode"),  # a TP group larger than a node
+    ("parallelism.kvpTokensPerGroup", 1000, "spec.parallelism.kvpTokensPerGroup"),
+    ("model.source", {"hostPath": {"path": "/m"}, "pvc": {"claimName": "c"}},
+     "spec.model.source"),
+    ("model.source", {}, "spec.model.source"),
+    ("pools.short", 5, "spec.pools.short"),  # more than instances
+    ("pools.short", 4, "minPerPool"),  # long pool empty while rebalancing
+    ("scheduler.policy", "round-robin", "spec.scheduler.policy"),
+    ("scheduler.preemption", "drop", "spec.scheduler.preemption"),
+    ("scheduler.maxSpaceShareFraction", 1.5, "spec.scheduler.maxSpaceShareFraction"),
+    ("slo.ttftSeconds", 0.0, "spec.slo.ttftSeconds"),
+    ("slo.tpotMilliseconds", -5.0, "spec.slo.tpotMilliseconds"),
+    ("slo.attainmentTarget", 1.2, "spec.slo.attainmentTarget"),
+    ("placement.gpuResource", "gpu", "spec.placement.gpuResource"),
+    ("model.dtype", "int3", "spec.model.dtype"),
+    ("pools.rebalance", {"periodSeconds": 60, "cooldownSeconds": 30},
+     "spec.pools.rebalance.cooldownSeconds"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "named_field"), INVALID,
+                         ids=[f"{p}={v}" for p, v, _ in INVALID])
+def test_invalid_spec_is_rejected_with_a_message_naming_the_field(path, value, named_field):
+    errors = validate(with_change(path, value))
+    assert errors, f"{path}={value!r} passed every rule"
+    assert any(named_field in error for error in errors), errors
+
+
+def test_pool_split_is_free_without_rebalancing():
+    spec = with_change("pools", {"short": 4, "rebalance": {"enabled": False}})
+    assert validate(spec) == []
+
+
+# -- the models ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
+def test_examples_parse_into_the_models(example):
+    manifest = yaml.safe_load(example.read_text())
+    assert manifest["apiVersion"] == "slipstream.dev/v1alpha1"
+    assert manifest["kind"] == "ServingReplica"
+    spec = ServingReplicaSpec.model_validate(manifest["spec"])
+    assert spec.instances >= 2
+    assert spec.to_api()["model"]["name"] == manifest["spec"]["model"]["name"]
+
+
+def test_wire_names_are_camel_case_and_python_names_snake_case():
+    spec = ServingReplicaSpec.model_validate(with_change("parallelism.kvpTokensPerGroup", 4096))
+    assert spec.parallelism.kvp_tokens_per_group == 4096
+    assert spec.to_api()["parallelism"]["kvpTokensPerGroup"] == 4096
+    assert spec.parallelism.gpus_per_instance == 8
