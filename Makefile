@@ -7,13 +7,10 @@
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make generate     regenerate the CRD YAML (crds/, chart) and the control API's protobuf code
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
-<<<<<<< HEAD
 #   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
 #                     one hour of the Azure trace for speed (docs/simulation.md)
 #   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile
-=======
 #   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
->>>>>>> main
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
 #   make dev-cluster-stop   stop every process the dev cluster started
@@ -27,13 +24,9 @@ PORT ?= 8000
 RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
-<<<<<<< HEAD
 	bench-sim bench-sim-vs-live \
-	clean prometheus-tools dashboards dev-cluster dev-cluster-status dev-cluster-stop
-=======
 	bench-router bench-transport clean prometheus-tools dashboards generate dev-cluster \
 	dev-cluster-status dev-cluster-stop
->>>>>>> main
 
 setup: $(STAMP)
 
@@ -95,7 +88,6 @@ generate: setup
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
-<<<<<<< HEAD
 bench-sim: setup
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
 	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary --out $(RESULTS)/sim
@@ -107,10 +99,9 @@ bench-sim: setup
 
 bench-sim-vs-live: setup
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --out $(RESULTS)/sim-vs-live
-=======
+
 bench-router: setup
 	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router
->>>>>>> main
 
 clean:
 	rm -rf $(VENV) build *.egg-info

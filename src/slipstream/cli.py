@@ -21,15 +21,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "Start this node's worker ranks of a multi-node instance (env-configured)."),
     "profile": ("slipstream.agent.engine.profiler",
                 "Measure per-layer op times of the engine on this device (for --profile)."),
-<<<<<<< HEAD
     "simulate": ("slipstream.agent.sim.cli",
                  "Replay a workload through the real scheduler on a performance model."),
     "bench": ("slipstream.agent.bench.cli",
               "Benchmarks; `bench serve` loads any OpenAI-compatible endpoint."),
-=======
     "operator": ("slipstream.operator.cli",
                  "Run the ServingReplica Kubernetes operator (kopf) in this process."),
->>>>>>> main
 }
 
 
