@@ -44,7 +44,7 @@ def ours_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) ->
     for prompt in prompts:
         engine.add_request(prompt, params)
     started = time.perf_counter()
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+    while engine.scheduler.num_waiting or any(r.in_prefill for r in engine.scheduler.running):
         engine.step()  # prefill (and the first sampled token)
     decode_started = time.perf_counter()
     steps, forward_s = 0, 0.0
