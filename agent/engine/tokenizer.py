@@ -238,6 +238,8 @@ class StopChecker:
         """Add a text delta; return (text safe to emit now, whether a stop string matched)."""
         if self.stopped:
             return "", True
+        if not self.stop_strings:
+            return delta, False  # the common case: nothing to hold back
         text = self._held + delta
         match = min(((text.find(stop), stop) for stop in self.stop_strings if stop in text),
                     default=None)
