@@ -64,7 +64,7 @@ class Profiler:
         self.runner = runner
         self.device = runner.device
         self.repeats = repeats
-        self.layer = runner.model.model.layers[0]
+        self.layer = next(iter(runner.model.model.layers.values()))
         self.config = runner.model_config
 
     def _hidden(self, tokens: int) -> torch.Tensor:
@@ -157,27 +157,39 @@ def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 3) -> f
     return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
 
 
-def profile(model_dir: Path, device: str, out: Path, repeats: int) -> Path:
+@dataclasses.dataclass(frozen=True)
+class ProfileGrid:
+    tokens: tuple[int, ...] = TOKEN_GRID
+    prefill_kv: tuple[int, ...] = PREFILL_KV_GRID
+    prefill_chunk: tuple[int, ...] = PREFILL_CHUNK_GRID
+    decode_batch: tuple[int, ...] = DECODE_BATCH_GRID
+    decode_kv: tuple[int, ...] = DECODE_KV_GRID
+    calibration_batches: int = 12
+
+
+def profile(model_dir: Path, device: str, out: Path, repeats: int,
+            grid: ProfileGrid = ProfileGrid()) -> Path:
     model_config = ModelConfig.from_dir(model_dir)
-    needed_blocks = 2 * max(DECODE_KV_GRID) // BLOCK_SIZE + 64
+    # Calibration batches hold up to 24 decodes of 2K tokens plus three prefill chunks.
+    needed_blocks = max(2 * max(grid.decode_kv), 60_000) // BLOCK_SIZE + 64
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device,
                                       num_kv_blocks=needed_blocks), model_config)
     profiler = Profiler(runner, repeats)
-    steps = len(TOKEN_GRID) + len(PREFILL_KV_GRID) * len(PREFILL_CHUNK_GRID) + \
-        len(DECODE_BATCH_GRID) * len(DECODE_KV_GRID) + 1
+    steps = len(grid.tokens) + len(grid.prefill_kv) * len(grid.prefill_chunk) + \
+        len(grid.decode_batch) * len(grid.decode_kv) + 1
     tables: dict[str, list] = {}
     with torch.inference_mode(), tqdm(total=steps, unit="point", desc="profiling") as progress:
-        for tokens in TOKEN_GRID:
+        for tokens in grid.tokens:
             for op, ms in profiler.linear_ops(tokens).items():
                 tables.setdefault(op, []).append((tokens, ms))
             progress.update()
-        for kv_before in PREFILL_KV_GRID:
-            for chunk in PREFILL_CHUNK_GRID:
+        for kv_before in grid.prefill_kv:
+            for chunk in grid.prefill_chunk:
                 tables.setdefault("attn_prefill", []).append(
                     (kv_before, chunk, profiler.prefill_attention(kv_before, chunk)))
                 progress.update()
-        for batch in DECODE_BATCH_GRID:
-            for kv_total in DECODE_KV_GRID:
+        for batch in grid.decode_batch:
+            for kv_total in grid.decode_kv:
                 tables.setdefault("attn_decode", []).append(
                     (batch, kv_total, profiler.decode_attention(batch, kv_total)))
                 progress.update()
@@ -186,12 +198,13 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int) -> Path:
                                   "num_attention_heads": model_config.num_heads,
                                   "num_key_value_heads": model_config.num_kv_heads,
                                   "intermediate_size": model_config.intermediate_size},
-                           linear_profiled_max_tokens=max(TOKEN_GRID))
+                           linear_profiled_max_tokens=max(grid.tokens))
         write_profile(out, {op: np.array(rows) for op, rows in tables.items()}, meta)
         # The layer tables miss the per-iteration work around the layers; calibrate it.
         predictor = RuntimePredictor.from_directory(out, cache_dir=None)
         residuals = []
-        for batch in calibration_batches(np.random.default_rng(0), 12, 2048):
+        for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
+                                         2048):
             residuals.append(measure_execute_ms(runner, batch) - predict_ms(predictor, batch))
         progress.update()
     overhead = max(0.0, statistics.median(residuals))
