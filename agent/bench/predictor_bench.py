@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"median_abs_relative_error": statistics.median(errors),
                "p90_abs_relative_error": float(np.percentile(errors, 90)),
                "batches": len(rows), "profile": str(profile_dir), "model": model_dir.name,
-               "iteration_overhead_ms": predictor.iteration_overhead_ms}
+               "iteration_overhead_ms": predictor.iteration_overhead_ms,
+               "per_sequence_overhead_ms": predictor.per_sequence_overhead_ms}
     (args.out / "predictor_bench.json").write_text(json.dumps({"summary": summary, "batches": rows},
                                                               indent=2))
     import matplotlib

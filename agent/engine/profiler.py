@@ -9,14 +9,13 @@ token count; ``attn_prefill`` by (KV tokens cached before the chunk, chunk token
 ``attn_decode`` by (decode batch size, KV tokens read by the whole batch). Times are the
 fastest of repeated runs after a warm-up, in milliseconds per layer. What the layer tables do
 not cover (embedding, final norm, LM head, sampling, tensor preparation) is calibrated at the
-end as a constant per-iteration overhead, from whole ``ModelRunner.execute`` calls.
+end as an overhead of ``a + b * sequences``, fitted on whole ``ModelRunner.execute`` calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -157,6 +156,18 @@ def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 3) -> f
     return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
 
 
+def fit_overhead(sequences: list[int], residuals_ms: list[float]) -> tuple[float, float]:
+    """Least-squares ``residual = fixed + per_sequence * sequences``, both kept >= 0."""
+    design = np.column_stack([np.ones(len(sequences)), np.asarray(sequences, dtype=float)])
+    (fixed, per_sequence), *_ = np.linalg.lstsq(design, np.asarray(residuals_ms), rcond=None)
+    if per_sequence < 0:
+        return max(0.0, float(np.median(residuals_ms))), 0.0
+    if fixed < 0:
+        per_sequence = float(np.dot(sequences, residuals_ms) / np.dot(sequences, sequences))
+        return 0.0, max(0.0, per_sequence)
+    return float(fixed), float(per_sequence)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfileGrid:
     tokens: tuple[int, ...] = TOKEN_GRID
@@ -164,7 +175,7 @@ class ProfileGrid:
     prefill_chunk: tuple[int, ...] = PREFILL_CHUNK_GRID
     decode_batch: tuple[int, ...] = DECODE_BATCH_GRID
     decode_kv: tuple[int, ...] = DECODE_KV_GRID
-    calibration_batches: int = 12
+    calibration_batches: int = 24
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int,
@@ -200,15 +211,17 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
                                   "intermediate_size": model_config.intermediate_size},
                            linear_profiled_max_tokens=max(grid.tokens))
         write_profile(out, {op: np.array(rows) for op, rows in tables.items()}, meta)
-        # The layer tables miss the per-iteration work around the layers; calibrate it.
+        # The layer tables miss the work around the layers; fit it as a + b * sequences.
         predictor = RuntimePredictor.from_directory(out, cache_dir=None)
-        residuals = []
+        residuals, sequences = [], []
         for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
                                          2048):
             residuals.append(measure_execute_ms(runner, batch) - predict_ms(predictor, batch))
+            sequences.append(len(batch.chunks))
         progress.update()
-    overhead = max(0.0, statistics.median(residuals))
-    meta = dataclasses.replace(meta, iteration_overhead_ms=overhead)
+    fixed_ms, per_sequence_ms = fit_overhead(sequences, residuals)
+    meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
+                               per_sequence_overhead_ms=per_sequence_ms)
     write_profile(out, {op: np.array(rows) for op, rows in tables.items()}, meta)
     return out
 

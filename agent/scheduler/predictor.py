@@ -59,6 +59,9 @@ class RuntimePredictor:
         self.meta = tables.meta
         self.num_layers = tables.meta.num_layers
         self.iteration_overhead_ms = tables.meta.iteration_overhead_ms
+        # Charged once per sequence: with each decode in decode_attention_ms and with each
+        # prefill chunk in prefill_attention_ms, so wrappers (KVP, SPP) inherit it.
+        self.per_sequence_overhead_ms = tables.meta.per_sequence_overhead_ms
         self._linear = _sum_linear_ops(tables)
         kv, chunk, prefill_ms = tables.prefill_attention
         self._prefill = Grid2D(kv, chunk, prefill_ms)
@@ -89,7 +92,7 @@ class RuntimePredictor:
         ms = table(kv_in, chunk_in)
         if kv_in < kv_before_tokens or chunk_in < chunk_tokens:
             ms *= _attended_pairs(kv_before_tokens, chunk_tokens) / _attended_pairs(kv_in, chunk_in)
-        return ms * self.num_layers
+        return ms * self.num_layers + self.per_sequence_overhead_ms
 
     def decode_attention_ms(self, batch_size: int, kv_total_tokens: int) -> float:
         if batch_size <= 0:
@@ -102,7 +105,7 @@ class RuntimePredictor:
             ms += (batch_size - table.a_max) * float(self._decode_last_batch_slope[column])
         if kv_total_tokens > kv_in:
             ms *= kv_total_tokens / max(kv_in, 1.0)
-        return ms * self.num_layers
+        return ms * self.num_layers + self.per_sequence_overhead_ms * batch_size
 
     @property
     def linear_profiled_max_tokens(self) -> float:

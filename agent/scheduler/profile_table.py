@@ -49,6 +49,10 @@ class ProfileMeta:
     tp: int = 1
     model: dict = field(default_factory=dict)
     iteration_overhead_ms: float = 0.0  # CPU time per iteration outside the layers
+    # Work that grows with the number of sequences in a batch rather than with tokens: tensor
+    # preparation, sampling, and (in the torch reference backend) decode attention padded to
+    # the longest sequence. Fitted by the profiler; 0 for the H100 tables.
+    per_sequence_overhead_ms: float = 0.0
     op_counts_per_layer: dict = field(default_factory=dict)  # op -> calls per layer (default 1)
     linear_profiled_max_tokens: int | None = None  # tables are flat (unmeasured) above this
 
@@ -59,6 +63,8 @@ class ProfileMeta:
             raise ValueError("tp must be >= 1")
         if self.iteration_overhead_ms < 0:
             raise ValueError("iteration_overhead_ms must be >= 0")
+        if self.per_sequence_overhead_ms < 0:
+            raise ValueError("per_sequence_overhead_ms must be >= 0")
 
     def to_json(self) -> dict:
         return {"format_version": PROFILE_FORMAT_VERSION, **asdict(self)}
