@@ -6,6 +6,8 @@
 #   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
 #   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
 #   make generate     regenerate the CRD YAML (crds/, chart) and the control API's protobuf code
+#   make bench-predictor  runtime-predictor accuracy on this machine's CPU engine (held-out batches)
+#   make bench-policy-live  LARS vs FCFS (and EDF) on the live CPU engine: short-request TTFT
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
 #   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
 #                     one hour of the Azure trace for speed (docs/simulation.md)
@@ -25,7 +27,7 @@ RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
 	bench-sim bench-sim-vs-live \
-	bench-router bench-transport clean prometheus-tools dashboards generate dev-cluster \
+	bench-router bench-transport bench-predictor bench-policy-live clean prometheus-tools dashboards generate dev-cluster \
 	dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -84,6 +86,13 @@ dashboards: setup
 generate: setup
 	$(BIN)/python -m slipstream.crds.generate
 	$(BIN)/python -m slipstream.agent.server.control_codegen
+
+bench-predictor: setup
+	$(BIN)/python -m slipstream.agent.bench.predictor_bench --out $(RESULTS)/predictor
+
+bench-policy-live: setup
+	$(BIN)/python -m slipstream.agent.bench.policy_live_bench --out $(RESULTS)/policy-live \
+	  --systems fcfs,lars,edf --load 0.25
 
 bench-sched: setup
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
