@@ -8,7 +8,9 @@ move changes where new requests go, with no router restart.
 The client Service selects the router pods, but Services have no endpoints here (loopback
 pod IPs), so the test talks to the router's pod IP, as the other operator tests do with the
 agents'. The rebalancer starts gated by a hysteresis no pressure gap can cross, so that the
-class checks cannot trigger a move; the test then lowers it and loads the short pool.
+class checks cannot trigger a move; the test then lowers it and loads the long pool through
+the router, so the short instance moves to the long pool (minPerPool 0 lets the short pool
+empty; its class then falls back to every instance).
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ def test_router_serves_both_classes_and_follows_a_rebalance_move(dev_cluster, sr
     after = {name: agent_requests_total(pod) for name, pod in agents.items()}
     assert (after[short_pod] - before[short_pod], after[long_pod] - before[long_pod]) == (3, 2)
 
-    # Lift the gate and load the short pool through the router: the rebalancer moves one
-    # instance (the long one, by the load's shape) and relabels its pod.
+    # Lift the gate and load the long pool through the router: long prompts miss the TTFT
+    # objective by more, so the rebalancer moves the short instance to the long pool and
+    # relabels its pod.
     dev_cluster.kubectl("patch", "servingreplica", NAME, "-n", namespace, "--type=merge",
                         "-p", '{"spec": {"pools": {"rebalance": {"hysteresis": 0.2}}}}')
     stop, errors = threading.Event(), []
@@ -113,7 +116,7 @@ def test_router_serves_both_classes_and_follows_a_rebalance_move(dev_cluster, sr
     def load() -> None:
         while not stop.is_set():
             try:
-                send(router, SHORT_PROMPT * 3)
+                send(router, LONG_PROMPT)
             except Exception as error:  # noqa: BLE001 - recorded, asserted on
                 errors.append(repr(error))
 
@@ -132,16 +135,19 @@ def test_router_serves_both_classes_and_follows_a_rebalance_move(dev_cluster, sr
     moved_pools = dev_cluster.wait_for(
         lambda: (p := pools_by_pod(dev_cluster, namespace)) != pools and p, 10,
         "the moved pod relabelled")
-    moved = next(name for name in pools if moved_pools[name] != pools[name])
-    new_pool = moved_pools[moved]
-    assert len(set(moved_pools.values())) == 1  # both instances now in one pool
+    assert "from the short pool to the long pool" in moves[0]["message"]
+    assert moved_pools == {short_pod: "long", long_pod: "long"}
 
-    # New requests of the moved instance's new class now reach it (round-robin between the
-    # two idle instances of that pool); before the move none of them did.
-    prompt = SHORT_PROMPT if new_pool == "short" else LONG_PROMPT
-    served = dev_cluster.wait_for(
-        lambda: (s := {send(router, prompt) for _ in range(6)}) if moved in s else None, 20,
-        f"{new_pool} requests to reach {moved} through the router")
+    # New long requests now reach the moved instance too (round-robin between the two idle
+    # instances of the long pool); before the move none of them did.
+    moved, prompt = short_pod, LONG_PROMPT
+
+    def served_including_moved() -> set[str] | None:
+        served = {send(router, prompt) for _ in range(6)}
+        return served if moved in served else None
+
+    served = dev_cluster.wait_for(served_including_moved, 20,
+                                  f"long requests to reach {moved} through the router")
     assert served == {short_pod, long_pod}
     # The router was not restarted to see it: the same pod.
     current = ready_router(dev_cluster, namespace)
