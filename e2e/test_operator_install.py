@@ -41,7 +41,9 @@ def test_operator_process_authenticates_as_the_chart_service_account(dev_cluster
 
 @pytest.mark.parametrize("denied", [
     ("get", "secrets", "-A"),
-    ("create", "deployment", "x", "--image=x", "-n", "default"),
+    # The router's grant is a RoleBinding of a fixed ClusterRole: no Roles of its own making.
+    ("create", "role", "x", "--verb=get", "--resource=secrets", "-n", "default"),
+    ("create", "clusterrole", "x", "--verb=get", "--resource=pods"),
     ("delete", "node", "gpu-node-0"),
     ("create", "clusterrolebinding", "x", "--clusterrole=cluster-admin", "--user=x"),
     ("create", "namespace", "not-allowed"),
@@ -58,7 +60,9 @@ def test_rbac_allows_what_the_operator_needs(dev_cluster, operator_release):
     kubeconfig = operator_kubeconfig(dev_cluster, operator_release)
     for verb, resource in [("list", "nodes"), ("create", "pods"), ("delete", "pods"),
                            ("patch", "servingreplicas.slipstream.dev/status"),
-                           ("create", "events")]:
+                           ("create", "events"), ("create", "deployments.apps"),
+                           ("create", "serviceaccounts"),
+                           ("create", "rolebindings.rbac.authorization.k8s.io")]:
         answer = as_operator(dev_cluster, kubeconfig, "auth", "can-i", verb, resource,
                              "-n", "default")
         assert answer.stdout.strip() == "yes", (verb, resource, answer.stderr)

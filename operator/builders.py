@@ -78,11 +78,16 @@ def build_instance_service_spec(replica: str, namespace: str, instance: str) -> 
     }
 
 
-def build_client_service_spec(replica: str, namespace: str, pool: str | None = None) -> dict:
-    """The client endpoint: every instance's rank-0 pod, or only those of one pool. The pool
+def build_client_service_spec(replica: str, namespace: str, pool: str | None = None, *,
+                              via_router: bool = False) -> dict:
+    """The client endpoint: every instance's rank-0 pod, only those of one pool, or (with
+    pools) the router pods (router.py), which pick the pool by prompt length. The pool
     Services follow the pods' pool label, so a rebalance move reroutes traffic by relabelling."""
     selector = {naming.REPLICA_LABEL: replica, naming.ROLE_LABEL: naming.ROLE_CONTROLLER}
     name = naming.client_service_name(replica)
+    if via_router:
+        assert pool is None
+        selector = {naming.ROUTER_LABEL: replica}
     if pool is not None:
         selector[naming.POOL_LABEL] = pool
         name = naming.pool_service_name(replica, pool)
@@ -245,21 +250,28 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def _volumes(replica: str, spec: ServingReplicaSpec) -> list[dict]:
+def model_volume(spec: ServingReplicaSpec) -> dict:
+    """The model's volume: the node's hostPath, or a read-only PVC."""
     source = spec.model.source
     if source.host_path is not None:
-        model_volume = {"name": MODEL_VOLUME,
-                        "hostPath": {"path": source.host_path.path, "type": "Directory"}}
-    else:
-        assert source.pvc is not None
-        model_volume = {"name": MODEL_VOLUME, "persistentVolumeClaim": {
-            "claimName": source.pvc.claim_name, "readOnly": True}}
-    return [model_volume,
+        return {"name": MODEL_VOLUME,
+                "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    assert source.pvc is not None
+    return {"name": MODEL_VOLUME, "persistentVolumeClaim": {
+        "claimName": source.pvc.claim_name, "readOnly": True}}
+
+
+def model_volume_mount(spec: ServingReplicaSpec) -> dict:
+    source = spec.model.source
+    model_mount = source.host_path.path if source.host_path is not None else PVC_MOUNT_DIR
+    return {"name": MODEL_VOLUME, "mountPath": model_mount, "readOnly": True}
+
+
+def _volumes(replica: str, spec: ServingReplicaSpec) -> list[dict]:
+    return [model_volume(spec),
             {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(replica)}}]
 
 
 def _volume_mounts(spec: ServingReplicaSpec) -> list[dict]:
-    source = spec.model.source
-    model_mount = source.host_path.path if source.host_path is not None else PVC_MOUNT_DIR
-    return [{"name": MODEL_VOLUME, "mountPath": model_mount, "readOnly": True},
+    return [model_volume_mount(spec),
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]

@@ -2,6 +2,7 @@
 
     trigger (create/update/resume, timer, a child pod changed) --reconcile()-->
       GET the replica (under a per-replica lock), ensure ConfigMap + client Services
+        (+ with spec.pools: the router's ServiceAccount, RoleBinding and Deployment)
       pods --observe_pods--> plan_instances --> tear down failed/excess instances
       nodes + pods everywhere --gpu_nodes--> place_instances --> create pods
       build_status --> PATCH status; Events for restarts and placement failures
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
-from slipstream.operator import builders, metrics, naming
+from slipstream.operator import builders, metrics, naming, router
 from slipstream.operator.capacity import gpu_nodes, toleration_rules
 from slipstream.operator.instances import ObservedInstance, observe_pods, plan_instances
 from slipstream.operator.kube import Kube
@@ -74,7 +75,8 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
     namespace, name = metadata["namespace"], metadata["name"]
     spec = ServingReplicaSpec.model_validate(body["spec"])
     previous = ServingReplicaStatus.model_validate(body.get("status") or {})
-    _ensure_shared_children(kube, body, spec, adopt)
+    _ensure_shared_children(kube, body, spec, adopt,
+                            previous_had_pools=previous.pools is not None)
 
     resource = spec.placement.gpu_resource
     observed = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
@@ -129,16 +131,26 @@ def placement_request(spec: ServingReplicaSpec) -> PlacementRequest:
 
 
 def _ensure_shared_children(kube: Kube, body: dict, spec: ServingReplicaSpec,
-                            adopt: Adopt) -> None:
+                            adopt: Adopt, *, previous_had_pools: bool) -> None:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    wanted = [builders.build_config_map_spec(name, namespace, spec),
-              builders.build_client_service_spec(name, namespace)]
-    if spec.pools is not None:
+    with_router = spec.pools is not None
+    wanted = [builders.build_config_map_spec(name, namespace, spec)]
+    if with_router:
+        # The identity and its read grant first: the router's pods need both to start.
+        wanted += [router.build_router_service_account_spec(name, namespace),
+                   router.build_router_role_binding_spec(name, namespace),
+                   router.build_router_deployment_spec(name, namespace, spec)]
         wanted += [builders.build_client_service_spec(name, namespace, pool)
                    for pool in ("short", "long")]
+    wanted.append(builders.build_client_service_spec(name, namespace, via_router=with_router))
     for manifest in wanted:
         adopt(manifest, body)
         kube.ensure(manifest)
+    if not with_router and previous_had_pools:
+        # Pools were dropped from the spec: the client Service now selects the agents, and
+        # the router goes (the next status no longer shows pools, so this runs once).
+        for kind in ("Deployment", "RoleBinding", "ServiceAccount"):
+            kube.delete(kind, namespace, naming.router_name(name))
 
 
 def _tear_down(kube: Kube, namespace: str, instance: ObservedInstance, *,

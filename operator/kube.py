@@ -39,6 +39,8 @@ class Kube:
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.rbac = client.RbacAuthorizationV1Api(api_client)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -77,7 +79,10 @@ class Kube:
         namespace = manifest["metadata"]["namespace"]
         create = {"Pod": self.core.create_namespaced_pod,
                   "Service": self.core.create_namespaced_service,
-                  "ConfigMap": self.core.create_namespaced_config_map}[manifest["kind"]]
+                  "ConfigMap": self.core.create_namespaced_config_map,
+                  "ServiceAccount": self.core.create_namespaced_service_account,
+                  "RoleBinding": self.rbac.create_namespaced_role_binding,
+                  "Deployment": self.apps.create_namespaced_deployment}[manifest["kind"]]
         try:
             create(namespace, manifest, _preload_content=False)
         except ApiException as error:
@@ -87,12 +92,15 @@ class Kube:
         return True
 
     def ensure(self, manifest: dict) -> None:
-        """Create, or bring an existing ConfigMap/Service in line with ``manifest``. Read
-        first: a Service create that conflicts still costs the API server a ClusterIP
-        allocation and release, and most reconciles find everything in place."""
+        """Create, or bring an existing child (anything but a Pod) in line with
+        ``manifest``. Read first: a Service create that conflicts still costs the API server
+        a ClusterIP allocation and release, and most reconciles find everything in place."""
         metadata, kind = manifest["metadata"], manifest["kind"]
         read = {"ConfigMap": self.core.read_namespaced_config_map,
-                "Service": self.core.read_namespaced_service}[kind]
+                "Service": self.core.read_namespaced_service,
+                "ServiceAccount": self.core.read_namespaced_service_account,
+                "RoleBinding": self.rbac.read_namespaced_role_binding,
+                "Deployment": self.apps.read_namespaced_deployment}[kind]
         try:
             current = _json(read(metadata["name"], metadata["namespace"],
                                  _preload_content=False))
@@ -101,18 +109,24 @@ class Kube:
                 raise
             self.create(manifest)
             return
-        wanted = _owned_fields(manifest)
+        wanted = _owned_fields(manifest, current)
         if _contains(current, wanted):
             return
         patch = {"ConfigMap": self.core.patch_namespaced_config_map,
-                 "Service": self.core.patch_namespaced_service}[kind]
+                 "Service": self.core.patch_namespaced_service,
+                 "ServiceAccount": self.core.patch_namespaced_service_account,
+                 "RoleBinding": self.rbac.patch_namespaced_role_binding,
+                 "Deployment": self.apps.patch_namespaced_deployment}[kind]
         patch(metadata["name"], metadata["namespace"], wanted, _content_type=MERGE_PATCH,
               _preload_content=False)
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         delete = {"Pod": self.core.delete_namespaced_pod,
                   "Service": self.core.delete_namespaced_service,
-                  "ConfigMap": self.core.delete_namespaced_config_map}[kind]
+                  "ConfigMap": self.core.delete_namespaced_config_map,
+                  "ServiceAccount": self.core.delete_namespaced_service_account,
+                  "RoleBinding": self.rbac.delete_namespaced_role_binding,
+                  "Deployment": self.apps.delete_namespaced_deployment}[kind]
         try:
             delete(name, namespace, propagation_policy="Background", _preload_content=False)
         except ApiException as error:
@@ -124,15 +138,25 @@ class Kube:
                                        _content_type=MERGE_PATCH, _preload_content=False)
 
 
-def _owned_fields(manifest: dict) -> dict:
-    """What the operator sets on a ConfigMap/Service: labels, and the data or the selector
-    and ports. Fields others add (annotations, a Service's clusterIP) are not its business."""
+def _owned_fields(manifest: dict, current: dict) -> dict:
+    """What the operator sets on a child: labels, and the data, the selector and ports, the
+    subjects, or the Deployment's spec. Fields others add (annotations, a Service's clusterIP,
+    defaults) are not its business. A Service selector is replaced, not merged: the client
+    Service switches between agents and router pods, and a merge patch would keep stale keys
+    (a null value removes one)."""
     fields: dict = {"metadata": {"labels": manifest["metadata"].get("labels") or {}}}
-    if manifest["kind"] == "ConfigMap":
+    kind = manifest["kind"]
+    if kind == "ConfigMap":
         fields["data"] = manifest["data"]
-    else:
-        fields["spec"] = {"selector": manifest["spec"]["selector"],
+    elif kind == "Service":
+        selector = dict(manifest["spec"]["selector"])
+        stale = set((current.get("spec") or {}).get("selector") or {}) - set(selector)
+        fields["spec"] = {"selector": {**selector, **dict.fromkeys(stale)},
                           "ports": manifest["spec"]["ports"]}
+    elif kind == "RoleBinding":
+        fields["subjects"] = manifest["subjects"]  # roleRef is immutable
+    elif kind == "Deployment":
+        fields["spec"] = manifest["spec"]
     return fields
 
 

@@ -27,6 +27,10 @@ RANK_LABEL = f"{PREFIX}/rank"
 NUM_RANKS_LABEL = f"{PREFIX}/num-ranks"
 ROLE_LABEL = f"{PREFIX}/role"
 POOL_LABEL = f"{PREFIX}/pool"
+# On the router's pods instead of REPLICA_LABEL: they are no part of any instance.
+ROUTER_LABEL = f"{PREFIX}/router"
+# Created by the chart (pods get/list/watch); bound per namespace to each router.
+ROUTER_CLUSTER_ROLE = "slipstream-router"
 ROLE_CONTROLLER = "controller"
 ROLE_WORKER = "worker"
 
@@ -68,6 +72,10 @@ def client_service_name(replica: str) -> str:
 
 def pool_service_name(replica: str, pool: str) -> str:
     return _fit(f"{replica}-{pool}")
+
+
+def router_name(replica: str) -> str:
+    return _fit(f"{replica}-router")
 
 
 def pod_name(instance: str, incarnation: str, rank: int) -> str:
