@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,28 +19,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.agent.server import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "charts"))
-from dashgen import inventory  # noqa: E402  (dashgen lives beside the chart)
+from dashgen import inventory, live_prometheus  # noqa: E402  (dashgen lives beside the chart)
 
 LONG_THRESHOLD_TOKENS = 48
-SCRAPE_INTERVAL = "1s"
-PROMETHEUS_START_TIMEOUT_S = 30.0
 DASHBOARD_QUERIES = inventory.dashboard_queries()
-# The predictor fills Batch.predicted_time_s once the time-budget packer runs in the engine;
-# until then those panels return NaN (still data), so only finiteness is waived for them.
-MAY_BE_NAN = {metric_names.BATCH_TIME_PREDICTED.name}
-
-
-def _is_operator_query(query: inventory.Query) -> bool:
-    """Operator and router series come from other processes than the agent scraped here."""
-    return any(name.startswith(("slipstream_operator_", "slipstream_router_"))
-               for name in query.names)
+OTHER_PROCESSES = ("slipstream_operator_", "slipstream_router_")
 
 
 @pytest.fixture(scope="module")
@@ -51,80 +39,20 @@ def observed_server(start_server):
                         "--long-prompt-threshold-tokens", str(LONG_THRESHOLD_TOKENS))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Prometheus:
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-
-    def query(self, promql: str) -> list[dict]:
-        response = httpx.get(f"{self.base_url}/api/v1/query", params={"query": promql},
-                             timeout=10)
-        body = response.json()
-        assert body["status"] == "success", f"{promql}: {body}"
-        return body["data"]["result"]
-
-    def wait_for(self, promql: str, timeout_s: float = 20.0) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while not (result := self.query(promql)) and time.monotonic() < deadline:
-            time.sleep(0.25)
-        return result
-
-
 @pytest.fixture(scope="module")
 def prometheus(observed_server, tmp_path_factory):
-    binary = shutil.which("prometheus")
+    binary = live_prometheus.binary()
     if binary is None:
         pytest.skip("prometheus not installed (make test installs Debian's prometheus package)")
-    workdir = tmp_path_factory.mktemp("prometheus")
-    # The chart's rules, evaluated every second instead of every minute, so that recording
-    # rules have values within the test.
-    rules = inventory.rule_groups()
-    for group in rules:
-        group["interval"] = SCRAPE_INTERVAL
-    (workdir / "rules.yaml").write_text(yaml.safe_dump({"groups": rules}))
     agent = observed_server.base_url.removeprefix("http://")
-    config = {"global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": "1s"},
-              "rule_files": [str(workdir / "rules.yaml")],
-              "scrape_configs": [{"job_name": "slipstream-agent",
-                                  "static_configs": [{"targets": [agent]}]}]}
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    with open(workdir / "prometheus.log", "wb") as log:
-        process = subprocess.Popen(
-            [binary, f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-             "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
-    server = Prometheus(f"http://127.0.0.1:{port}")
+    server = live_prometheus.PrometheusServer(tmp_path_factory.mktemp("prometheus"),
+                                              {"slipstream-agent": [agent]})
     try:
-        _wait_ready(server, process, workdir / "prometheus.log")
+        server.start(binary)
         assert server.wait_for('up{job="slipstream-agent"} == 1'), "agent never scraped"
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_ready(server: Prometheus, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + PROMETHEUS_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"prometheus exited:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{server.base_url}/-/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"prometheus did not become ready:\n{log_path.read_text()}")
+        server.stop()
 
 
 def _load(server) -> None:
@@ -187,13 +115,8 @@ def test_recording_rules_evaluate_against_the_agent(loaded):
 
 @pytest.mark.parametrize("query", DASHBOARD_QUERIES, ids=[q.source for q in DASHBOARD_QUERIES])
 def test_dashboard_query_returns_data(loaded, query):
-    if _is_operator_query(query):
-        pytest.skip("operator or router metric: not exported by the agent under test")
-    result = loaded.query(query.promql)
-    assert result, f"{query.source} returned no data:\n{query.promql}"
-    may_be_nan = any(metric_names.family_of(name).name in MAY_BE_NAN for name in query.names
-                     if metric_names.family_of(name) is not None)
-    if not may_be_nan:
-        values = [float(series["value"][1]) for series in result]
-        assert any(math.isfinite(value) for value in values), \
-            f"{query.source} returned only NaN:\n{query.promql}"
+    if any(live_prometheus.is_from(query, prefix) for prefix in OTHER_PROCESSES):
+        pytest.skip("operator or router metric: not exported by the agent under test "
+                    "(checked in e2e/test_observability_e2e.py)")
+    problem = live_prometheus.missing_data(loaded, query)
+    assert problem is None, problem
