@@ -9,6 +9,9 @@ Example (Medha's mixed workload on H100 Llama-3-8B TP8, SPP 2)::
 
     slipstream simulate --recipe medha-mixed --qps 0.5 --duration-s 1800 --spp 2 \
         --policies fcfs@0 edf lrs lars --out results/sim
+
+Length-aware pools (docs/pools.md): ``--pools static|rebalanced --short-instances N
+--long-threshold-tokens T`` splits ``--num-instances`` into short and long pools.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8, ProfileMeta
 from slipstream.agent.sim.instance import InstanceConfig
 from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
+from slipstream.agent.sim.pools import POOL_MODES, PoolsConfig
 from slipstream.agent.sim.simulator import SimConfig, SimResult, simulate
 from slipstream.agent.sim.workloads import RECIPES, WorkloadSpec, build_workload, parse_weighted
+from slipstream.crds.servingreplica import Rebalance
 
 H100_PROFILE = "h100-llama3-8b-tp8"
 
@@ -60,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inst.add_argument("--gpu-memory-gib", type=float, default=80.0)
     inst.add_argument("--host-overhead-ms", type=float, default=0.0,
                       help="host time per iteration not in the profile (scheduling, output)")
+
+    pools = parser.add_argument_group("length-aware pools (default: one pool, least backlog)")
+    pools.add_argument("--pools", choices=POOL_MODES, default=None,
+                       help="static: a fixed short/long split; rebalanced: the operator's "
+                            "PLA-Serve rebalancer moves instances between the pools")
+    pools.add_argument("--short-instances", type=int, default=None,
+                       help="initial short-pool size; None: half the instances, at least 1")
+    pools.add_argument("--long-threshold-tokens", type=int, default=None,
+                       help="prompts this long or longer go to the long pool; "
+                            "None: --long-prompt-tokens")
+    pools.add_argument("--rebalance-period-s", type=int, default=30)
+    pools.add_argument("--rebalance-cooldown-s", type=int, default=120)
+    pools.add_argument("--rebalance-hysteresis", type=float, default=0.2)
+    pools.add_argument("--min-per-pool", type=int, default=1)
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--policies", nargs="+", default=["fcfs@0", "edf", "lrs", "lars"],
@@ -118,6 +139,20 @@ def policy_configs(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]
     return configs
 
 
+def pools_config(args: argparse.Namespace) -> PoolsConfig | None:
+    if args.pools is None:
+        return None
+    short = args.short_instances
+    if short is None:
+        short = max(1, args.num_instances // 2)
+    rebalance = Rebalance(period_seconds=args.rebalance_period_s,
+                          cooldown_seconds=args.rebalance_cooldown_s,
+                          hysteresis=args.rebalance_hysteresis, min_per_pool=args.min_per_pool)
+    return PoolsConfig(mode=args.pools, short_instances=short,
+                       long_threshold_tokens=args.long_threshold_tokens or args.long_prompt_tokens,
+                       rebalance=rebalance)
+
+
 def build_sim_config(args: argparse.Namespace, meta: ProfileMeta,
                      scheduler: SchedulerConfig) -> SimConfig:
     tp = args.tp or meta.tp
@@ -133,7 +168,7 @@ def build_sim_config(args: argparse.Namespace, meta: ProfileMeta,
     return SimConfig(scheduler=scheduler, instance=instance, num_instances=args.num_instances,
                      num_layers=meta.num_layers, horizon_s=args.horizon_s,
                      short_ttft_slo_s=args.slo_ttft_s, long_prompt_tokens=args.long_prompt_tokens,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, pools=pools_config(args))
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
@@ -153,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         model, meta = load_model(args.profile)
         configs = [(label, build_sim_config(args, meta, config))
                    for label, config in policy_configs(args)]
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, ValidationError) as error:
         print(f"slipstream simulate: {error}", file=sys.stderr)
         return 2
     results: dict[str, SimResult] = {}
@@ -162,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
         result = simulate(requests, config, model)
         results[label] = result
         summary = {"label": label, **summarize(result, args.long_prompt_tokens, args.slo_tpot_ms)}
+        if config.pools is not None:
+            summary["pools"] = {"mode": config.pools.mode,
+                                "short_instances": config.pools.short_instances,
+                                "long_threshold_tokens": config.pools.long_threshold_tokens,
+                                "final": result.final_pools, "moves": result.pool_moves}
         summaries.append(summary)
         print(json.dumps(summary), flush=True)
     if args.out is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
@@ -133,6 +134,8 @@ class SimInstance:
         self.busy_s = 0.0
         self._pending = None  # (batch, exit_s) of the batch now in the pipeline
         self._parked: dict[str, float] = {}  # request id -> when its sampled token comes out
+        # The live engine's load window, fed the same way: the pool rebalancer reads it.
+        self.load = LoadWindow(start_s=0.0)
 
     def add(self, record: RequestRecord, ttft_slo_s: float | None) -> None:
         request = Request(request_id=record.request_id,
@@ -173,15 +176,23 @@ class SimInstance:
         config = self.config
         time_s = batch.predicted_time_s + config.host_overhead_ms / 1000.0
         self.backlog_tokens = max(0, self.backlog_tokens - batch.num_tokens)
+        prefill_tokens = batch.num_tokens - batch.num_decodes
         if config.spp == 1:
             self._pending = (batch, now_s + time_s)
             self.busy_s += time_s
+            self.load.record_step(now_s, now_s + time_s, prefill_tokens)
             return now_s + time_s
         hop_s = config.transfer_ms(batch.num_tokens) / 1000.0
         stage_s = time_s / config.spp + hop_s
         self._pending = (batch, now_s + config.spp * stage_s - hop_s)
         self.busy_s += stage_s  # how long stage 1 is occupied
+        self.load.record_step(now_s, now_s + stage_s, prefill_tokens)
         return now_s + stage_s
+
+    def backlog_prompt_tokens(self) -> int:
+        """Prompt tokens still to prefill, counted as the live engine's stats() counts them."""
+        return sum(r.num_uncomputed_tokens for r in self.scheduler.requests.values()
+                   if r.in_prefill)
 
     def _complete(self, now_s: float) -> None:
         batch, exit_s = self._pending
@@ -198,6 +209,11 @@ class SimInstance:
             record = records[request_id]
             if record.first_token_s is None:
                 record.first_token_s = exit_s
+                # Every simulated request has a deadline (explicit or the scheduler's
+                # default), so all first tokens feed the SLO deviation signal.
+                if record.ttft_deadline_s:
+                    self.load.record_first_token(exit_s, exit_s - record.arrival_s,
+                                                 record.ttft_deadline_s)
             if request.num_output_tokens >= request.max_tokens:
                 record.finished_s = exit_s
                 record.num_preemptions = request.num_preemptions

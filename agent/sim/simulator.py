@@ -1,8 +1,9 @@
 """The discrete-event loop: arrivals, a least-backlog router, and instances stepping on their
 own clocks.
 
-    list[TraceRequest] --> route (least backlog) --> SimInstance.add()
+    list[TraceRequest] --> route (least backlog, or pools.py by length) --> SimInstance.add()
     event heap: (next step time, instance) --> SimInstance.step() --> next step time
+    with rebalanced pools: every period --> PoolRouter.control_step() (may relabel one)
         --> SimResult(records, end time, iterations) --> report.py
 
 Events are only arrivals and iteration boundaries, so the cost is one ``schedule()`` per
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -23,6 +24,7 @@ from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.scheduler import Scheduler
 from slipstream.agent.sim.instance import InstanceConfig, KvpTimeModel, RequestRecord, SimInstance
+from slipstream.agent.sim.pools import PoolRouter, PoolsConfig
 from slipstream.agent.sim.traces import TraceRequest
 
 
@@ -36,6 +38,7 @@ class SimConfig:
     short_ttft_slo_s: float | None = None  # given to short requests; long ones get the default
     long_prompt_tokens: int = 8192  # class boundary for the report and for the SLO above
     progress: bool = False
+    pools: PoolsConfig | None = None  # None: one least-backlog router over all instances
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -53,6 +56,8 @@ class SimResult:
     wall_s: float
     busy_s: list[float]
     horizon_s: float | None
+    pool_moves: list[dict] = field(default_factory=list)
+    final_pools: list[str] | None = None
 
 
 def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
@@ -81,9 +86,16 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
     progress = tqdm(total=len(records), unit="req", desc=config.scheduler.policy,
                     disable=not config.progress, mininterval=1.0)
     iterations = 0
+    router = PoolRouter(config.pools, len(instances)) if config.pools is not None else None
     while True:
         arrival_s = records[next_arrival].arrival_s if next_arrival < len(records) else float("inf")
         event_s = events[0][0] if events else float("inf")
+        next_s = min(arrival_s, event_s)
+        if router is not None and router.next_control_s < next_s < float("inf") \
+                and router.next_control_s <= horizon:
+            now_s = router.next_control_s
+            router.control_step(instances, now_s)
+            continue
         if arrival_s <= event_s:
             if arrival_s == float("inf") or arrival_s > horizon:
                 break
@@ -92,7 +104,10 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
             next_arrival += 1
             if record.prompt_tokens + record.output_tokens + 1 > capacity_tokens:
                 continue  # can never fit one instance: reported as unfinished
-            target = min(instances, key=lambda inst: inst.backlog_tokens)
+            if router is None:
+                target = min(instances, key=lambda inst: inst.backlog_tokens)
+            else:
+                target = router.route(record, instances)
             short = record.prompt_tokens < config.long_prompt_tokens
             target.add(record, config.short_ttft_slo_s if short else None)
             if not scheduled[target.index]:
@@ -121,4 +136,6 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
         wall_s=time.perf_counter() - started,
         busy_s=[inst.busy_s for inst in instances],
         horizon_s=config.horizon_s,
+        pool_moves=router.moves if router is not None else [],
+        final_pools=list(router.pools) if router is not None else None,
     )
