@@ -11,6 +11,7 @@
 #   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
 #   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
 #                     one hour of the Azure trace for speed (docs/simulation.md)
+#   make bench-pools  pools vs unified instances in the simulator (docs/pools.md)
 #   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile
 #   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
@@ -27,7 +28,7 @@ RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
 	bench-sim bench-sim-vs-live \
-	bench-router bench-transport bench-predictor bench-policy-live clean prometheus-tools dashboards generate dev-cluster \
+	bench-router bench-transport bench-predictor bench-policy-live bench-pools clean prometheus-tools dashboards generate dev-cluster \
 	dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -105,6 +106,12 @@ bench-sim: setup
 	  --out $(RESULTS)/sim
 	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
 	  --out $(RESULTS)/sim/azure-1h
+
+bench-pools: setup
+	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
+	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
+	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
+	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
 bench-sim-vs-live: setup
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --out $(RESULTS)/sim-vs-live
