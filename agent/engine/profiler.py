@@ -152,19 +152,28 @@ def predict_ms(predictor: RuntimePredictor, batch: Batch) -> float:
     return predict_batch_time_ms(predictor, prefills, decode_kv_lens)
 
 
-def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 3) -> float:
+def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 5) -> float:
     return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
 
 
 def fit_overhead(sequences: list[int], residuals_ms: list[float]) -> tuple[float, float]:
-    """Least-squares ``residual = fixed + per_sequence * sequences``, both kept >= 0."""
-    design = np.column_stack([np.ones(len(sequences)), np.asarray(sequences, dtype=float)])
-    (fixed, per_sequence), *_ = np.linalg.lstsq(design, np.asarray(residuals_ms), rcond=None)
+    """Fit ``residual = fixed + per_sequence * sequences``, both kept >= 0.
+
+    Least absolute deviations (iteratively reweighted least squares): a batch slowed down by
+    another process is an outlier that only ever adds time, and must not drag the line up.
+    """
+    x = np.asarray(sequences, dtype=float)
+    y = np.asarray(residuals_ms, dtype=float)
+    design = np.column_stack([np.ones_like(x), x])
+    weights = np.ones_like(y)
+    for _ in range(30):
+        root = np.sqrt(weights)
+        (fixed, per_sequence), *_ = np.linalg.lstsq(design * root[:, None], y * root, rcond=None)
+        weights = 1.0 / np.maximum(np.abs(y - fixed - per_sequence * x), 1e-3)
     if per_sequence < 0:
-        return max(0.0, float(np.median(residuals_ms))), 0.0
+        return max(0.0, float(np.median(y))), 0.0
     if fixed < 0:
-        per_sequence = float(np.dot(sequences, residuals_ms) / np.dot(sequences, sequences))
-        return 0.0, max(0.0, per_sequence)
+        return 0.0, max(0.0, float(np.median(y / np.maximum(x, 1.0))))
     return float(fixed), float(per_sequence)
 
 
