@@ -71,8 +71,15 @@ def test_failed_pod_recreates_its_instance_while_the_other_serves(dev_cluster, s
     assert victim["metadata"]["name"] not in names
     assert sorted(instance_of(p) for p in pods) == ["r-0", "r-1"]
     replacement = next(p for p in pods if instance_of(p) == instance_of(victim))
-    ranks = {rank["pod"]: rank["node"] for instance in replica["status"]["instances"]
-             for rank in instance["ranks"]}
+
+    def ranks_with_replacement() -> dict[str, str] | None:
+        # Ready can be reported a reconcile before the ranks list names the new pod.
+        status = get_replica(dev_cluster, namespace, "r")["status"]
+        ranks = {rank["pod"]: rank["node"] for instance in status["instances"]
+                 for rank in instance["ranks"]}
+        return ranks if replacement["metadata"]["name"] in ranks else None
+
+    ranks = dev_cluster.wait_for(ranks_with_replacement, 30, "status ranks naming the new pod")
     assert ranks[replacement["metadata"]["name"]] == replacement["spec"]["nodeName"]
     assert replica["status"]["phase"] == "Ready"
 
