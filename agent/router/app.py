@@ -23,7 +23,6 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from slipstream.agent.engine.tokenizer import Tokenizer
@@ -35,7 +34,7 @@ from slipstream.agent.router.metrics import RouterMetrics
 from slipstream.agent.router.pod_discovery import PodWatcher
 from slipstream.agent.router.proxy import BACKEND_HEADER, Proxy, forwarded_headers
 from slipstream.agent.router.stats_poller import StatsPoller
-from slipstream.agent.server.errors import APIError, error_response
+from slipstream.agent.server.errors import APIError, add_openai_error_handlers
 
 log = logging.getLogger(__name__)
 # Bodies larger than this are tokenized off the event loop (a 1M-token prompt takes ~1 s).
@@ -158,15 +157,6 @@ def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error_response(error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = str(error.detail) if error.detail else "error"
-        if error.status_code == 404:
-            message = ("Unknown endpoint. The Slipstream router serves /v1/completions, "
-                       "/v1/chat/completions, /v1/models, /health, /metrics and "
-                       "/router/instances.")
-        return error_response(APIError(error.status_code, message))
+    add_openai_error_handlers(app, "Unknown endpoint. The Slipstream router serves "
+                              "/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                              "/metrics and /router/instances.")

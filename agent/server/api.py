@@ -22,7 +22,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from slipstream.agent.scheduler.request import RequestSLO
@@ -30,7 +29,7 @@ from slipstream.agent.server.chat import create_chat_completion
 from slipstream.agent.server.completions import create_completion
 from slipstream.agent.server.config import ServerConfig
 from slipstream.agent.server.errors import (
-    APIError, bad_request, error_response, from_validation_error)
+    APIError, add_openai_error_handlers, bad_request, error_response, from_validation_error)
 from slipstream.agent.server.generation import ClientDisconnected, ServingContext
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.protocol import (
@@ -131,17 +130,8 @@ async def _parse_body(request: Request, model_type: type[M]) -> M:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error_response(error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = str(error.detail) if error.detail else "error"
-        if error.status_code == 404:
-            message = "Unknown endpoint. Slipstream serves /v1/completions, " \
-                      "/v1/chat/completions, /v1/models, /health and /metrics."
-        return error_response(APIError(error.status_code, message))
+    add_openai_error_handlers(app, "Unknown endpoint. Slipstream serves /v1/completions, "
+                              "/v1/chat/completions, /v1/models, /health and /metrics.")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:

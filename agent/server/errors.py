@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
 from pydantic import ValidationError
 
 _TYPE_BY_STATUS = {
@@ -73,3 +76,19 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=int(error.status_code))
+
+
+def add_openai_error_handlers(app: FastAPI, not_found_message: str) -> None:
+    """Answer ``APIError`` and Starlette's own HTTP errors (unknown path, wrong method) in
+    OpenAI's error shape; ``not_found_message`` names the endpoints this app serves."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = str(error.detail) if error.detail else "error"
+        if error.status_code == 404:
+            message = not_found_message
+        return error_response(APIError(error.status_code, message))
