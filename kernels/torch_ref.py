@@ -3,8 +3,14 @@ against.
 
 ``plan`` turns block tables into flat slot indices and causal masks once per step; every
 layer then gathers its keys/values with one indexing op. Decodes (one query token each) are
-computed together, padded to the longest KV; prefill chunks are computed one sequence at a
-time, each causal over its cached tokens plus its new ones.
+computed in groups of similar KV length, each group padded to its longest KV; prefill chunks
+are computed one sequence at a time, each causal over its cached tokens plus its new ones.
+
+Why groups: padding every decode to the batch's longest KV makes one long request's decode
+cost ``batch x its KV``. With 150 short decodes beside one 24K-token decode, that is 40x the
+work of the short decodes alone, and every request in the batch waits for it. The runtime
+predictor models decode attention by the batch's *total* KV, as a ragged GPU kernel costs;
+grouping keeps the CPU path within 2x of that.
 """
 
 from __future__ import annotations
@@ -24,6 +30,40 @@ class _GatherPlan:
     token_start: int  # first query row in the flat token dimension
     token_end: int
     plain_causal: bool = False  # queries and KV are the same positions: standard causal mask
+    rows: torch.Tensor | None = None  # decode groups: the query rows, when not token_start:end
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[self.token_start:self.token_end] if self.rows is None else tensor[self.rows]
+
+    def put(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        if self.rows is None:
+            target[self.token_start:self.token_end] = value
+        else:
+            target[self.rows] = value
+
+
+# A decode starts a new group when padding it to the group's longest KV would more than double
+# its work and waste at least this many KV tokens; below that one more gather costs more.
+MIN_DECODE_SPLIT_TOKENS = 256
+
+
+def decode_groups(kv_lens: list[int] | tuple[int, ...]) -> list[list[int]]:
+    """Split decode rows into groups whose KV lengths are within 2x of the group's longest."""
+    order = sorted(range(len(kv_lens)), key=lambda i: kv_lens[i], reverse=True)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row in order:
+        kv = kv_lens[row]
+        if current and 2 * kv < longest and longest - kv >= MIN_DECODE_SPLIT_TOKENS:
+            groups.append(current)
+            current = []
+        if not current:
+            longest = kv
+        current.append(row)
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
@@ -36,25 +76,21 @@ class TorchReferenceBackend:
 
     def __init__(self) -> None:
         self._metadata: AttentionMetadata | None = None
-        self._decode: _GatherPlan | None = None
+        self._decodes: list[_GatherPlan] = []
         self._prefills: list[_GatherPlan] = []
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._metadata = metadata
         device = metadata.block_tables.device
-        self._decode = None
+        self._decodes = []
         self._prefills = []
         num_decodes = metadata.num_decodes
         if num_decodes:
-            max_kv = max(metadata.kv_lens[:num_decodes])
-            slots = _slots(metadata.block_tables[:num_decodes], max_kv, metadata.block_size)
-            kv_index = torch.arange(max_kv, device=device)
-            kv_lens = torch.tensor(metadata.kv_lens[:num_decodes], device=device)
-            kv_start = torch.tensor(metadata.kv_start_pos[:num_decodes], device=device)
-            query_pos = torch.tensor(metadata.query_start_pos[:num_decodes], device=device)
-            mask = (kv_index[None, :] < kv_lens[:, None]) & (
-                kv_start[:, None] + kv_index[None, :] <= query_pos[:, None])
-            self._decode = _GatherPlan(slots, mask[:, None, None, None, :], 0, num_decodes)
+            groups = decode_groups(metadata.kv_lens[:num_decodes])
+            for group in groups:
+                rows = None if len(groups) == 1 else sorted(group)
+                self._decodes.append(self._decode_plan(metadata, rows or list(range(num_decodes)),
+                                                       contiguous=rows is None))
         token = num_decodes
         for seq in range(num_decodes, metadata.num_seqs):
             query_len, kv_len = metadata.query_lens[seq], metadata.kv_lens[seq]
@@ -66,6 +102,24 @@ class TorchReferenceBackend:
                             and query_len == kv_len)
             self._prefills.append(_GatherPlan(slots, mask, token, token + query_len, plain_causal))
             token += query_len
+
+    @staticmethod
+    def _decode_plan(metadata: AttentionMetadata, rows: list[int], contiguous: bool) -> _GatherPlan:
+        device = metadata.block_tables.device
+        kv_lens_list = [metadata.kv_lens[row] for row in rows]
+        max_kv = max(kv_lens_list)
+        index = torch.tensor(rows, device=device)
+        slots = _slots(metadata.block_tables[index, :(max_kv + metadata.block_size - 1)
+                                             // metadata.block_size], max_kv, metadata.block_size)
+        kv_index = torch.arange(max_kv, device=device)
+        kv_lens = torch.tensor(kv_lens_list, device=device)
+        kv_start = torch.tensor([metadata.kv_start_pos[row] for row in rows], device=device)
+        query_pos = torch.tensor([metadata.query_start_pos[row] for row in rows], device=device)
+        mask = (kv_index[None, :] < kv_lens[:, None]) & (
+            kv_start[:, None] + kv_index[None, :] <= query_pos[:, None])
+        if contiguous:
+            return _GatherPlan(slots, mask[:, None, None, None, :], rows[0], rows[-1] + 1)
+        return _GatherPlan(slots, mask[:, None, None, None, :], 0, 0, rows=index)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor) -> None:
@@ -90,24 +144,24 @@ class TorchReferenceBackend:
         output = torch.empty_like(query)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
 
-        if self._decode is not None:
-            plan = self._decode
-            rows = plan.token_end - plan.token_start
+        for plan in self._decodes:
+            rows = plan.slots.shape[0]
             # [rows, kv_heads, group, 1, dim] x [rows, kv_heads, 1, dim, kv] -> scores per head
-            q = query[plan.token_start:plan.token_end].view(rows, kv_heads, group, 1, head_dim)
-            keys = k_flat[plan.slots].permute(0, 2, 3, 1).unsqueeze(2)
-            values = v_flat[plan.slots].permute(0, 2, 1, 3).unsqueeze(2)
+            q = plan.take(query).view(rows, kv_heads, group, 1, head_dim)
+            keys = _gather(k_flat, plan.slots).permute(0, 2, 3, 1).unsqueeze(2)
+            values = _gather(v_flat, plan.slots).permute(0, 2, 1, 3).unsqueeze(2)
             out, row_lse = _masked_softmax_attend(q, keys, values, plan.mask, scale)
-            output[plan.token_start:plan.token_end] = out.reshape(rows, num_heads, head_dim)
-            lse[plan.token_start:plan.token_end] = row_lse.reshape(rows, num_heads)
+            plan.put(output, out.reshape(rows, num_heads, head_dim))
+            plan.put(lse, row_lse.reshape(rows, num_heads))
 
         for plan in self._prefills:
             q_len = plan.token_end - plan.token_start
             # [kv_heads, group*q, dim] x [kv_heads, dim, kv]
             q = query[plan.token_start:plan.token_end].view(q_len, kv_heads, group, head_dim)
             q = q.permute(1, 2, 0, 3)  # [kv_heads, group, q, dim]
-            keys = k_flat[plan.slots].permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, dim, kv]
-            values = v_flat[plan.slots].permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, kv, dim]
+            # keys [kv_heads, 1, dim, kv], values [kv_heads, 1, kv, dim]
+            keys = _gather(k_flat, plan.slots).permute(1, 2, 0).unsqueeze(1)
+            values = _gather(v_flat, plan.slots).permute(1, 0, 2).unsqueeze(1)
             out, row_lse = _masked_softmax_attend(q, keys, values, plan.mask, scale)
             output[plan.token_start:plan.token_end] = out.permute(2, 0, 1, 3).reshape(
                 q_len, num_heads, head_dim)
@@ -123,19 +177,19 @@ class TorchReferenceBackend:
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
         output = torch.empty_like(query)
-        if self._decode is not None:
-            plan = self._decode
-            q = query[plan.token_start:plan.token_end].unsqueeze(2)  # [rows, heads, 1, dim]
-            keys = k_flat[plan.slots].transpose(1, 2)  # [rows, kv_heads, kv, dim]
-            values = v_flat[plan.slots].transpose(1, 2)
+        for plan in self._decodes:
+            q = plan.take(query).unsqueeze(2)  # [rows, heads, 1, dim]
+            keys = _gather(k_flat, plan.slots).transpose(1, 2)  # [rows, kv_heads, kv, dim]
+            values = _gather(v_flat, plan.slots).transpose(1, 2)
             mask = plan.mask.view(q.shape[0], 1, 1, -1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                  enable_gqa=True)
-            output[plan.token_start:plan.token_end] = out.squeeze(2)
+            plan.put(output, out.squeeze(2))
         for plan in self._prefills:
             q = query[plan.token_start:plan.token_end].transpose(0, 1).unsqueeze(0)
-            keys = k_flat[plan.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, kv, dim]
-            values = v_flat[plan.slots].transpose(0, 1).unsqueeze(0)
+            # [1, kv_heads, kv, dim]
+            keys = _gather(k_flat, plan.slots).transpose(0, 1).unsqueeze(0)
+            values = _gather(v_flat, plan.slots).transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=None if plan.plain_causal else plan.mask,
                 is_causal=plan.plain_causal, scale=scale, enable_gqa=True)
@@ -146,6 +200,12 @@ class TorchReferenceBackend:
         if self._metadata is None:
             raise RuntimeError("plan() must be called once per step before write_kv()/run()")
         return self._metadata
+
+
+def _gather(flat_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``flat_cache[slots]``. ``index_select`` on the flattened slots is 7-13x faster on CPU
+    than advanced indexing with a 2-D index (measured for 32-150 decodes of 600 KV tokens)."""
+    return flat_cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat_cache.shape[1:])
 
 
 def _masked_softmax_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

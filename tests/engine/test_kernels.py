@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream.kernels.attention import AttentionMetadata, merge_many, merge_states
-from slipstream.kernels.torch_ref import TorchReferenceBackend
+from slipstream.kernels.torch_ref import TorchReferenceBackend, decode_groups
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -58,16 +58,33 @@ def build_paged(seqs, num_blocks, generator):
     seed=st.integers(0, 2**16),
 )
 def test_paged_attention_equals_dense(decodes, prefills, seed):
-    seqs = [(cached, 1) for cached in decodes] + list(prefills)
+    metadata = check_paged_against_dense([(cached, 1) for cached in decodes] + list(prefills),
+                                         seed)
+    if metadata is not None:
+        assert metadata.num_decodes >= len(decodes)  # one-token rows lead the batch
+
+
+def test_decodes_of_very_different_kv_lengths_are_grouped_and_exact():
+    # One long decode beside short ones: padding all to 2,000 tokens would be 25x the work.
+    kv_lens = [40, 2000, 60, 700, 35, 300]
+    groups = decode_groups(kv_lens)
+    # 2,000 and 700 alone; 300 keeps 60 (only 240 tokens of padding), 40 and 35 start anew.
+    assert sorted(map(sorted, groups)) == [[0, 4], [1], [2, 5], [3]]
+    seqs = [(kv - 1, 1) for kv in kv_lens] + [(50, 20)]
+    check_paged_against_dense(seqs, seed=7, num_blocks=256)
+
+
+def check_paged_against_dense(seqs, seed, num_blocks=64):
+    """Paged attention (both paths) against dense attention; returns the metadata."""
     if not seqs:
-        return
+        return None
     generator = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, tables, dense, slot_mapping, queries = build_paged(seqs, 64, generator)
+    k_cache, v_cache, tables, dense, slot_mapping, queries = build_paged(seqs, num_blocks,
+                                                                         generator)
     metadata = AttentionMetadata.build(
         query_lens=[new for _, new in seqs], kv_lens=[c + n for c, n in seqs],
         query_start_pos=[c for c, _ in seqs], block_tables=tables,
         slot_mapping=slot_mapping, block_size=BLOCK)
-    assert metadata.num_decodes >= len(decodes)  # one-token rows lead the batch
     backend = TorchReferenceBackend()
     backend.plan(metadata)
     new_keys = torch.cat([k[c:] for (k, _), (c, _) in zip(dense, seqs)])
@@ -88,6 +105,7 @@ def test_paged_attention_equals_dense(decodes, prefills, seed):
         torch.testing.assert_close(result.lse_natural[row:row + new].double(), expected_lse,
                                    atol=1e-5, rtol=1e-5)
         row += new
+    return metadata
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])
