@@ -74,9 +74,7 @@ class ModelRunner:
                                         self.config.short_prefill_buckets,
                                         scratch_block=self.num_kv_blocks, device=self.device)
         if self.device.type == "cuda":
-            started = time.perf_counter()
             executor.capture()
-            log.info("CUDA graph capture took %.1f s", time.perf_counter() - started)
         else:
             log.info("cuda_graphs on a %s device: the padded short-prefill path runs eagerly "
                      "(no graph capture)", self.device.type)

@@ -24,6 +24,7 @@ are all padding, so capture writes only the scratch block.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from slipstream.agent.engine.config import ShortPrefillBuckets
 from slipstream.agent.engine.prefill_buckets import (
     PrefillBucket, all_buckets, select_bucket, short_prefill_lengths)
 from slipstream.agent.scheduler.batch import ScheduledChunk
-from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, blocks_for_tokens
 from slipstream.kernels.padded_prefill import PaddedPrefillAttention
 
 log = logging.getLogger(__name__)
@@ -85,17 +86,23 @@ class ShortPrefillExecutor:
         # Pinned staging memory makes the one host-to-device copy per step a plain DMA.
         self._staging = torch.zeros(size, dtype=torch.int64,
                                     pin_memory=device.type == "cuda")
-        # Until the first real batch every slot is scratch, so warm-up and capture runs (and
-        # the tail of the slot region past a smaller bucket) write only the scratch block.
-        slots = self._staging[2 * self.max_tokens:3 * self.max_tokens]
-        slots.copy_(self.scratch_block * BLOCK_SIZE
-                    + torch.arange(self.max_tokens) % BLOCK_SIZE)
+        # Padding's KV slots: spread over the scratch block (which padded write wins a slot
+        # is irrelevant). Until the first real batch every slot is scratch, so warm-up and
+        # capture runs write only the scratch block.
+        self._scratch_slots = scratch_block * BLOCK_SIZE + torch.arange(
+            self.max_tokens) % BLOCK_SIZE
+        self._block_offsets = torch.arange(BLOCK_SIZE)
+        self._staging[2 * self.max_tokens:3 * self.max_tokens] = self._scratch_slots
         self._inputs.copy_(self._staging)
         self._programs = {bucket: self._program(bucket) for bucket in self.buckets}
         self.use_graphs = False
         # Batches run per bucket since start-up: how often the padded path (and, on CUDA,
         # each graph) was used.
         self.runs_per_bucket: Counter[PrefillBucket] = Counter()
+        # Start-up cost of capture(): seconds, and device memory it reserved (the shared
+        # graph pool plus what warm-up left cached).
+        self.capture_s: float | None = None
+        self.capture_reserved_bytes: int | None = None
 
     def _program(self, bucket: PrefillBucket) -> _BucketProgram:
         tokens, total = bucket.padded_tokens, self.max_tokens
@@ -124,6 +131,7 @@ class ShortPrefillExecutor:
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device; on CPU the padded path runs "
                                "eagerly")
+        started, reserved_before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True,
                              key=lambda b: (b.padded_tokens, b.length_tokens)):
@@ -140,8 +148,11 @@ class ShortPrefillExecutor:
             program.graph = graph
         torch.cuda.synchronize(self.device)
         self.use_graphs = True
-        log.info("captured %d CUDA graphs for short prefills: lengths %s x batches %s",
-                 self.num_graphs, self.config.lengths_tokens, self.config.batch_sizes)
+        self.capture_s = time.perf_counter() - started
+        self.capture_reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        log.info("captured %d CUDA graphs for short prefills (lengths %s x batches %s) in "
+                 "%.1f s, %.2f GiB reserved", self.num_graphs, self.config.lengths_tokens,
+                 self.config.batch_sizes, self.capture_s, self.capture_reserved_bytes / 2**30)
 
     def run(self, chunks: Sequence[ScheduledChunk], bucket: PrefillBucket) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` (float32) at each prompt's last token."""
@@ -170,20 +181,20 @@ class ShortPrefillExecutor:
                 or short_prefill_lengths(chunks) is None):
             raise ValueError(f"these {len(chunks)} chunks are not whole fresh prompts that fit "
                              f"bucket {bucket}")
-        token_ids = [PAD_TOKEN_ID] * tokens
-        # Padding spreads over the scratch block's slots; which padded write wins is irrelevant.
-        scratch = self.scratch_block * BLOCK_SIZE
-        slots = [scratch + index % BLOCK_SIZE for index in range(tokens)]
-        last_rows = [row * length for row in range(batch)]
-        for row, chunk in enumerate(chunks):
-            base, count, table = row * length, chunk.num_tokens, chunk.block_ids
-            token_ids[base:base + count] = chunk.token_ids
-            slots[base:base + count] = [table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-                                        for pos in range(count)]
-            last_rows[row] = base + count - 1
         total, staging = self.max_tokens, self._staging
-        staging[:tokens] = torch.tensor(token_ids)
+        token_ids = staging[:tokens]
+        slots = staging[2 * total:2 * total + tokens]
+        last_rows = staging[3 * total:3 * total + batch]
+        # Padding first; then each prompt overwrites the front of its row.
+        token_ids.fill_(PAD_TOKEN_ID)
         staging[total:total + tokens] = torch.arange(length).repeat(batch)
-        staging[2 * total:2 * total + tokens] = torch.tensor(slots)
-        staging[3 * total:3 * total + batch] = torch.tensor(last_rows)
+        slots.copy_(self._scratch_slots[:tokens])
+        last_rows.copy_(torch.arange(batch) * length)  # unused rows: any row of their own
+        for row, chunk in enumerate(chunks):
+            base, count = row * length, chunk.num_tokens
+            token_ids[base:base + count] = torch.tensor(chunk.token_ids)
+            table = torch.tensor(chunk.block_ids[:blocks_for_tokens(count)])
+            slots[base:base + count] = (table[:, None] * BLOCK_SIZE
+                                        + self._block_offsets).flatten()[:count]
+            last_rows[row] = base + count - 1
         self._inputs.copy_(staging)

@@ -152,3 +152,12 @@ def test_engine_output_is_the_same_with_the_option_on_and_off(tiny_model_dir, le
         if cuda_graphs and budget >= sum(lengths):
             assert sum(engine.runner.short_prefill.runs_per_bucket.values()) >= 1
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_the_cuda_graph_benchmark_refuses_to_run_without_a_gpu(tmp_path, capsys):
+    from slipstream.agent.bench.cuda_graph_bench import EXIT_NO_GPU, main
+
+    assert main(["--out", str(tmp_path / "out")]) == EXIT_NO_GPU
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
