@@ -14,6 +14,8 @@
 #   make bench-pools  pools vs unified instances in the simulator (docs/pools.md)
 #   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile
 #   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
+#   make bench-cuda-graphs  short-prefill latency per (length, batch) bucket, eager vs CUDA graph
+#                     (needs a GPU; on CPU it says so and exits 2)
 #   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
 #                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
 #   make dev-cluster-stop   stop every process the dev cluster started
@@ -28,7 +30,7 @@ RESULTS ?= results
 
 .PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
 	bench-sim bench-sim-vs-live \
-	bench-router bench-transport bench-predictor bench-policy-live bench-pools clean prometheus-tools dashboards generate dev-cluster \
+	bench-router bench-transport bench-predictor bench-policy-live bench-pools bench-cuda-graphs clean prometheus-tools dashboards generate dev-cluster \
 	dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -115,6 +117,9 @@ bench-pools: setup
 
 bench-sim-vs-live: setup
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --out $(RESULTS)/sim-vs-live
+
+bench-cuda-graphs: setup
+	$(BIN)/python -m slipstream.agent.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs
 
 bench-router: setup
 	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router

@@ -109,6 +109,44 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
+DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS = (32, 64, 128, 256, 512)
+DEFAULT_SHORT_PREFILL_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class ShortPrefillBuckets:
+    """The (length, batch) shapes a batch of fresh short prefills is padded to (PLA-Serve's
+    power-of-two grid). With ``EngineConfig.cuda_graphs`` one CUDA graph is captured per
+    (length, batch) pair on CUDA; on CPU the same padded path runs eagerly.
+
+    ``max_padding_factor`` keeps a batch on the eager path when its bucket would hold more
+    than that many padded tokens per real token (one long prompt among many tiny ones would
+    otherwise replay a graph mostly made of padding).
+    """
+
+    lengths_tokens: tuple[int, ...] = DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS
+    batch_sizes: tuple[int, ...] = DEFAULT_SHORT_PREFILL_BATCH_SIZES
+    max_padding_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("lengths_tokens", "batch_sizes"):
+            values = tuple(getattr(self, name))
+            object.__setattr__(self, name, values)
+            if not values:
+                raise ValueError(f"short-prefill {name} must not be empty")
+            if any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"short-prefill {name} must be positive integers, got {values}")
+            if list(values) != sorted(set(values)):
+                raise ValueError(f"short-prefill {name} must be strictly increasing, got {values}")
+        if not self.max_padding_factor >= 1.0:
+            raise ValueError("max_padding_factor must be at least 1 (a bucket holds every "
+                             f"real token), got {self.max_padding_factor}")
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.lengths_tokens) * len(self.batch_sizes)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
@@ -126,6 +164,10 @@ class EngineConfig:
     # A profile directory (``slipstream profile``) turns on the time-budget packer; without
     # one the scheduler packs a plain token budget of max_batched_tokens.
     profile_dir: Path | None = None
+    # Run batches made only of fresh short prefills through the padded static-shape path,
+    # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
+    cuda_graphs: bool = False
+    short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -137,6 +179,9 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
+        if self.cuda_graphs and not self.parallel.is_single_process:
+            raise ValueError("cuda_graphs (the bucketed short-prefill path) runs in a single "
+                             "process only; it is not wired into tp/spp/kvp workers yet")
 
     @property
     def model_name(self) -> str:

@@ -4,7 +4,10 @@
         -> model forward (attention backend reads/writes the paged KV cache)
         -> logits at each chunk that asks to sample -> Sampler -> {request_id: SampledToken}
 
-It makes no policy decisions: it runs exactly the chunks it is given.
+It makes no policy decisions: it runs exactly the chunks it is given. With
+``EngineConfig.cuda_graphs`` a batch made only of whole fresh short prompts that fits a
+(length, batch) bucket takes the padded static path of ``short_prefill`` (a CUDA graph replay
+on CUDA); every other batch, and every batch without the option, runs the eager path here.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.sampler import Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
+from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.kernels.attention import AttentionMetadata, select_backend
@@ -51,15 +55,30 @@ class ModelRunner:
         self.model = load_model(config.model_dir, self.device, self.dtype, model_config)
         self.backend = select_backend(self.device, config.attention_backend)
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
-        self.kv_caches = self._allocate(self.num_kv_blocks, self.device)
+        # The padded short-prefill path needs one block the block manager never hands out,
+        # for the KV writes of its padding: block ``num_kv_blocks``, past the managed range.
+        scratch_blocks = 1 if config.cuda_graphs else 0
+        self.kv_caches = self._allocate(self.num_kv_blocks + scratch_blocks, self.device)
         self.host_kv_caches = self._allocate(0, torch.device("cpu"))
         self.sampler = Sampler(config.seed)
         # Seconds spent in the model forward (and logits) by the last execute(): the rest of
         # an engine step is scheduling, tensor preparation, sampling and output handling.
         self.last_forward_s = 0.0
+        self.short_prefill = self._make_short_prefill() if config.cuda_graphs else None
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention backend %s",
                  config.model_name, self.device, self.dtype, self.num_kv_blocks, BLOCK_SIZE,
                  self.backend.name)
+
+    def _make_short_prefill(self) -> ShortPrefillExecutor:
+        executor = ShortPrefillExecutor(self.model, self.kv_caches,
+                                        self.config.short_prefill_buckets,
+                                        scratch_block=self.num_kv_blocks, device=self.device)
+        if self.device.type == "cuda":
+            executor.capture()
+        else:
+            log.info("cuda_graphs on a %s device: the padded short-prefill path runs eagerly "
+                     "(no graph capture)", self.device.type)
+        return executor
 
     def _default_num_blocks(self) -> int:
         element_bytes = torch.finfo(self.dtype).bits // 8
@@ -84,21 +103,40 @@ class ModelRunner:
             self._copy_blocks(self.host_kv_caches, self.kv_caches, copy)
         if not batch.chunks:
             return {}
-        input_ids, positions, metadata, sample_rows = self._prepare(batch)
-        started = time.perf_counter()
-        self.backend.plan(metadata)
-        hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
-        logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_forward_s = time.perf_counter() - started
-        if not sample_rows:
+        logits, chunks = self._forward_sampling(batch)
+        if not chunks:
             return {}
-        chunks = [batch.chunks[i] for i, _ in sample_rows]
         tokens, logprobs = self.sampler(logits, [c.sampling for c in chunks],
                                         [c.num_generated for c in chunks])
         return {chunk.request_id: SampledToken(token, logprob)
                 for chunk, token, logprob in zip(chunks, tokens, logprobs)}
+
+    @torch.inference_mode()
+    def sample_logits(self, batch: Batch) -> torch.Tensor:
+        """Logits ``[num_sampling_chunks, vocab]`` at the last token of each chunk that
+        samples, computed on the path ``execute()`` would take (and writing the same KV)."""
+        return self._forward_sampling(batch)[0]
+
+    def _forward_sampling(self, batch: Batch):
+        """The forward of one batch: logits of the chunks that sample, and those chunks.
+        Times the forward alone into ``last_forward_s`` (input preparation excluded)."""
+        bucket = self.short_prefill.select(batch.chunks) if self.short_prefill else None
+        if bucket is not None:
+            chunks = list(batch.chunks)
+            self.short_prefill.load_inputs(chunks, bucket)
+            started = time.perf_counter()
+            logits = self.short_prefill.forward(bucket, len(chunks))
+        else:
+            input_ids, positions, metadata, sample_rows = self._prepare(batch)
+            chunks = [batch.chunks[i] for i, _ in sample_rows]
+            started = time.perf_counter()
+            self.backend.plan(metadata)
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
+            logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - started
+        return logits, chunks
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor:

@@ -21,6 +21,8 @@ import logging
 import os
 from pathlib import Path
 
+from slipstream.agent.engine.config import (
+    DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, ShortPrefillBuckets)
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 
 from slipstream.agent.server.config import (
@@ -63,6 +65,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
+
+    graphs = parser.add_argument_group(
+        "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
+        "of whole fresh prompts is padded to the smallest (length, batch) bucket that holds it "
+        "and runs as one captured CUDA graph. Decodes, chunked and long prefills stay eager.")
+    graphs.add_argument("--cuda-graphs", action="store_true",
+                        help="capture one CUDA graph per (length, batch) bucket at start-up "
+                             "(on CPU the same padded path runs eagerly); single process only")
+    graphs.add_argument("--cuda-graph-lengths", type=_positive_int_list,
+                        default=_comma_list(DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS),
+                        metavar="TOKENS,...",
+                        help="prompt-length buckets, comma-separated, increasing")
+    graphs.add_argument("--cuda-graph-batch-sizes", type=_positive_int_list,
+                        default=_comma_list(DEFAULT_SHORT_PREFILL_BATCH_SIZES), metavar="N,...",
+                        help="batch-size buckets, comma-separated, increasing")
+    graphs.add_argument("--cuda-graph-max-padding-factor", type=float, default=4.0,
+                        metavar="F",
+                        help="run a batch eagerly when its bucket would hold more than F "
+                             "padded tokens per real token")
 
     parallel = parser.add_argument_group(
         "parallelism", "An instance is tp x spp x kvp worker processes (one per GPU). On one "
@@ -127,6 +148,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how decodes are preempted under KV pressure")
 
 
+def _comma_list(values: tuple[int, ...]) -> str:
+    # A string default goes through ``type`` like typed-in text, and --help shows it plainly.
+    return ",".join(str(value) for value in values)
+
+
+def _positive_int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def short_prefill_buckets_from_args(args: argparse.Namespace) -> ShortPrefillBuckets:
+    return ShortPrefillBuckets(lengths_tokens=tuple(args.cuda_graph_lengths),
+                               batch_sizes=tuple(args.cuda_graph_batch_sizes),
+                               max_padding_factor=args.cuda_graph_max_padding_factor)
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST,
@@ -172,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
+            cuda_graphs=args.cuda_graphs,
+            short_prefill_buckets=short_prefill_buckets_from_args(args),
             parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
                                     kvp_tokens_per_group=args.kvp_tokens_per_group))
         engine = AsyncEngine(engine_config, scheduler_config_from_args(args))

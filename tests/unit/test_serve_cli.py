@@ -34,3 +34,19 @@ def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise(mo
 def test_invalid_server_settings_are_rejected():
     with pytest.raises(ValueError, match="port"):
         cli.server_config_from_args(_parse(["--port", "70000"]))
+
+
+def test_cuda_graph_flags_build_the_bucket_grid():
+    defaults = _parse([])
+    assert not defaults.cuda_graphs
+    assert cli.short_prefill_buckets_from_args(defaults).num_buckets == 25
+    args = _parse(["--cuda-graphs", "--cuda-graph-lengths", "16,64",
+                   "--cuda-graph-batch-sizes", "1,8", "--cuda-graph-max-padding-factor", "2"])
+    buckets = cli.short_prefill_buckets_from_args(args)
+    assert args.cuda_graphs
+    assert (buckets.lengths_tokens, buckets.batch_sizes, buckets.max_padding_factor) == (
+        (16, 64), (1, 8), 2.0)
+    with pytest.raises(SystemExit):
+        _parse(["--cuda-graph-lengths", "32,abc"])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cli.short_prefill_buckets_from_args(_parse(["--cuda-graph-lengths", "64,32"]))
