@@ -74,6 +74,9 @@ class SchedulerConfig:
         if max_prompt < AWD_SHORTEST_BUCKET_TOKENS or max_prompt & (max_prompt - 1):
             raise ValueError(f"awd_max_prompt_tokens must be a power of two >= "
                              f"{AWD_SHORTEST_BUCKET_TOKENS}, got {max_prompt}")
+        if self.awd_max_head_wait_ms < self.awd_max_wait_ms:
+            raise ValueError(f"awd_max_head_wait_ms ({self.awd_max_head_wait_ms}) must be at "
+                             f"least awd_max_wait_ms ({self.awd_max_wait_ms})")
         self.packer_config()  # validates the packer fields too
         self.awd_config()  # and the AWD ones
 

@@ -34,3 +34,22 @@ def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise(mo
 def test_invalid_server_settings_are_rejected():
     with pytest.raises(ValueError, match="port"):
         cli.server_config_from_args(_parse(["--port", "70000"]))
+
+
+def test_short_prefill_batching_flags_map_into_the_scheduler_config():
+    assert cli.scheduler_config_from_args(_parse([])).short_prefill_batching == "off"
+    config = cli.scheduler_config_from_args(_parse([
+        "--short-prefill-batching", "awd", "--awd-max-prompt-tokens", "512",
+        "--awd-max-wait-ms", "15", "--awd-max-head-wait-ms", "40",
+        "--awd-slack-threshold-ms", "5"]))
+    assert config.short_prefill_batching == "awd"
+    assert (config.awd_max_prompt_tokens, config.awd_max_wait_ms, config.awd_max_head_wait_ms,
+            config.awd_slack_threshold_ms) == (512, 15.0, 40.0, 5.0)
+    assert config.awd_config().graph_lengths_tokens[-1] == 512
+
+
+def test_invalid_short_prefill_settings_are_rejected():
+    with pytest.raises(SystemExit):
+        _parse(["--short-prefill-batching", "always"])
+    with pytest.raises(ValueError, match="awd_max_prompt_tokens"):
+        cli.scheduler_config_from_args(_parse(["--awd-max-prompt-tokens", "300"]))
