@@ -48,12 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="length files (sharegpt, arxiv or a path) with synthetic arrivals; "
                            "several with weights make a mixture")
     work.add_argument("--recipe", choices=RECIPES,
-                      help="medha-mixed: ShareGPT lengths + 5%% long (128K-1M) requests")
+                      help="medha-mixed: ShareGPT lengths + 5%% long (128K-1M) requests; "
+                           "sharegpt-short: ShareGPT requests with prompts of <= 256 tokens")
     work.add_argument("--qps", type=float, default=None,
                       help="mean arrival rate; a trace is rescaled to it (default: its own)")
     work.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of synthetic gaps: 1 = Poisson, <1 burstier")
     work.add_argument("--num-requests", type=int, default=None)
+    work.add_argument("--output-tokens", type=int, default=None, metavar="N",
+                      help="every request generates N tokens (1: a prefill-only instance); "
+                           "default: the workload's own output lengths")
     work.add_argument("--duration-s", type=float, default=None, help="arrivals in [0, this)")
     work.add_argument("--seed", type=int, default=0)
 
@@ -184,7 +188,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(trace=args.trace, lengths=parse_weighted(args.lengths or []),
                         recipe=args.recipe, qps=args.qps, burstiness=args.burstiness,
                         num_requests=args.num_requests, duration_s=args.duration_s,
-                        seed=args.seed)
+                        seed=args.seed, output_tokens=args.output_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
