@@ -7,11 +7,13 @@ All engine state is touched by the engine thread only; the server talks to it th
 command queue. A consumer that stops iterating (client disconnect, cancellation) aborts its
 request, and the abort is applied before the next step is scheduled, so its KV blocks are free
 within one iteration. If a step raises, every in-flight request fails with an error output
-and the engine keeps serving new requests. When a step runs nothing while requests wait (AWD
-holds short prefills until their group is due), the thread sleeps on the command queue until
-the engine's wakeup time, so a new request still wakes it at once and nothing spins. If it raises ``EngineDeadError`` (a worker process
+and the engine keeps serving new requests. If it raises ``EngineDeadError`` (a worker process
 died), the engine marks itself unhealthy first (the server then answers 503), fails every
 request, stops, and calls ``on_fatal`` so the server can exit non-zero and be restarted.
+
+When a step runs nothing while requests wait (AWD holds short prefills until their group is
+due), the thread sleeps on the command queue until the engine's wakeup time: a new request
+still wakes it at once, and nothing spins.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ own clocks.
     with rebalanced pools: every period --> PoolRouter.control_step() (may relabel one)
         --> SimResult(records, end time, iterations) --> report.py
 
-Events are only arrivals, iteration boundaries and AWD wakeups (an instance holding short
-prompts sleeps until its scheduler's wakeup; an arrival there wakes it at once and makes the
-old wakeup event stale), so the cost is one ``schedule()`` per
-simulated iteration plus a heap operation; nothing is done per token. The clock jumps over
-idle gaps. Runs are deterministic: the only randomness is in the workload, drawn from a seed.
+Events are only arrivals, iteration boundaries and AWD wakeups, so the cost is one
+``schedule()`` per simulated iteration plus a heap operation; nothing is done per token. The
+clock jumps over idle gaps. An instance whose scheduler holds short prompts (AWD) sleeps until
+its wakeup; an arrival there wakes it at once, and the old wakeup event goes stale. Runs are
+deterministic: the only randomness is in the workload, drawn from a seed.
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ def medha_mixed(count: int, qps: float, seed: int, burstiness: float = 1.0,
     return requests
 
 
-def sharegpt_short(count: int, qps: float, seed: int, burstiness: float = 1.0) -> list[TraceRequest]:
+def sharegpt_short(count: int, qps: float, seed: int,
+                   burstiness: float = 1.0) -> list[TraceRequest]:
     """ShareGPT lengths with prompts of at most ``SHORT_PROMPT_MAX_TOKENS``, Poisson arrivals."""
     rows = [(prompt, output) for prompt, output in read_length_file(resolve_data_file("sharegpt"))
             if prompt <= SHORT_PROMPT_MAX_TOKENS]
