@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES
+from slipstream.agent.scheduler.config import (
+    AWD_SHORTEST_BUCKET_TOKENS, POLICY_NAMES, PREEMPTION_MODES, SHORT_PREFILL_BATCHING_MODES)
 from slipstream.crds.cel import Rule, one_of, positive, power_of_two, rules
 
 GROUP = "slipstream.dev"
@@ -29,6 +30,8 @@ SHORT_NAMES = ("sr",)
 SCHEDULER_POLICIES = POLICY_NAMES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOL_NAMES = ("short", "long")
+# AWD's longest length bucket: a power of two from the shortest bucket up to 8192 tokens.
+SHORT_PREFILL_PROMPT_LIMITS = tuple(AWD_SHORTEST_BUCKET_TOKENS << i for i in range(11))
 UNIFIED_POOL = "unified"  # the pool label of every instance when spec.pools is absent
 
 
@@ -155,6 +158,11 @@ class Pools(ApiModel):
 
 
 class SchedulerSpec(ApiModel):
+    model_config = ConfigDict(json_schema_extra=rules(Rule(
+        "self.shortPrefillMaxHeadWaitMs >= self.shortPrefillMaxWaitMs",
+        "spec.scheduler.shortPrefillMaxHeadWaitMs must be at least "
+        "spec.scheduler.shortPrefillMaxWaitMs", field_path=".shortPrefillMaxHeadWaitMs")))
+
     policy: str = Field("lars", max_length=16, json_schema_extra=rules(
         one_of("spec.scheduler.policy", SCHEDULER_POLICIES)))
     target_batch_time_ms: float = Field(50.0, json_schema_extra=rules(
@@ -166,6 +174,25 @@ class SchedulerSpec(ApiModel):
         positive("spec.scheduler.longRequestThresholdTokens", "tokens")))
     preemption: str = Field("recompute", max_length=16, json_schema_extra=rules(
         one_of("spec.scheduler.preemption", PREEMPTION_MODES)))
+    short_prefill_batching: str = Field(
+        "off", max_length=8, description="awd: hold short prompts briefly and prefill them in "
+        "groups (PLA-Serve Adaptive Wait-Depth); meant for the short pool.",
+        json_schema_extra=rules(one_of("spec.scheduler.shortPrefillBatching",
+                                       SHORT_PREFILL_BATCHING_MODES)))
+    short_prefill_max_prompt_tokens: int = Field(
+        256, description="Longest prompt AWD holds; its length buckets are 8, 16, ... this.",
+        json_schema_extra=rules(Rule(
+            f"self in [{', '.join(str(n) for n in SHORT_PREFILL_PROMPT_LIMITS)}]",
+            f"spec.scheduler.shortPrefillMaxPromptTokens must be a power of two from "
+            f"{SHORT_PREFILL_PROMPT_LIMITS[0]} to {SHORT_PREFILL_PROMPT_LIMITS[-1]}")))
+    short_prefill_max_wait_ms: float = Field(
+        20.0, description="Longest an AWD group waits to fill.",
+        json_schema_extra=rules(Rule("self >= 0.0", "spec.scheduler.shortPrefillMaxWaitMs "
+                                                    "must not be negative")))
+    short_prefill_max_head_wait_ms: float = Field(
+        50.0, description="No prompt is held by AWD longer than this.",
+        json_schema_extra=rules(Rule("self >= 0.0", "spec.scheduler.shortPrefillMaxHeadWaitMs "
+                                                    "must not be negative")))
 
 
 class Slo(ApiModel):
@@ -190,6 +217,11 @@ _SPEC_RULES = rules(
          "spec.pools.short and the long pool (spec.instances - short) must each hold at least "
          "spec.pools.rebalance.minPerPool instances when rebalancing is enabled",
          field_path=".pools.short"),
+    Rule("!has(self.pools) || self.scheduler.shortPrefillBatching == 'off' || "
+         "self.scheduler.shortPrefillMaxPromptTokens < self.pools.longPrefillThresholdTokens",
+         "spec.scheduler.shortPrefillMaxPromptTokens must be below "
+         "spec.pools.longPrefillThresholdTokens, so that AWD only ever holds the short pool's "
+         "prompts", field_path=".scheduler.shortPrefillMaxPromptTokens"),
 )
 
 

@@ -171,6 +171,13 @@ def agent_command(spec: ServingReplicaSpec, *, rank: int) -> list[str]:
                "--long-request-threshold-tokens", str(scheduler.long_request_threshold_tokens),
                "--preemption", scheduler.preemption,
                "--slo-attainment-target", _number(spec.slo.attainment_target)]
+    command += ["--short-prefill-batching", scheduler.short_prefill_batching]
+    if scheduler.short_prefill_batching != "off":
+        # Every instance gets the same flags: a rebalance move changes an instance's pool, not
+        # its command. Only short prompts are held, and only the short pool receives them.
+        command += ["--awd-max-prompt-tokens", str(scheduler.short_prefill_max_prompt_tokens),
+                    "--awd-max-wait-ms", _number(scheduler.short_prefill_max_wait_ms),
+                    "--awd-max-head-wait-ms", _number(scheduler.short_prefill_max_head_wait_ms)]
     if spec.model.max_model_len is not None:
         command += ["--max-model-len", str(spec.model.max_model_len)]
     if spec.pools is not None:

@@ -10,6 +10,10 @@ within one iteration. If a step raises, every in-flight request fails with an er
 and the engine keeps serving new requests. If it raises ``EngineDeadError`` (a worker process
 died), the engine marks itself unhealthy first (the server then answers 503), fails every
 request, stops, and calls ``on_fatal`` so the server can exit non-zero and be restarted.
+
+When a step runs nothing while requests wait (AWD holds short prefills until their group is
+due), the thread sleeps on the command queue until the engine's wakeup time: a new request
+still wakes it at once, and nothing spins.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from slipstream.agent.scheduler.request import FinishReason, RequestSLO
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
+
+# With no request left, wake this often to notice a dead worker (nothing else would).
+IDLE_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -134,9 +141,10 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
-            # Block for work only when idle; otherwise just drain what has arrived.
-            block = not engine.has_unfinished()
-            if not self._drain_commands(block):
+            # Idle: wait for work. Requests held (AWD) or stalled: wait for work or the engine's
+            # wakeup, whichever comes first. Otherwise just drain what has arrived.
+            timeout_s = IDLE_CHECK_S if not engine.has_unfinished() else engine.idle_wait_s()
+            if not self._drain_commands(timeout_s):
                 break
             if not engine.has_unfinished():
                 try:  # idle: nothing else would notice a worker dying until the next request
@@ -170,10 +178,13 @@ class AsyncEngine:
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
-    def _drain_commands(self, block: bool) -> bool:
+    def _drain_commands(self, timeout_s: float) -> bool:
+        """Apply every queued command, waiting up to ``timeout_s`` for the first; False once
+        the shutdown sentinel arrives."""
+        block = timeout_s > 0
         while True:
             try:
-                command = self._commands.get(block=block, timeout=0.5 if block else None)
+                command = self._commands.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return True
             block = False

@@ -7,6 +7,11 @@ Finished and aborted requests give their KV blocks back before the next step is 
 This class is synchronous and single-threaded; ``AsyncEngine`` runs it on a background thread
 for the HTTP server.
 
+A step can run nothing while requests are unfinished: with short-prefill batching (AWD) the
+scheduler holds new short prompts until their group is due. ``idle_wait_s`` then says how long
+the caller may wait for a new request before stepping again (until the scheduler's wakeup),
+so neither loop spins.
+
 With ``tp x spp x kvp > 1`` the runner is a ``ParallelExecutor`` (worker processes behind
 ZeroMQ); with one process it is the in-process ``ModelRunner``, untouched. Under SPP the loop
 keeps several batches in flight (``_step_pipelined``): a prefill chunk that samples nothing
@@ -34,6 +39,10 @@ from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_to
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
+
+# After a step that ran nothing while no wakeup time is known (nothing held, nothing runnable,
+# e.g. a request waiting for KV blocks), retry after this long rather than at once.
+STALLED_RETRY_S = 0.001
 
 
 @dataclass
@@ -97,6 +106,7 @@ class LLMEngine:
         # next token.
         self._dispatched: dict[int, tuple[Batch, dict[str, int], float, float]] = {}
         self._sampling_seq: dict[str, int] = {}
+        self.last_step_ran_nothing = False  # nothing sent and nothing in flight
 
     @property
     def model_name(self) -> str:
@@ -185,6 +195,18 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def idle_wait_s(self) -> float:
+        """How long the caller may wait for a new request before the next ``step``: 0 after a
+        step that ran something; after one that ran nothing, until the scheduler's next wakeup
+        (AWD releases held short prefills then), or ``STALLED_RETRY_S`` if it has none."""
+        if not self.last_step_ran_nothing:
+            return 0.0
+        now = self.clock()
+        wakeup_s = self.scheduler.next_wakeup_s(now)
+        if wakeup_s is None:
+            return STALLED_RETRY_S
+        return max(0.0, wakeup_s - now)
+
     def close(self) -> None:
         """Stop worker processes, if any (the in-process runner has nothing to stop)."""
         close = getattr(self.runner, "close", None)
@@ -202,6 +224,7 @@ class LLMEngine:
             return self._step_pipelined()
         schedule_start_s = self.clock()
         batch = self.scheduler.schedule(schedule_start_s)
+        self.last_step_ran_nothing = batch.is_empty
         if batch.is_empty:
             return []
         execute_start_s = self.clock()
@@ -225,6 +248,7 @@ class LLMEngine:
             if not batch.is_empty:
                 self._dispatch(batch, schedule_start_s)
                 sent = True
+        self.last_step_ran_nothing = not sent and runner.num_in_flight == 0
         if runner.num_in_flight == 0:
             return []
         # Wait only when nothing more could be sent; otherwise just take what has arrived.
@@ -332,6 +356,8 @@ class LLMEngine:
         while self.has_unfinished():
             for output in self.step():
                 tokens[output.request_id].extend(output.new_token_ids)
+            if self.has_unfinished() and (wait_s := self.idle_wait_s()) > 0:
+                time.sleep(wait_s)  # nothing to add here, so no request can cut the wait short
         return [tokens[rid] for rid in ids]
 
 

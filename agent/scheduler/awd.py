@@ -18,8 +18,10 @@ request, topped up with requests from smaller buckets (they pad up to the same l
 ``depth * L`` fits the token budget. The batch is released as soon as one of these holds:
 - it reached the target depth ``D``;
 - the round has waited ``W``, where ``W = clip(min(W_fill, W_rate), [W_min, W_max])``:
-  ``W_fill`` is learnt from how long batches took to fill, ``W_rate`` is the expected time to
-  reach ``D`` at the measured arrival rate;
+  ``W_fill`` is learnt from how long batches took to fill, ``W_rate`` is when the round is
+  expected to reach ``D`` at the measured arrival rate, counted from its latest arrival (so
+  under a steady rate it stays put as requests come in, rather than shrinking with every
+  arrival and releasing half-full batches that would then pull ``D`` down);
 - some request's slack ``deadline - (now + S)`` is at most ``slack_threshold_s`` (the
   deadline-aware early dispatch; ``S`` is the estimated service time of one prefill step);
 - the oldest request has waited ``max_head_wait_s``.
@@ -128,6 +130,16 @@ class AdaptiveWaitDepth:
                 self._mean_gap_s, gap)
         self._last_arrival_s = request.arrival_s
 
+    def remove(self, request_id: str) -> bool:
+        """Forget a waiting request (aborted or finished elsewhere); False if it is not here."""
+        for length, bucket in self._buckets.items():
+            if any(r.request_id == request_id for r in bucket):
+                self._buckets[length] = deque(r for r in bucket if r.request_id != request_id)
+                if not self.num_waiting():
+                    self._round_started_s = None  # nothing left: the next arrival opens a round
+                return True
+        return False
+
     def observe_service(self, seconds: float) -> None:
         """The measured time of a released batch's prefill step (updates ``S``)."""
         self.service_estimate_s = self._smooth(self.service_estimate_s, max(0.0, seconds))
@@ -149,18 +161,21 @@ class AdaptiveWaitDepth:
         members, _ = self._candidate_batch()
         if not members:
             return None
-        times = [self._round_started_s + self.window_s(len(members)),
+        times = [self.window_end_s(len(members)),
                  min(m.arrival_s for m in members) + self.config.max_head_wait_s]
         times += [m.deadline_s - self.service_estimate_s - self.config.slack_threshold_s
                   for m in members if m.deadline_s is not None]
         return max(now_s, min(times))
 
-    def window_s(self, depth: int) -> float:
-        """This round's waiting window ``W`` for a batch of ``depth`` so far."""
-        window = self.window_fill_s
+    def window_end_s(self, depth: int) -> float:
+        """When this round's waiting window ``W`` closes, for a batch of ``depth`` so far."""
+        start = self._round_started_s
+        end = start + self.window_fill_s
         if self._mean_gap_s is not None and self._mean_gap_s > 0:
-            window = min(window, max(0, self.target_depth - depth) * self._mean_gap_s)
-        return min(max(window, self.config.min_wait_s), self.config.max_wait_s)
+            # Leftovers of a release open a round after their own arrivals.
+            latest = max(start, self._last_arrival_s)
+            end = min(end, latest + max(0, self.target_depth - depth) * self._mean_gap_s)
+        return min(max(end, start + self.config.min_wait_s), start + self.config.max_wait_s)
 
     def bucket_of(self, prompt_tokens: int) -> int:
         lengths = self.config.graph_lengths_tokens
@@ -197,7 +212,7 @@ class AdaptiveWaitDepth:
             return "depth"
         if now_s - min(m.arrival_s for m in members) >= config.max_head_wait_s - _TIME_TOLERANCE_S:
             return "head_wait"
-        if now_s - self._round_started_s >= self.window_s(len(members)) - _TIME_TOLERANCE_S:
+        if now_s >= self.window_end_s(len(members)) - _TIME_TOLERANCE_S:
             return "window"
         return None
 

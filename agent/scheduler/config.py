@@ -1,17 +1,21 @@
 """Scheduler configuration: one frozen, validated object, built once and passed explicitly.
 
 The CRD's ``spec.scheduler`` (policy, targetBatchTimeMs, maxSpaceShareFraction,
-longRequestThresholdTokens, preemption) maps onto these fields one to one.
+longRequestThresholdTokens, preemption, shortPrefillBatching, shortPrefillMaxWaitMs) maps onto
+these fields one to one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from slipstream.agent.scheduler.awd import AWDConfig
 from slipstream.agent.scheduler.packer import PackerConfig
 
 POLICY_NAMES = ("fcfs", "edf", "lrs", "lars", "srpt", "justitia")
 PREEMPTION_MODES = ("recompute", "swap")
+SHORT_PREFILL_BATCHING_MODES = ("off", "awd")
+AWD_SHORTEST_BUCKET_TOKENS = 8  # PLA-Serve's smallest captured prompt length
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,15 @@ class SchedulerConfig:
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so
     # running decodes can grow without an immediate preemption.
     admission_watermark_fraction: float = 0.01
+    # PLA-Serve's Adaptive Wait-Depth batching of short prefills (short_batching.py). "awd"
+    # holds each new prompt of at most awd_max_prompt_tokens (and below the long threshold)
+    # until enough of them arrive to fill a batch, the window passes or a deadline is near.
+    short_prefill_batching: str = "off"
+    awd_max_prompt_tokens: int = 256  # the longest length bucket; buckets are 8, 16, ... this
+    awd_max_wait_ms: float = 20.0  # W_max: the longest a round waits to fill
+    awd_max_head_wait_ms: float = 50.0  # T_max: no request is held longer than this
+    awd_slack_threshold_ms: float = 10.0  # sigma: dispatch once a deadline is this close
+    awd_token_budget_tokens: int = 8192  # M: padded tokens in one released batch
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -54,7 +67,34 @@ class SchedulerConfig:
             raise ValueError("max_displacements_per_step must be >= 0")
         if not 0.0 <= self.admission_watermark_fraction < 1.0:
             raise ValueError("admission_watermark_fraction must be in [0, 1)")
+        if self.short_prefill_batching not in SHORT_PREFILL_BATCHING_MODES:
+            raise ValueError(f"short_prefill_batching must be one of "
+                             f"{SHORT_PREFILL_BATCHING_MODES}, got {self.short_prefill_batching!r}")
+        max_prompt = self.awd_max_prompt_tokens
+        if max_prompt < AWD_SHORTEST_BUCKET_TOKENS or max_prompt & (max_prompt - 1):
+            raise ValueError(f"awd_max_prompt_tokens must be a power of two >= "
+                             f"{AWD_SHORTEST_BUCKET_TOKENS}, got {max_prompt}")
+        if self.awd_max_head_wait_ms < self.awd_max_wait_ms:
+            raise ValueError(f"awd_max_head_wait_ms ({self.awd_max_head_wait_ms}) must be at "
+                             f"least awd_max_wait_ms ({self.awd_max_wait_ms})")
         self.packer_config()  # validates the packer fields too
+        self.awd_config()  # and the AWD ones
+
+    def awd_config(self, token_budget_cap: int | None = None) -> AWDConfig:
+        """AWD's settings; ``token_budget_cap`` keeps a released batch within one iteration
+        when the iteration is a token budget (no runtime predictor)."""
+        lengths = []
+        length = AWD_SHORTEST_BUCKET_TOKENS
+        while length <= self.awd_max_prompt_tokens:
+            lengths.append(length)
+            length *= 2
+        budget = self.awd_token_budget_tokens
+        if token_budget_cap is not None:
+            budget = max(AWD_SHORTEST_BUCKET_TOKENS, min(budget, token_budget_cap))
+        return AWDConfig(graph_lengths_tokens=tuple(lengths), token_budget=budget,
+                         max_wait_s=self.awd_max_wait_ms / 1000.0,
+                         max_head_wait_s=self.awd_max_head_wait_ms / 1000.0,
+                         slack_threshold_s=self.awd_slack_threshold_ms / 1000.0)
 
     def packer_config(self) -> PackerConfig:
         return PackerConfig(

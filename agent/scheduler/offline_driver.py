@@ -125,7 +125,7 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_
         if on_batch is not None:
             on_batch(batch, now_s)
         sampled = runner.execute(batch)
-        now_s += batch.predicted_time_s if batch.chunks else idle_step_s
+        now_s = _next_time(scheduler, batch, now_s, pending, idle_step_s)
         scheduler.update(batch, sampled, now_s)
         for request_id in sampled:
             request = scheduler.requests[request_id]
@@ -136,3 +136,17 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_
             raise RuntimeError(f"not done after {max_steps} steps")
     result.end_s = now_s
     return result
+
+
+def _next_time(scheduler: Scheduler, batch: Batch, now_s: float, pending: list[Arrival],
+               idle_step_s: float) -> float:
+    """After a batch, its predicted end; after an empty step, the scheduler's wakeup (AWD
+    holding short prefills) or the next arrival, whichever is first, else a short idle step."""
+    if batch.chunks:
+        return now_s + batch.predicted_time_s
+    wakeup_s = scheduler.next_wakeup_s(now_s)
+    if wakeup_s is None:
+        return now_s + idle_step_s
+    if pending:
+        wakeup_s = min(wakeup_s, pending[-1].arrival_s)
+    return max(wakeup_s, now_s)

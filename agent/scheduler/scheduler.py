@@ -4,6 +4,7 @@ There are no prefill or decode phases. Each running request has ``num_computed_t
 catching up to ``num_tokens``; a step grants each request some of its missing tokens:
 
     schedule(now):
+        release due short prefills          # only with AWD batching (short_batching.py)
         policy.on_step(now)                 # e.g. Justitia's virtual clock
         displace                            # SRPT only: a shorter waiting request evicts
         swap in                             # swapped requests come back when blocks allow
@@ -19,6 +20,10 @@ A chunk is admitted only if its KV blocks fit. With a runtime predictor the budg
     sampled = runner.execute(batch)          # {request_id: token_id}
     scheduler.update(batch, sampled, now_s)
     ...engine checks stop conditions, then scheduler.finish(request_id, reason, now_s)
+
+With ``short_prefill_batching="awd"``, ``add`` holds new short prompts back until AWD releases
+them as a group, so a step can schedule nothing while requests wait. The engine then sleeps
+until ``next_wakeup_s(now_s)`` (or a new request) instead of calling ``schedule`` in a loop.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from slipstream.agent.scheduler.preemption import Preemptor
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
+from slipstream.agent.scheduler.short_batching import ShortPrefillHold
 from slipstream.agent.scheduler.urgency import UrgencyModel
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -74,6 +80,12 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        self.short_prefills: ShortPrefillHold | None = None
+        if config.short_prefill_batching == "awd":
+            # A token-budget iteration caps the group, so a released group fits one step.
+            cap = config.max_batched_tokens if predictor is None else None
+            self.short_prefills = ShortPrefillHold(config.awd_config(cap),
+                                                   config.long_request_threshold_tokens)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -88,7 +100,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
-        self.queue.add_waiting(request, request.arrival_s)
+        if self.short_prefills is not None and self.short_prefills.accepts(request):
+            self.short_prefills.hold(request)  # queued when AWD releases its group
+        else:
+            self.queue.add_waiting(request, request.arrival_s)
 
     def finish(self, request_id: str, reason: FinishReason, now_s: float | None = None) -> Request | None:
         """Remove a request and free its blocks at once. Unknown ids are ignored."""
@@ -99,6 +114,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
+        if self.short_prefills is not None:
+            self.short_prefills.remove(request)
         self.queue.remove(request)
         self.preemptor.release(request)
         self.urgency.forget(request)
@@ -111,11 +128,21 @@ class Scheduler:
         return request
 
     def has_unfinished(self) -> bool:
+        """True while any request is queued, held by AWD, running or swapped."""
         return bool(self.requests)
+
+    def next_wakeup_s(self, now_s: float) -> float | None:
+        """When ``schedule`` has new work without any new request: the time AWD's next held
+        group falls due (``now_s`` if it already is), or None when nothing is held."""
+        if self.short_prefills is None:
+            return None
+        return self.short_prefills.next_wakeup_s(now_s)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.queue.waiting)
+        """Requests not yet admitted: queued, or held for short-prefill batching."""
+        held = len(self.short_prefills) if self.short_prefills is not None else 0
+        return len(self.queue.waiting) + held
 
     @property
     def num_running(self) -> int:
@@ -128,6 +155,9 @@ class Scheduler:
     # -- one iteration ----------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> Batch:
+        if self.short_prefills is not None:
+            for request in self.short_prefills.release_due(now_s):
+                self.queue.add_waiting(request, now_s)
         self.policy.on_step(now_s)
         self._displace(now_s)
         swap_in = self._swap_in(now_s)
@@ -141,7 +171,7 @@ class Scheduler:
         grants = self._pack_prefills(now_s, budget)
         chunks = [self._decode_chunk(request) for request in decodes]
         chunks.extend(self._admit(request, size, now_s) for request, size in grants)
-        return Batch(
+        batch = Batch(
             chunks=tuple(chunks),
             swap_out=tuple(swap_out),
             swap_in=tuple(swap_in),
@@ -149,6 +179,9 @@ class Scheduler:
             meta={"num_decodes": len(decodes), "num_prefills": len(grants),
                   "long_prefill": budget.has_long_prefill},
         )
+        if self.short_prefills is not None:
+            self.short_prefills.note_scheduled(batch, now_s)
+        return batch
 
     def update(self, batch: Batch, sampled: dict[str, int], now_s: float) -> None:
         """Advance each scheduled request past its chunk and append its sampled token."""
@@ -165,6 +198,8 @@ class Scheduler:
                     request.first_token_s = now_s
             if request in prefilling:
                 self.queue.rekey(request, now_s)
+        if self.short_prefills is not None:
+            self.short_prefills.observe_step(batch, now_s)
 
     # -- steps of schedule() ----------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, ShortPrefillBuckets)
-from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
+from slipstream.agent.scheduler.config import (
+    POLICY_NAMES, PREEMPTION_MODES, SHORT_PREFILL_BATCHING_MODES, SchedulerConfig)
 
 from slipstream.agent.server.config import (
     DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
@@ -146,6 +147,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="TOKENS", help="processed KV at which a prefill counts as long")
     sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                        help="how decodes are preempted under KV pressure")
+    add_short_prefill_arguments(parser)
+
+
+def add_short_prefill_arguments(parser: argparse.ArgumentParser) -> None:
+    """The AWD flags, shared by `slipstream serve` and `slipstream simulate`."""
+    defaults = SchedulerConfig()
+    awd = parser.add_argument_group(
+        "short-prefill batching (PLA-Serve Adaptive Wait-Depth)",
+        "With awd, a new prompt of at most --awd-max-prompt-tokens tokens (and below "
+        "--long-request-threshold-tokens) waits briefly so that short prompts are prefilled "
+        "in groups: a group goes as soon as it reaches AWD's target depth, its window closes, "
+        "a member's TTFT deadline is near, or its oldest member waited --awd-max-head-wait-ms. "
+        "Meant for a short-prefill pool under heavy short traffic; it adds up to the window "
+        "to a lone request's TTFT.")
+    awd.add_argument("--short-prefill-batching", choices=SHORT_PREFILL_BATCHING_MODES,
+                     default=defaults.short_prefill_batching,
+                     help="off admits every request at once; awd batches short prefills")
+    awd.add_argument("--awd-max-prompt-tokens", type=int,
+                     default=defaults.awd_max_prompt_tokens, metavar="TOKENS",
+                     help="longest prompt AWD holds (a power of two >= 8); length buckets are "
+                          "8, 16, ... up to it")
+    awd.add_argument("--awd-max-wait-ms", type=float, default=defaults.awd_max_wait_ms,
+                     metavar="MS", help="longest a group waits to fill (W_max)")
+    awd.add_argument("--awd-max-head-wait-ms", type=float,
+                     default=defaults.awd_max_head_wait_ms, metavar="MS",
+                     help="no prompt is held longer than this")
+    awd.add_argument("--awd-slack-threshold-ms", type=float,
+                     default=defaults.awd_slack_threshold_ms, metavar="MS",
+                     help="release a group once a member's TTFT deadline is this close, after "
+                          "one estimated prefill step")
+
+
+def short_prefill_settings(args: argparse.Namespace) -> dict:
+    """The AWD fields of SchedulerConfig from the flags above."""
+    return dict(short_prefill_batching=args.short_prefill_batching,
+                awd_max_prompt_tokens=args.awd_max_prompt_tokens,
+                awd_max_wait_ms=args.awd_max_wait_ms,
+                awd_max_head_wait_ms=args.awd_max_head_wait_ms,
+                awd_slack_threshold_ms=args.awd_slack_threshold_ms)
 
 
 def _comma_list(values: tuple[int, ...]) -> str:
@@ -191,7 +231,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, target_batch_time_ms=target_ms,
         max_space_share_fraction=args.max_space_share_fraction,
         long_request_threshold_tokens=args.long_request_threshold_tokens,
-        preemption=args.preemption)
+        preemption=args.preemption, **short_prefill_settings(args))
 
 
 def run(args: argparse.Namespace) -> int:

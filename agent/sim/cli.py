@@ -12,6 +12,9 @@ Example (Medha's mixed workload on H100 Llama-3-8B TP8, SPP 2)::
 
 Length-aware pools (docs/pools.md): ``--pools static|rebalanced --short-instances N
 --long-threshold-tokens T`` splits ``--num-instances`` into short and long pools.
+
+Short-prefill batching (PLA-Serve AWD): ``--short-prefill-batching awd`` turns it on for every
+run, or a ``+awd`` suffix for one (``--policies fcfs fcfs+awd`` compares the two).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pydantic import ValidationError
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8, ProfileMeta
+from slipstream.agent.server.cli import add_short_prefill_arguments, short_prefill_settings
 from slipstream.agent.sim.instance import InstanceConfig
 from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
 from slipstream.agent.sim.pools import POOL_MODES, PoolsConfig
@@ -44,12 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="length files (sharegpt, arxiv or a path) with synthetic arrivals; "
                            "several with weights make a mixture")
     work.add_argument("--recipe", choices=RECIPES,
-                      help="medha-mixed: ShareGPT lengths + 5%% long (128K-1M) requests")
+                      help="medha-mixed: ShareGPT lengths + 5%% long (128K-1M) requests; "
+                           "sharegpt-short: ShareGPT requests with prompts of <= 256 tokens")
     work.add_argument("--qps", type=float, default=None,
                       help="mean arrival rate; a trace is rescaled to it (default: its own)")
     work.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of synthetic gaps: 1 = Poisson, <1 burstier")
     work.add_argument("--num-requests", type=int, default=None)
+    work.add_argument("--output-tokens", type=int, default=None, metavar="N",
+                      help="every request generates N tokens (1: a prefill-only instance); "
+                           "default: the workload's own output lengths")
     work.add_argument("--duration-s", type=float, default=None, help="arrivals in [0, this)")
     work.add_argument("--seed", type=int, default=0)
 
@@ -84,16 +92,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--policies", nargs="+", default=["fcfs@0", "edf", "lrs", "lars"],
-                       metavar="POLICY[@F]",
+                       metavar="POLICY[@F][+awd]",
                        help=f"policies to compare ({', '.join(POLICY_NAMES)}); @F sets "
                             "max_space_share_fraction for that run (fcfs@0 is plain chunked "
-                            "prefill, Medha's baseline)")
+                            "prefill, Medha's baseline); +awd turns on short-prefill batching "
+                            "for that run")
     sched.add_argument("--target-batch-time-ms", type=float, default=None,
                        help="default: --slo-tpot-ms if given, else 50")
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5)
     sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144)
     sched.add_argument("--max-num-seqs", type=int, default=256)
     sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute")
+    add_short_prefill_arguments(parser)
 
     slo = parser.add_argument_group("SLOs and report")
     slo.add_argument("--slo-ttft-s", type=float, default=None,
@@ -128,11 +138,14 @@ def policy_configs(args: argparse.Namespace) -> list[tuple[str, SchedulerConfig]
     base = SchedulerConfig(max_num_seqs=args.max_num_seqs, target_batch_time_ms=target_ms,
                            max_space_share_fraction=args.max_space_share_fraction,
                            long_request_threshold_tokens=args.long_request_threshold_tokens,
-                           preemption=args.preemption)
+                           preemption=args.preemption, **short_prefill_settings(args))
     configs = []
     for spec in args.policies:
-        name, _, share = spec.partition("@")
+        spec_without_awd, awd = spec.removesuffix("+awd"), spec.endswith("+awd")
+        name, _, share = spec_without_awd.partition("@")
         config = replace(base, policy=name)
+        if awd:
+            config = replace(config, short_prefill_batching="awd")
         if share:
             config = replace(config, max_space_share_fraction=float(share))
         configs.append((spec, config))
@@ -175,7 +188,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(trace=args.trace, lengths=parse_weighted(args.lengths or []),
                         recipe=args.recipe, qps=args.qps, burstiness=args.burstiness,
                         num_requests=args.num_requests, duration_s=args.duration_s,
-                        seed=args.seed)
+                        seed=args.seed, output_tokens=args.output_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

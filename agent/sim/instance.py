@@ -21,6 +21,11 @@ Parallel degrees of an instance (``tp x spp x kvp`` GPUs):
   shard costs, plus merging the partial outputs (one exchange of ``heads x head_dim`` values
   per query token and layer). The scheduler sees this cost model too (``KvpTimeModel``),
   exactly as a live engine with KVP would predict its batches.
+
+With AWD short-prefill batching a step can find nothing to run while short prompts are held.
+The instance then sleeps until the scheduler's wakeup (``Scheduler.next_wakeup_s``), and
+``waiting_for_wakeup`` tells the event loop that an arrival may end that sleep early, as a new
+request wakes the live engine thread.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
 
 BYTES_PER_VALUE = 2  # bf16 activations
+STALLED_RETRY_S = 1e-3  # nothing ran and no wakeup is known: look again after this long
+MIN_WAKEUP_DELAY_S = 1e-6  # a wakeup never lands on the same instant (no zero-time loops)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,7 @@ class SimInstance:
         self.busy_s = 0.0
         self._pending = None  # (batch, exit_s) of the batch now in the pipeline
         self._parked: dict[str, float] = {}  # request id -> when its sampled token comes out
+        self.waiting_for_wakeup = False  # idle until AWD's wakeup; an arrival may come first
         # The live engine's load window, fed the same way: the pool rebalancer reads it.
         self.load = LoadWindow(start_s=0.0)
 
@@ -168,10 +176,9 @@ class SimInstance:
             scheduler.running.extend(hidden)
         else:
             batch = scheduler.schedule(now_s)
+        self.waiting_for_wakeup = False
         if not batch.chunks:
-            if parked:
-                return min(parked.values())
-            return now_s + 1e-3 if scheduler.has_unfinished() else None
+            return self._next_wake_s(now_s)
         self.num_iterations += 1
         config = self.config
         time_s = batch.predicted_time_s + config.host_overhead_ms / 1000.0
@@ -188,6 +195,17 @@ class SimInstance:
         self.busy_s += stage_s  # how long stage 1 is occupied
         self.load.record_step(now_s, now_s + stage_s, prefill_tokens)
         return now_s + stage_s
+
+    def _next_wake_s(self, now_s: float) -> float | None:
+        """After a step that ran nothing: a parked token coming out, or AWD's wakeup."""
+        wakeups = list(self._parked.values())
+        held_until_s = self.scheduler.next_wakeup_s(now_s)
+        if held_until_s is not None:
+            self.waiting_for_wakeup = True
+            wakeups.append(max(held_until_s, now_s + MIN_WAKEUP_DELAY_S))
+        if wakeups:
+            return min(wakeups)
+        return now_s + STALLED_RETRY_S if self.scheduler.has_unfinished() else None
 
     def backlog_prompt_tokens(self) -> int:
         """Prompt tokens still to prefill, counted as the live engine's stats() counts them."""

@@ -6,9 +6,11 @@ own clocks.
     with rebalanced pools: every period --> PoolRouter.control_step() (may relabel one)
         --> SimResult(records, end time, iterations) --> report.py
 
-Events are only arrivals and iteration boundaries, so the cost is one ``schedule()`` per
-simulated iteration plus a heap operation; nothing is done per token. The clock jumps over
-idle gaps. Runs are deterministic: the only randomness is in the workload, drawn from a seed.
+Events are only arrivals, iteration boundaries and AWD wakeups, so the cost is one
+``schedule()`` per simulated iteration plus a heap operation; nothing is done per token. The
+clock jumps over idle gaps. An instance whose scheduler holds short prompts (AWD) sleeps until
+its wakeup; an arrival there wakes it at once, and the old wakeup event goes stale. Runs are
+deterministic: the only randomness is in the workload, drawn from a seed.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
                  for i in range(config.num_instances)]
     capacity_tokens = config.instance.num_kv_blocks * BLOCK_SIZE
     events: list[tuple[float, int]] = []
-    scheduled = [False] * len(instances)  # has a pending event in the heap
+    # The time of each instance's live event in the heap (None: none); other entries are stale.
+    scheduled_at: list[float | None] = [None] * len(instances)
     horizon = float("inf") if config.horizon_s is None else config.horizon_s
     now_s, next_arrival, done_reported = 0.0, 0, 0
     progress = tqdm(total=len(records), unit="req", desc=config.scheduler.policy,
@@ -110,18 +113,21 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
                 target = router.route(record, instances)
             short = record.prompt_tokens < config.long_prompt_tokens
             target.add(record, config.short_ttft_slo_s if short else None)
-            if not scheduled[target.index]:
+            wake_at = scheduled_at[target.index]
+            if wake_at is None or (target.waiting_for_wakeup and wake_at > now_s):
                 heapq.heappush(events, (now_s, target.index))
-                scheduled[target.index] = True
+                scheduled_at[target.index] = now_s
             continue
         if event_s > horizon:
             break
-        now_s, index = heapq.heappop(events)
+        event_at, index = heapq.heappop(events)
+        if scheduled_at[index] != event_at:
+            continue  # superseded by an arrival that woke the instance early
+        now_s = event_at
         wake_s = instances[index].step(now_s)
         iterations += 1
-        if wake_s is None:
-            scheduled[index] = False
-        else:
+        scheduled_at[index] = wake_s
+        if wake_s is not None:
             heapq.heappush(events, (wake_s, index))
         if config.progress and iterations % 512 == 0:
             finished = sum(inst.num_finished for inst in instances)

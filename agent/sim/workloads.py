@@ -3,6 +3,7 @@
     --trace azure | mooncake | FILE        recorded arrivals and lengths
     --lengths sharegpt[=W] arxiv[=W] ...   lengths drawn from files, synthetic arrivals
     --recipe medha-mixed                   Medha's mixed workload (below)
+    --recipe sharegpt-short                ShareGPT requests with short prompts only (below)
         --> WorkloadSpec --> build_workload() --> list[TraceRequest]
 
 Medha's mixed workload (Medha section 6.2): ShareGPT-length requests with a 5% share of long
@@ -11,12 +12,16 @@ requests of 128K-1M prompt tokens. Medha's long requests come from its Medha-SWE
 prompts log-uniformly in [128K, 1M], whose P50 (362K) and P90 (814K) are close to those, and
 long outputs log-normally with the same median and P90 as Medha-SWE's decodes. Exactly
 ``round(5% * count)`` requests are long, at random positions in a Poisson stream.
+
+``sharegpt-short``: the ShareGPT rows whose prompt is at most 256 tokens (about 17% of them),
+with their own output lengths, in a Poisson stream. That is the short-prefill regime PLA-Serve
+batches with Adaptive Wait-Depth (its Figure 5 uses prompts under 256 tokens).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +43,8 @@ NAMED_FILES = {
     "sharegpt": ("traces", "sharegpt_8k_lengths.csv"),
     "arxiv": ("traces", "arxiv_summarization_lengths.csv"),
 }
-RECIPES = ("medha-mixed",)
+RECIPES = ("medha-mixed", "sharegpt-short")
+SHORT_PROMPT_MAX_TOKENS = 256
 
 MEDHA_LONG_FRACTION = 0.05
 MEDHA_LONG_MIN_TOKENS = 128 * 1024
@@ -97,6 +103,17 @@ def medha_mixed(count: int, qps: float, seed: int, burstiness: float = 1.0,
     return requests
 
 
+def sharegpt_short(count: int, qps: float, seed: int,
+                   burstiness: float = 1.0) -> list[TraceRequest]:
+    """ShareGPT lengths with prompts of at most ``SHORT_PROMPT_MAX_TOKENS``, Poisson arrivals."""
+    rows = [(prompt, output) for prompt, output in read_length_file(resolve_data_file("sharegpt"))
+            if prompt <= SHORT_PROMPT_MAX_TOKENS]
+    rng = np.random.default_rng(seed)
+    times = arrival_times(rng, count, qps, burstiness).tolist()
+    picks = rng.integers(len(rows), size=count).tolist()
+    return [TraceRequest(at, *rows[pick], "sharegpt-short") for at, pick in zip(times, picks)]
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What ``slipstream simulate`` (and ``bench serve``) was asked to replay."""
@@ -110,6 +127,9 @@ class WorkloadSpec:
     duration_s: float | None = None
     seed: int = 0
     max_prompt_tokens: int | None = None  # drop requests longer than the model's context
+    # Every request generates this many tokens (1: a prefill-only instance, as the prefill
+    # side of a prefill/decode-disaggregated deployment); None keeps the workload's lengths.
+    output_tokens: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,6 +140,8 @@ class WorkloadSpec:
             raise ValueError(f"unknown recipe {self.recipe!r}; known: {RECIPES}")
         if self.trace is None and self.qps is None:
             raise ValueError("synthetic arrivals need --qps")
+        if self.output_tokens is not None and self.output_tokens < 1:
+            raise ValueError("output_tokens must be >= 1")
 
 
 def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
@@ -131,12 +153,16 @@ def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
         count = spec.num_requests or _count_for(spec)
         if spec.recipe == "medha-mixed":
             requests = medha_mixed(count, spec.qps, spec.seed, spec.burstiness)
+        elif spec.recipe == "sharegpt-short":
+            requests = sharegpt_short(count, spec.qps, spec.seed, spec.burstiness)
         else:
             requests = _from_length_files(spec, count)
     if spec.duration_s is not None:
         requests = first_seconds(requests, spec.duration_s)
     if spec.num_requests is not None:
         requests = requests[: spec.num_requests]
+    if spec.output_tokens is not None:
+        requests = [replace(r, output_tokens=spec.output_tokens) for r in requests]
     if spec.max_prompt_tokens is not None:
         requests = [r for r in requests if r.prompt_tokens + r.output_tokens <= spec.max_prompt_tokens]
     return requests

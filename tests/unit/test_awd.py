@@ -101,6 +101,43 @@ def test_the_window_and_the_depth_adapt_to_how_batches_fill():
     assert awd.target_depth == 4
 
 
+def test_a_steady_arrival_rate_fills_the_target_depth_instead_of_halving_it():
+    awd = AdaptiveWaitDepth(config(max_wait_s=100 * MS))
+    assert awd.target_depth == 4
+    released = []
+    for index in range(4):  # one request per ms, polled every ms as an engine loop would
+        awd.add(prefill(f"r{index}", 20, at_s=index * MS))
+        released.append(awd.poll(index * MS))
+        if index < 3:
+            assert awd.poll((index + 0.9) * MS) is None  # the next arrival is due, not late
+    assert released[:3] == [None, None, None]
+    assert released[3].reason == "depth" and released[3].depth == 4
+    assert awd.target_depth == 8
+
+
+def test_the_rate_window_counts_from_the_latest_arrival():
+    awd = AdaptiveWaitDepth(config())
+    awd.add(prefill("a", 20, at_s=0.0))
+    awd.add(prefill("b", 20, at_s=10 * MS))
+    # Gap 10 ms, two more to reach D = 4: expected at 10 + 2 * 10 = 30 ms.
+    assert awd.next_poll_s(10 * MS) == pytest.approx(30 * MS)
+    assert awd.poll(29 * MS) is None
+    assert awd.poll(30 * MS).reason == "window"
+
+
+def test_removing_a_waiting_request():
+    awd = AdaptiveWaitDepth(config())
+    awd.add(prefill("a", 20, at_s=0.0))
+    awd.add(prefill("b", 20, at_s=1 * MS))
+    assert awd.remove("a") and not awd.remove("a")
+    assert awd.num_waiting() == 1
+    assert awd.poll(1.0).request_ids == ("b",)
+    awd.add(prefill("c", 20, at_s=2.0))
+    assert awd.remove("c") and awd.next_poll_s(2.0) is None
+    awd.add(prefill("d", 20, at_s=3.0))  # a fresh round starts at d's own arrival
+    assert awd.poll(3.0 + 1 * MS) is None
+
+
 def test_prompts_longer_than_the_longest_bucket_are_refused():
     awd = AdaptiveWaitDepth(config())
     with pytest.raises(ValueError, match="not a short prefill"):

@@ -181,6 +181,12 @@ INVALID = [
     ("model.dtype", "int3", "spec.model.dtype"),
     ("pools.rebalance", {"periodSeconds": 60, "cooldownSeconds": 30},
      "spec.pools.rebalance.cooldownSeconds"),
+    ("scheduler.shortPrefillBatching", "always", "spec.scheduler.shortPrefillBatching"),
+    ("scheduler.shortPrefillMaxPromptTokens", 100, "spec.scheduler.shortPrefillMaxPromptTokens"),
+    ("scheduler.shortPrefillMaxWaitMs", -1.0, "spec.scheduler.shortPrefillMaxWaitMs"),
+    ("scheduler", {"shortPrefillMaxWaitMs": 80.0}, "spec.scheduler.shortPrefillMaxHeadWaitMs"),
+    ("scheduler", {"shortPrefillBatching": "awd", "shortPrefillMaxPromptTokens": 8192},
+     "spec.pools.longPrefillThresholdTokens"),  # AWD would hold long-pool prompts
 ]
 
 
@@ -190,6 +196,14 @@ def test_invalid_spec_is_rejected_with_a_message_naming_the_field(path, value, n
     errors = validate(with_change(path, value))
     assert errors, f"{path}={value!r} passed every rule"
     assert any(named_field in error for error in errors), errors
+
+
+def test_short_prefill_batching_settings_pass_when_consistent():
+    assert validate(with_change("scheduler", {
+        "shortPrefillBatching": "awd", "shortPrefillMaxPromptTokens": 4096,
+        "shortPrefillMaxWaitMs": 80.0, "shortPrefillMaxHeadWaitMs": 120.0})) == []
+    # Off, the prompt limit does not matter, even above the pool threshold.
+    assert validate(with_change("scheduler", {"shortPrefillMaxPromptTokens": 8192})) == []
 
 
 def test_pool_split_is_free_without_rebalancing():

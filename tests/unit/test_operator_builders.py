@@ -99,6 +99,38 @@ def test_scheduler_and_slo_settings_reach_the_agent():
     assert command[command.index("--slo-attainment-target") + 1] == "0.99"
 
 
+def test_short_prefill_batching_reaches_the_agent_only_when_on():
+    command = pod(0)["spec"]["containers"][0]["command"]
+    assert command[command.index("--short-prefill-batching") + 1] == "off"
+    assert "--awd-max-wait-ms" not in command
+    spec = SPEC.model_copy(update={"scheduler": SPEC.scheduler.model_copy(update={
+        "short_prefill_batching": "awd", "short_prefill_max_prompt_tokens": 128,
+        "short_prefill_max_wait_ms": 15.0, "short_prefill_max_head_wait_ms": 45.5})})
+    command = pod(0, spec=spec)["spec"]["containers"][0]["command"]
+    assert command[command.index("--short-prefill-batching") + 1] == "awd"
+    assert command[command.index("--awd-max-prompt-tokens") + 1] == "128"
+    assert command[command.index("--awd-max-wait-ms") + 1] == "15"
+    assert command[command.index("--awd-max-head-wait-ms") + 1] == "45.5"
+
+
+def test_short_prefill_batching_flags_become_the_agents_scheduler_config():
+    import argparse
+
+    from slipstream.agent.server import cli as serve_cli
+
+    spec = ServingReplicaSpec.model_validate({**SPEC.to_api(), "scheduler": {
+        "shortPrefillBatching": "awd", "shortPrefillMaxPromptTokens": 512,
+        "shortPrefillMaxWaitMs": 30, "shortPrefillMaxHeadWaitMs": 60}})
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    serve_cli.add_arguments(parser)
+    command = pod(0, spec=spec)["spec"]["containers"][0]["command"]
+    args = parser.parse_args([a.replace("$(POD_IP)", "127.0.0.1") for a in command[2:]])
+    config = serve_cli.scheduler_config_from_args(args)
+    assert config.short_prefill_batching == "awd"
+    assert (config.awd_max_prompt_tokens, config.awd_max_wait_ms,
+            config.awd_max_head_wait_ms) == (512, 30.0, 60.0)
+
+
 def test_worker_rank_runs_a_worker_without_http_probes():
     container = pod(1)["spec"]["containers"][0]
     assert container["command"] == ["slipstream", "worker"]

@@ -50,3 +50,22 @@ def test_cuda_graph_flags_build_the_bucket_grid():
         _parse(["--cuda-graph-lengths", "32,abc"])
     with pytest.raises(ValueError, match="strictly increasing"):
         cli.short_prefill_buckets_from_args(_parse(["--cuda-graph-lengths", "64,32"]))
+
+
+def test_short_prefill_batching_flags_map_into_the_scheduler_config():
+    assert cli.scheduler_config_from_args(_parse([])).short_prefill_batching == "off"
+    config = cli.scheduler_config_from_args(_parse([
+        "--short-prefill-batching", "awd", "--awd-max-prompt-tokens", "512",
+        "--awd-max-wait-ms", "15", "--awd-max-head-wait-ms", "40",
+        "--awd-slack-threshold-ms", "5"]))
+    assert config.short_prefill_batching == "awd"
+    assert (config.awd_max_prompt_tokens, config.awd_max_wait_ms, config.awd_max_head_wait_ms,
+            config.awd_slack_threshold_ms) == (512, 15.0, 40.0, 5.0)
+    assert config.awd_config().graph_lengths_tokens[-1] == 512
+
+
+def test_invalid_short_prefill_settings_are_rejected():
+    with pytest.raises(SystemExit):
+        _parse(["--short-prefill-batching", "always"])
+    with pytest.raises(ValueError, match="awd_max_prompt_tokens"):
+        cli.scheduler_config_from_args(_parse(["--awd-max-prompt-tokens", "300"]))
