@@ -111,6 +111,10 @@ class PrefillBudget:
         return self.estimate.time_ms
 
     @property
+    def is_empty(self) -> bool:
+        return self.num_prefills == 0 and self.estimate.num_decodes == 0
+
+    @property
     def exhausted(self) -> bool:
         return self.estimate.time_ms >= self._full_ms
 
@@ -127,6 +131,18 @@ class PrefillBudget:
 
         ``fit_tokens`` caps the chunk at what the free KV blocks can hold.
         """
+        size = self._budgeted_chunk(kv_before_tokens, remaining_tokens, relative_slack, fit_tokens)
+        if size == 0 and self.is_empty and remaining_tokens > 0:
+            # Progress over budget: when even a minimum chunk is predicted over the target and
+            # the batch would otherwise be empty, run the minimum chunk anyway. An empty batch
+            # makes no progress at all, so a pessimistic predictor, or one long prefill deep
+            # into its KV, would stall the instance forever.
+            cap = remaining_tokens if fit_tokens is None else min(remaining_tokens, fit_tokens)
+            return max(0, min(cap, self.config.min_chunk_tokens))
+        return size
+
+    def _budgeted_chunk(self, kv_before_tokens: int, remaining_tokens: int,
+                        relative_slack: float, fit_tokens: int | None) -> int:
         config = self.config
         if remaining_tokens <= 0 or self.exhausted:
             return 0
