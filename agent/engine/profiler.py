@@ -127,6 +127,28 @@ class Profiler:
         return self._attention_ms([(per_request - 1, 1)] * batch)
 
 
+def monotone_envelope(rows: np.ndarray) -> np.ndarray:
+    """Clip each measurement to the cheapest measurement of a larger shape.
+
+    Every op here costs at least as much for more tokens (or more KV, or a bigger batch).
+    A point above a larger point was slowed by something else, typically another process
+    taking a core in the middle of a two-thread kernel, which best-of-N cannot always
+    remove: on a busy machine a 2-token GEMM measured 40 ms while 2,048 tokens took 0.3 ms.
+    Rows are ``(x, ms)`` or ``(x0, x1, ms)`` on a full grid.
+    """
+    rows = np.array(rows, dtype=np.float64)
+    if rows.shape[1] == 2:
+        order = np.argsort(rows[:, 0], kind="stable")
+        rows[order, 1] = np.minimum.accumulate(rows[order, 1][::-1])[::-1]
+        return rows
+    for key, other in ((0, 1), (1, 0)):  # non-decreasing along each axis
+        for value in np.unique(rows[:, key]):
+            line = np.flatnonzero(rows[:, key] == value)
+            line = line[np.argsort(rows[line, other], kind="stable")]
+            rows[line, 2] = np.minimum.accumulate(rows[line, 2][::-1])[::-1]
+    return rows
+
+
 def calibration_batches(rng: np.random.Generator, count: int, max_kv: int) -> list[Batch]:
     """Random mixes of decodes and prefill chunks, laid out in disjoint KV blocks."""
     batches = []
@@ -219,7 +241,8 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
                                   "num_key_value_heads": model_config.num_kv_heads,
                                   "intermediate_size": model_config.intermediate_size},
                            linear_profiled_max_tokens=max(grid.tokens))
-        write_profile(out, {op: np.array(rows) for op, rows in tables.items()}, meta)
+        tables = {op: monotone_envelope(rows) for op, rows in tables.items()}
+        write_profile(out, tables, meta)
         # The layer tables miss the work around the layers; fit it as a + b * sequences.
         predictor = RuntimePredictor.from_directory(out, cache_dir=None)
         residuals, sequences = [], []
@@ -231,7 +254,7 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
     fixed_ms, per_sequence_ms = fit_overhead(sequences, residuals)
     meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
                                per_sequence_overhead_ms=per_sequence_ms)
-    write_profile(out, {op: np.array(rows) for op, rows in tables.items()}, meta)
+    write_profile(out, tables, meta)
     return out
 
 
