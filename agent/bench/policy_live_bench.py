@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profiler import profile
 from slipstream.agent.engine.sampling_params import SamplingParams
-from slipstream.agent.engine.tiny_model import ensure_default_model, slipstream_cache_dir
+from slipstream.agent.engine.tiny_model import ensure_default_model
 from slipstream.agent.scheduler.config import SchedulerConfig
 
 
@@ -97,12 +98,20 @@ def make_engine(model_dir: Path, profile_dir: Path, system: str,
                                      long_request_threshold_tokens=long_threshold_tokens))
 
 
-def replay(engine: LLMEngine, arrivals: list[Arrival], label: str) -> dict[str, dict]:
-    """Feed arrivals at their times; returns per-request TTFT/E2E in seconds."""
+def replay(engine: LLMEngine, arrivals: list[Arrival], label: str,
+           steps: list[tuple[float, float, float]] | None = None) -> dict[str, dict]:
+    """Feed arrivals at their times; returns per-request TTFT/E2E in seconds.
+
+    ``steps`` collects (start s, predicted s, actual execute s) per engine step, which shows
+    whether a slow stretch was the scheduler's choice or a step taking longer than predicted.
+    """
     by_id = {a.request_id: a for a in arrivals}
     records: dict[str, dict] = {}
     pending = list(arrivals)
     start = time.monotonic()
+    if steps is not None:
+        engine.on_step = lambda step: steps.append((step.execute_start_s - start,
+                                                    step.batch.predicted_time_s, step.execute_s))
     with tqdm(total=len(arrivals), desc=label, unit="req") as progress:
         while pending or engine.has_unfinished():
             now = time.monotonic() - start
@@ -152,6 +161,17 @@ def summarize(records: dict[str, dict]) -> dict:
             "long_ttft_s": [r["ttft_s"] for r in long]}
 
 
+def step_accuracy(steps: list[tuple[float, float, float]]) -> dict:
+    """How the executed steps compared with the predictor the packer budgets with."""
+    ratios = np.array([actual / predicted for _, predicted, actual in steps if predicted > 0])
+    actual = np.array([a for _, _, a in steps])
+    return {"steps": len(steps), "step_p50_ms": float(np.percentile(actual, 50) * 1000),
+            "step_max_ms": float(actual.max() * 1000),
+            "step_actual_over_predicted_p50": float(np.percentile(ratios, 50)),
+            "step_actual_over_predicted_p99": float(np.percentile(ratios, 99)),
+            "steps_over_2x_predicted": int((ratios > 2).sum())}
+
+
 def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
     import matplotlib
 
@@ -194,29 +214,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length-scale", type=float, default=0.1,
                         help="ShareGPT lengths are multiplied by this for the tiny CPU model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="reuse this profile directory; by default the engine is profiled "
+                             "afresh into OUT/profile, so the profile always matches the code")
     args = parser.parse_args(argv)
     model_dir = ensure_default_model()
-    profile_dir = slipstream_cache_dir() / "profiles" / f"cpu-{model_dir.name}"
-    if not (profile_dir / "profile.json").is_file():
-        profile(model_dir, "cpu", profile_dir, repeats=7)
+    profile_dir = args.profile
+    if profile_dir is None:
+        profile_dir = profile(model_dir, "cpu", args.out / "profile", repeats=7)
+    load_before = os.getloadavg()
     rng = np.random.default_rng(args.seed)
     vocab = 4096
     capacity = measure_capacity(model_dir, profile_dir, rng, args.length_scale, vocab)
     rate = args.load * capacity
     arrivals = build_workload(rng, rate, args.duration_s, args.long_count, args.long_tokens,
                               args.length_scale, vocab)
-    results = {}
+    results, step_logs = {}, {}
     for system in args.systems.split(","):
         engine = make_engine(model_dir, profile_dir, system, args.long_threshold_tokens)
-        results[system] = replay(engine, arrivals, system)
-    summary = {policy: summarize(records) for policy, records in results.items()}
+        step_logs[system] = []
+        results[system] = replay(engine, arrivals, system, step_logs[system])
+    summary = {policy: summarize(records) | step_accuracy(step_logs[policy])
+               for policy, records in results.items()}
     if "fcfs" in summary and "lars" in summary:
         summary["lars_p99_improvement_x"] = (summary["fcfs"]["short_ttft_p99_s"]
                                              / summary["lars"]["short_ttft_p99_s"])
     report = {"settings": {**{k: v for k, v in vars(args).items() if k != "out"},
                            "capacity_req_per_s": capacity, "rate_req_per_s": rate,
-                           "requests": len(arrivals), "profile": str(profile_dir)},
-              "summary": summary, "requests": results}
+                           "requests": len(arrivals), "profile": str(profile_dir),
+                           "load_average_before": list(load_before),
+                           "load_average_after": list(os.getloadavg())},
+              "summary": summary, "requests": results, "steps": step_logs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policy_live.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "policy_live.png")
