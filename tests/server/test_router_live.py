@@ -236,3 +236,40 @@ def test_a_stream_that_breaks_before_its_first_token_is_resent_elsewhere(
         assert dropper.connections >= 1
         assert router.metric("slipstream_router_retries_total", pool="short") >= 1
     dropper.server.close()
+
+
+def test_under_saturation_a_light_application_overtakes_a_flood(tiny_model_dir, tmp_path_factory,
+                                                                short_backend):
+    """One request at a time per instance. App "flood" queues eight requests, then app
+    "light" sends two of the same size: first come, first served would finish light last;
+    the router's fair queue (Justitia's virtual finish times) lets light in between."""
+    with run_router(tiny_model_dir, tmp_path_factory.mktemp("router-fair"),
+                    [f"{short_backend.base_url}=short"],
+                    "--max-in-flight-per-instance", "1") as router:
+        client = router.client()
+        finished: list[str] = []
+        lock = threading.Lock()
+
+        def send(app_id: str, index: int) -> None:
+            client.completions.create(model="tiny-test", prompt=f"{SHORT_PROMPT} {index}",
+                                      max_tokens=24, temperature=0,
+                                      extra_body={"app_id": app_id, "ignore_eos": True})
+            with lock:
+                finished.append(app_id)
+
+        flood = [threading.Thread(target=send, args=("flood", i)) for i in range(8)]
+        for thread in flood:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while router.metric("slipstream_router_queue_depth", request_class="short") < 5:
+            assert time.monotonic() < deadline, "the flood never queued at the router"
+            time.sleep(0.01)
+        light = [threading.Thread(target=send, args=("light", 100 + i)) for i in range(2)]
+        for thread in light:
+            thread.start()
+        for thread in flood + light:
+            thread.join(timeout=120)
+    assert sorted(finished) == ["flood"] * 8 + ["light"] * 2
+    last_light = max(i for i, app in enumerate(finished) if app == "light")
+    flood_after_light = sum(1 for app in finished[last_light:] if app == "flood")
+    assert flood_after_light >= 3, finished
