@@ -76,7 +76,8 @@ class Profiler:
         self.runner = runner
         self.device = runner.device
         self.repeats = repeats
-        self.layer = next(iter(runner.model.model.layers.values()))
+        self.layers = list(runner.model.model.layers.values())
+        self.layer = self.layers[0]
         self.config = runner.model_config
 
     def _hidden(self, tokens: int) -> torch.Tensor:
@@ -84,7 +85,11 @@ class Profiler:
                            dtype=self.runner.dtype)
 
     def linear_ops(self, tokens: int) -> dict[str, float]:
-        layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        """Each op run on every layer back to back, per layer: in a forward a layer's weights
+        come from memory, not from the cache a repeated single-layer call keeps them in, and
+        some small-batch matmul kernels re-read their weights (cold, two or three tokens can
+        cost twice one)."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
         x = self._hidden(tokens)
         q = attn.q_proj(x).view(tokens, attn.num_heads, attn.head_dim)
         k = attn.k_proj(x).view(tokens, attn.num_kv_heads, attn.head_dim)
@@ -94,18 +99,22 @@ class Profiler:
         attn_out = torch.randn(tokens, attn.num_heads * attn.head_dim, device=self.device,
                                dtype=x.dtype)
         intermediate = torch.randn_like(gate)
-        ops: dict[str, Callable[[], object]] = {
-            "input_layernorm": lambda: layer.input_layernorm(x),
-            "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
-            "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
-            "attn_rope": lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
-            "attn_post_proj": lambda: attn.o_proj(attn_out),
-            "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
-            "mlp_act": lambda: F.silu(gate) * intermediate,
-            "mlp_down_proj": lambda: mlp.down_proj(intermediate),
-            "add": lambda: (x + x, x + x),
+        ops: dict[str, Callable[[torch.nn.Module], object]] = {
+            "input_layernorm": lambda layer: layer.input_layernorm(x),
+            "post_attention_layernorm": lambda layer: layer.post_attention_layernorm(x),
+            "attn_pre_proj": lambda layer: (layer.self_attn.q_proj(x), layer.self_attn.k_proj(x),
+                                            layer.self_attn.v_proj(x)),
+            "attn_rope": lambda _: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
+            "attn_post_proj": lambda layer: layer.self_attn.o_proj(attn_out),
+            "mlp_up_proj": lambda layer: (layer.mlp.gate_proj(x), layer.mlp.up_proj(x)),
+            "mlp_act": lambda _: F.silu(gate) * intermediate,
+            "mlp_down_proj": lambda layer: layer.mlp.down_proj(intermediate),
+            "add": lambda _: (x + x, x + x),
         }
-        return {name: best_ms(fn, self.device, self.repeats) for name, fn in ops.items()}
+        layers = self.layers
+        return {name: best_ms(lambda op=op: [op(layer) for layer in layers], self.device,
+                              self.repeats) / len(layers)
+                for name, op in ops.items()}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
         """Per-layer attention time for chunks given as (kv_before, query_len)."""
