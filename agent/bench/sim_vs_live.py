@@ -51,7 +51,7 @@ NUM_KV_BLOCKS = 4096
 PROBE_REQUESTS = 20
 RUNS = ("live", "sim_profile_only", "sim_with_serving_costs")
 # Bump when the profiler's method changes, so cached profiles are measured again.
-PROFILE_METHOD_VERSION = "5-padded-lm-head"
+PROFILE_METHOD_VERSION = "6-pooled-runner-fit"
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def compare(preset: LivePreset, args: argparse.Namespace) -> dict:
         live = server.run_load(compared)
         load_end = os.getloadavg()
     results = {
-        "model_preset": preset.model_preset, "model": model_dir.name, "profile": str(profile),
+        "model_preset": preset.model_preset, "model": model_dir.name, "profile": profile.name,
         "qps": qps, "num_requests": len(compared), "torch_threads": args.torch_threads,
         "target_batch_time_ms": preset.target_batch_time_ms,
         "load_average_before_server": list(load_before),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -227,23 +227,22 @@ def measure_tables(profiler: Profiler, grid: ProfileGrid, progress: tqdm) -> dic
     return {op: lower_envelope(np.array(rows)) for op, rows in tables.items()}
 
 
-def fit_random_batch_overhead(runner: ModelRunner, profile_dir: Path,
-                              grid: ProfileGrid) -> tuple[float, float]:
-    """What the layer tables miss inside ``ModelRunner.execute`` (embedding, LM head,
-    sampling, tensor preparation), as ``a + b * sequences`` over random mixed batches."""
+def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
+                           grid: ProfileGrid) -> list[tuple[int, float]]:
+    """(sequences, execute - tables ms) over random mixed batches: decodes with KV up to 2K
+    next to prefill chunks, shapes a serving load may not reach."""
     predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
-    residuals, sequences = [], []
-    for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches, 2048):
-        residuals.append(measure_execute_ms(runner, batch, grid.calibration_repeats)
-                         - predict_ms(predictor, batch))
-        sequences.append(len(batch.chunks))
-    return fit_overhead(sequences, residuals)
+    return [(len(batch.chunks), measure_execute_ms(runner, batch, grid.calibration_repeats)
+             - predict_ms(predictor, batch))
+            for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
+                                             2048)]
 
 
-def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path,
-                        load: CalibrationLoad) -> dict[str, float]:
-    """The runner and host overheads, refitted on the steps the real LLMEngine runs when it
-    packs a serving load with this profile (see step_calibration.py)."""
+def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
+                        random_batches: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """The runner and host overheads, fitted on the steps the real LLMEngine runs when it
+    packs a serving load with this profile (see step_calibration.py); the runner's also on
+    ``random_batches``, with as much weight in total as the engine steps."""
     # The packer must fit a prefill chunk next to the decodes, also on a model slower than the
     # usual 50 ms target (a ~100M model on one CPU core takes ~50 ms for 32 tokens).
     bootstrap = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
@@ -259,8 +258,9 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path,
         profile_dir, meta=ProfileMeta(**{**dataclasses.asdict(bootstrap.meta),
                                          "iteration_overhead_ms": 0.0,
                                          "per_sequence_overhead_ms": 0.0}), cache_dir=None)
+    repeat = max(1, round(len(timings) / max(len(random_batches), 1)))
     runner_ms, runner_per_sequence_ms = fit_runner_overhead(
-        timings, lambda batch: predict_ms(tables_only, batch))
+        timings, lambda batch: predict_ms(tables_only, batch), list(random_batches) * repeat)
     host_ms, host_per_sequence_ms = fit_host_overhead(timings)
     return {"iteration_overhead_ms": runner_ms, "per_sequence_overhead_ms": runner_per_sequence_ms,
             "host_overhead_ms": host_ms, "host_per_sequence_ms": host_per_sequence_ms}
@@ -285,14 +285,15 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         tables = measure_tables(Profiler(runner, repeats), grid, progress)
         write_profile(out, tables, meta)
         # Random batches first: a rough overhead, so the engine below packs sensibly.
-        fixed_ms, per_sequence_ms = fit_random_batch_overhead(runner, out, grid)
+        random_batches = random_batch_residuals(runner, out, grid)
+        fixed_ms, per_sequence_ms = fit_overhead(*zip(*random_batches))
         meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
                                    per_sequence_overhead_ms=per_sequence_ms)
         write_profile(out, tables, meta)
         progress.update()
         del runner  # the engine below loads its own copy of the weights
         meta = dataclasses.replace(meta, **fit_on_engine_steps(model_dir, device, out,
-                                                               grid.engine_load))
+                                                               grid.engine_load, random_batches))
         progress.update()
     write_profile(out, tables, meta)
     return out

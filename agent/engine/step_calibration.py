@@ -113,12 +113,14 @@ def fit_host_overhead(timings: Sequence[StepTiming]) -> tuple[float, float]:
     return fit_overhead([t.sequences for t in timings], [t.host_ms for t in timings])
 
 
-def fit_runner_overhead(timings: Sequence[StepTiming],
-                        tables_ms: Callable[[Batch], float]) -> tuple[float, float]:
+def fit_runner_overhead(timings: Sequence[StepTiming], tables_ms: Callable[[Batch], float],
+                        extra: Sequence[tuple[int, float]] = ()) -> tuple[float, float]:
     """``execute_ms - tables_ms(batch) = fixed + per_sequence * sequences`` over the steps the
-    engine really ran: decodes of uneven KV lengths next to prefill chunks, which random
-    batches do not reproduce (the torch backend pads decodes to the longest KV)."""
+    engine really ran (decodes of uneven KV lengths next to prefill chunks, which the tables'
+    uniform grid does not reproduce: the torch backend pads decodes to the longest KV), plus
+    ``extra`` (sequences, residual ms) samples measured elsewhere."""
     if len(timings) < 2 or any(t.batch is None for t in timings):
         raise ValueError("need at least two timed steps with their batches")
-    return fit_overhead([t.sequences for t in timings],
-                        [t.execute_ms - tables_ms(t.batch) for t in timings])
+    samples = [(t.sequences, t.execute_ms - tables_ms(t.batch)) for t in timings]
+    samples += list(extra)
+    return fit_overhead([n for n, _ in samples], [ms for _, ms in samples])
