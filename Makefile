@@ -12,7 +12,7 @@
 #   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
 #                     one hour of the Azure trace for speed (docs/simulation.md)
 #   make bench-pools  pools vs unified instances in the simulator (docs/pools.md)
-#   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile
+#   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 #   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
 #   make bench-cuda-graphs  short-prefill latency per (length, batch) bucket, eager vs CUDA graph
 #                     (needs a GPU; on CPU it says so and exits 2)
@@ -116,7 +116,8 @@ bench-pools: setup
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
 bench-sim-vs-live: setup
-	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --out $(RESULTS)/sim-vs-live
+	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
+	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live
 
 bench-cuda-graphs: setup
 	$(BIN)/python -m slipstream.agent.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs

@@ -1,7 +1,8 @@
 """Runtime-predictor accuracy on this machine's engine, on batches not used for profiling.
 
-    slipstream profile (grid + calibration batches, seed 0) -> profile dir
-    fresh random batches (seed 1) -> ModelRunner.execute timed vs RuntimePredictor
+    slipstream profile (grid, calibration load of seed 0) -> profile dir
+    fresh random batches (seed 1) -> ModelRunner.execute timed vs the runner's prediction
+    a fresh engine load (seed 1)  -> whole LLMEngine steps timed vs the full prediction
 
 Writes ``predictor_bench.json`` and a predicted-vs-actual scatter plot under ``--out``::
 
@@ -20,11 +21,25 @@ import torch
 from tqdm import tqdm
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.model_runner import ModelRunner
 from slipstream.agent.engine.profiler import (calibration_batches, measure_execute_ms,
                                               predict_ms, profile)
+from slipstream.agent.engine.step_calibration import CalibrationLoad, time_engine_steps
 from slipstream.agent.engine.tiny_model import ensure_default_model
 from slipstream.agent.scheduler.predictor import RuntimePredictor
+
+
+def engine_step_errors(model_dir: Path, profile_dir: Path) -> list[float]:
+    """|predicted - measured| / measured for every step of a held-out engine load."""
+    predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", profile_dir=profile_dir,
+                                    num_kv_blocks=4096))
+    try:
+        timings = time_engine_steps(engine, CalibrationLoad(seed=1))
+    finally:
+        engine.close()
+    return [abs(predict_ms(predictor, t.batch) - t.step_ms) / t.step_ms for t in timings]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or ensure_default_model()
     args.out.mkdir(parents=True, exist_ok=True)
     profile_dir = args.profile or profile(model_dir, "cpu", args.out / "profile", repeats=7)
-    predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
+    # Random batches exercise ModelRunner.execute alone: predict it without the host work.
+    predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None,
+                                                include_host_overhead=False)
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=8192),
                          ModelConfig.from_dir(model_dir))
     rows = []
@@ -52,12 +69,21 @@ def main(argv: list[str] | None = None) -> int:
                          "prefills": len(batch.chunks) - batch.num_decodes,
                          "actual_ms": actual, "predicted_ms": predicted,
                          "relative_error": abs(predicted - actual) / actual})
+    del runner
+    step_errors = engine_step_errors(model_dir, profile_dir)
     errors = [row["relative_error"] for row in rows]
+    meta = predictor.meta
     summary = {"median_abs_relative_error": statistics.median(errors),
                "p90_abs_relative_error": float(np.percentile(errors, 90)),
-               "batches": len(rows), "profile": str(profile_dir), "model": model_dir.name,
-               "iteration_overhead_ms": predictor.iteration_overhead_ms,
-               "per_sequence_overhead_ms": predictor.per_sequence_overhead_ms}
+               "batches": len(rows),
+               "engine_steps_median_abs_relative_error": statistics.median(step_errors),
+               "engine_steps_p90_abs_relative_error": float(np.percentile(step_errors, 90)),
+               "engine_steps": len(step_errors),
+               "profile": str(profile_dir), "model": model_dir.name,
+               "iteration_overhead_ms": meta.iteration_overhead_ms,
+               "per_sequence_overhead_ms": meta.per_sequence_overhead_ms,
+               "host_overhead_ms": meta.host_overhead_ms,
+               "host_per_sequence_ms": meta.host_per_sequence_ms}
     (args.out / "predictor_bench.json").write_text(json.dumps({"summary": summary, "batches": rows},
                                                               indent=2))
     import matplotlib

@@ -7,9 +7,17 @@ device, and write them as a profile directory for the runtime predictor.
 Tables follow the Vidur layout the predictor also reads for the H100 data: linear ops keyed by
 token count; ``attn_prefill`` by (KV tokens cached before the chunk, chunk tokens);
 ``attn_decode`` by (decode batch size, KV tokens read by the whole batch). Times are the
-fastest of repeated runs after a warm-up, in milliseconds per layer. What the layer tables do
-not cover (embedding, final norm, LM head, sampling, tensor preparation) is calibrated at the
-end as an overhead of ``a + b * sequences``, fitted on whole ``ModelRunner.execute`` calls.
+fastest of repeated runs after a warm-up, in milliseconds per layer, made to grow with every
+key (``lower_envelope``). Two overheads of ``a + b * sequences`` cover what the layer tables
+do not (step_calibration.py):
+
+- the runner's: embedding, final norm, LM head, sampling, tensor preparation, decode padding;
+- the engine's host work around the runner: scheduling, state update, output processing.
+
+Both are fitted on the steps the real ``LLMEngine`` runs on a small serving load packed with
+these tables, so the predictor covers a whole engine step, as the packer's budget and the
+simulator's clock need. A first, rough runner overhead from random batches only lets that
+engine pack sensibly.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +34,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.model_runner import ModelRunner
 from slipstream.agent.engine.models.llama import apply_rotary
+from slipstream.agent.engine.profile_fit import fit_overhead, lower_envelope
+from slipstream.agent.engine.step_calibration import (CalibrationLoad, fit_host_overhead,
+                                                     fit_runner_overhead, time_engine_steps)
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import RuntimePredictor, predict_batch_time_ms
 from slipstream.agent.scheduler.profile_table import ProfileMeta, write_profile
 from slipstream.kernels.attention import AttentionMetadata
@@ -63,7 +76,8 @@ class Profiler:
         self.runner = runner
         self.device = runner.device
         self.repeats = repeats
-        self.layer = next(iter(runner.model.model.layers.values()))
+        self.layers = list(runner.model.model.layers.values())
+        self.layer = self.layers[0]
         self.config = runner.model_config
 
     def _hidden(self, tokens: int) -> torch.Tensor:
@@ -71,7 +85,11 @@ class Profiler:
                            dtype=self.runner.dtype)
 
     def linear_ops(self, tokens: int) -> dict[str, float]:
-        layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        """Each op run on every layer back to back, per layer: in a forward a layer's weights
+        come from memory, not from the cache a repeated single-layer call keeps them in, and
+        some small-batch matmul kernels re-read their weights (cold, two or three tokens can
+        cost twice one)."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
         x = self._hidden(tokens)
         q = attn.q_proj(x).view(tokens, attn.num_heads, attn.head_dim)
         k = attn.k_proj(x).view(tokens, attn.num_kv_heads, attn.head_dim)
@@ -81,18 +99,22 @@ class Profiler:
         attn_out = torch.randn(tokens, attn.num_heads * attn.head_dim, device=self.device,
                                dtype=x.dtype)
         intermediate = torch.randn_like(gate)
-        ops: dict[str, Callable[[], object]] = {
-            "input_layernorm": lambda: layer.input_layernorm(x),
-            "post_attention_layernorm": lambda: layer.post_attention_layernorm(x),
-            "attn_pre_proj": lambda: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)),
-            "attn_rope": lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
-            "attn_post_proj": lambda: attn.o_proj(attn_out),
-            "mlp_up_proj": lambda: (mlp.gate_proj(x), mlp.up_proj(x)),
-            "mlp_act": lambda: F.silu(gate) * intermediate,
-            "mlp_down_proj": lambda: mlp.down_proj(intermediate),
-            "add": lambda: (x + x, x + x),
+        ops: dict[str, Callable[[torch.nn.Module], object]] = {
+            "input_layernorm": lambda layer: layer.input_layernorm(x),
+            "post_attention_layernorm": lambda layer: layer.post_attention_layernorm(x),
+            "attn_pre_proj": lambda layer: (layer.self_attn.q_proj(x), layer.self_attn.k_proj(x),
+                                            layer.self_attn.v_proj(x)),
+            "attn_rope": lambda _: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
+            "attn_post_proj": lambda layer: layer.self_attn.o_proj(attn_out),
+            "mlp_up_proj": lambda layer: (layer.mlp.gate_proj(x), layer.mlp.up_proj(x)),
+            "mlp_act": lambda _: F.silu(gate) * intermediate,
+            "mlp_down_proj": lambda layer: layer.mlp.down_proj(intermediate),
+            "add": lambda _: (x + x, x + x),
         }
-        return {name: best_ms(fn, self.device, self.repeats) for name, fn in ops.items()}
+        layers = self.layers
+        return {name: best_ms(lambda op=op: [op(layer) for layer in layers], self.device,
+                              self.repeats) / len(layers)
+                for name, op in ops.items()}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
         """Per-layer attention time for chunks given as (kv_before, query_len)."""
@@ -123,30 +145,13 @@ class Profiler:
         return self._attention_ms([(kv_before, chunk)])
 
     def decode_attention(self, batch: int, kv_total: int) -> float:
-        per_request = max(kv_total // batch, 1)
-        return self._attention_ms([(per_request - 1, 1)] * batch)
-
-
-def monotone_envelope(rows: np.ndarray) -> np.ndarray:
-    """Clip each measurement to the cheapest measurement of a larger shape.
-
-    Every op here costs at least as much for more tokens (or more KV, or a bigger batch).
-    A point above a larger point was slowed by something else, typically another process
-    taking a core in the middle of a two-thread kernel, which best-of-N cannot always
-    remove: on a busy machine a 2-token GEMM measured 40 ms while 2,048 tokens took 0.3 ms.
-    Rows are ``(x, ms)`` or ``(x0, x1, ms)`` on a full grid.
-    """
-    rows = np.array(rows, dtype=np.float64)
-    if rows.shape[1] == 2:
-        order = np.argsort(rows[:, 0], kind="stable")
-        rows[order, 1] = np.minimum.accumulate(rows[order, 1][::-1])[::-1]
-        return rows
-    for key, other in ((0, 1), (1, 0)):  # non-decreasing along each axis
-        for value in np.unique(rows[:, key]):
-            line = np.flatnonzero(rows[:, key] == value)
-            line = line[np.argsort(rows[line, other], kind="stable")]
-            rows[line, 2] = np.minimum.accumulate(rows[line, 2][::-1])[::-1]
-    return rows
+        """Decodes whose KV lengths spread evenly from short to twice the mean, as requests
+        at different points of their lives do. The total is the table key; the spread
+        matters to backends that pad: the torch reference pads each group of similar KV
+        lengths to the group's longest."""
+        mean = kv_total / batch
+        lengths = [max(1, round(2 * mean * (i + 0.5) / batch)) for i in range(batch)]
+        return self._attention_ms([(kv - 1, 1) for kv in lengths])
 
 
 def calibration_batches(rng: np.random.Generator, count: int, max_kv: int) -> list[Batch]:
@@ -178,27 +183,6 @@ def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 5) -> f
     return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
 
 
-def fit_overhead(sequences: list[int], residuals_ms: list[float]) -> tuple[float, float]:
-    """Fit ``residual = fixed + per_sequence * sequences``, both kept >= 0.
-
-    Least absolute deviations (iteratively reweighted least squares): a batch slowed down by
-    another process is an outlier that only ever adds time, and must not drag the line up.
-    """
-    x = np.asarray(sequences, dtype=float)
-    y = np.asarray(residuals_ms, dtype=float)
-    design = np.column_stack([np.ones_like(x), x])
-    weights = np.ones_like(y)
-    for _ in range(30):
-        root = np.sqrt(weights)
-        (fixed, per_sequence), *_ = np.linalg.lstsq(design * root[:, None], y * root, rcond=None)
-        weights = 1.0 / np.maximum(np.abs(y - fixed - per_sequence * x), 1e-3)
-    if per_sequence < 0:
-        return max(0.0, float(np.median(y))), 0.0
-    if fixed < 0:
-        return 0.0, max(0.0, float(np.median(y / np.maximum(x, 1.0))))
-    return float(fixed), float(per_sequence)
-
-
 @dataclasses.dataclass(frozen=True)
 class ProfileGrid:
     tokens: tuple[int, ...] = TOKEN_GRID
@@ -206,7 +190,81 @@ class ProfileGrid:
     prefill_chunk: tuple[int, ...] = PREFILL_CHUNK_GRID
     decode_batch: tuple[int, ...] = DECODE_BATCH_GRID
     decode_kv: tuple[int, ...] = DECODE_KV_GRID
-    calibration_batches: int = 24
+    calibration_batches: int = 24  # random ModelRunner batches for the runner overhead
+    calibration_repeats: int = 5
+    engine_load: CalibrationLoad = CalibrationLoad()  # engine steps for the host overhead
+
+
+# "small" keeps profiling a ~100M-parameter model on a 2-core CPU to a few minutes: fewer
+# grid points (the predictor interpolates between them) and lighter calibration.
+PROFILE_GRIDS = {
+    "full": ProfileGrid(),
+    "small": ProfileGrid(tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+                         prefill_kv=(0, 512, 2048, 4096), prefill_chunk=(32, 128, 512, 1024),
+                         decode_batch=(1, 4, 16, 64), decode_kv=(256, 2048, 16384),
+                         calibration_batches=16, calibration_repeats=3,
+                         engine_load=CalibrationLoad(waves=(1, 4, 12, 24),
+                                                     prompt_tokens=(16, 200))),
+}
+
+
+def measure_tables(profiler: Profiler, grid: ProfileGrid, progress: tqdm) -> dict[str, np.ndarray]:
+    """Every op of one layer on the grid, ms per layer, made to grow with every key."""
+    tables: dict[str, list] = {}
+    for tokens in grid.tokens:
+        for op, ms in profiler.linear_ops(tokens).items():
+            tables.setdefault(op, []).append((tokens, ms))
+        progress.update()
+    for kv_before in grid.prefill_kv:
+        for chunk in grid.prefill_chunk:
+            tables.setdefault("attn_prefill", []).append(
+                (kv_before, chunk, profiler.prefill_attention(kv_before, chunk)))
+            progress.update()
+    for batch in grid.decode_batch:
+        for kv_total in grid.decode_kv:
+            tables.setdefault("attn_decode", []).append(
+                (batch, kv_total, profiler.decode_attention(batch, kv_total)))
+            progress.update()
+    return {op: lower_envelope(np.array(rows)) for op, rows in tables.items()}
+
+
+def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
+                           grid: ProfileGrid) -> list[tuple[int, float]]:
+    """(sequences, execute - tables ms) over random mixed batches: decodes with KV up to 2K
+    next to prefill chunks, shapes a serving load may not reach."""
+    predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
+    return [(len(batch.chunks), measure_execute_ms(runner, batch, grid.calibration_repeats)
+             - predict_ms(predictor, batch))
+            for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
+                                             2048)]
+
+
+def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
+                        random_batches: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """The runner and host overheads, fitted on the steps the real LLMEngine runs when it
+    packs a serving load with this profile (see step_calibration.py); the runner's also on
+    ``random_batches``, with as much weight in total as the engine steps."""
+    # The packer must fit a prefill chunk next to the decodes, also on a model slower than the
+    # usual 50 ms target (a ~100M model on one CPU core takes ~50 ms for 32 tokens).
+    bootstrap = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
+    target_ms = max(50.0, 2.0 * predict_batch_time_ms(bootstrap, [(128, 128)], []))
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device=device, profile_dir=profile_dir,
+                                    num_kv_blocks=4096),
+                       SchedulerConfig(target_batch_time_ms=target_ms))
+    try:
+        timings = time_engine_steps(engine, load)
+    finally:
+        engine.close()
+    tables_only = RuntimePredictor.from_directory(
+        profile_dir, meta=ProfileMeta(**{**dataclasses.asdict(bootstrap.meta),
+                                         "iteration_overhead_ms": 0.0,
+                                         "per_sequence_overhead_ms": 0.0}), cache_dir=None)
+    repeat = max(1, round(len(timings) / max(len(random_batches), 1)))
+    runner_ms, runner_per_sequence_ms = fit_runner_overhead(
+        timings, lambda batch: predict_ms(tables_only, batch), list(random_batches) * repeat)
+    host_ms, host_per_sequence_ms = fit_host_overhead(timings)
+    return {"iteration_overhead_ms": runner_ms, "per_sequence_overhead_ms": runner_per_sequence_ms,
+            "host_overhead_ms": host_ms, "host_per_sequence_ms": host_per_sequence_ms}
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int,
@@ -216,44 +274,28 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
     needed_blocks = max(2 * max(grid.decode_kv), 60_000) // BLOCK_SIZE + 64
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device,
                                       num_kv_blocks=needed_blocks), model_config)
-    profiler = Profiler(runner, repeats)
     steps = len(grid.tokens) + len(grid.prefill_kv) * len(grid.prefill_chunk) + \
-        len(grid.decode_batch) * len(grid.decode_kv) + 1
-    tables: dict[str, list] = {}
+        len(grid.decode_batch) * len(grid.decode_kv) + 2
+    meta = ProfileMeta(num_layers=model_config.num_layers, device=str(runner.device),
+                       model={"name": model_dir.name, "hidden_size": model_config.hidden_size,
+                              "num_attention_heads": model_config.num_heads,
+                              "num_key_value_heads": model_config.num_kv_heads,
+                              "intermediate_size": model_config.intermediate_size},
+                       linear_profiled_max_tokens=max(grid.tokens))
     with torch.inference_mode(), tqdm(total=steps, unit="point", desc="profiling") as progress:
-        for tokens in grid.tokens:
-            for op, ms in profiler.linear_ops(tokens).items():
-                tables.setdefault(op, []).append((tokens, ms))
-            progress.update()
-        for kv_before in grid.prefill_kv:
-            for chunk in grid.prefill_chunk:
-                tables.setdefault("attn_prefill", []).append(
-                    (kv_before, chunk, profiler.prefill_attention(kv_before, chunk)))
-                progress.update()
-        for batch in grid.decode_batch:
-            for kv_total in grid.decode_kv:
-                tables.setdefault("attn_decode", []).append(
-                    (batch, kv_total, profiler.decode_attention(batch, kv_total)))
-                progress.update()
-        meta = ProfileMeta(num_layers=model_config.num_layers, device=str(runner.device),
-                           model={"name": model_dir.name, "hidden_size": model_config.hidden_size,
-                                  "num_attention_heads": model_config.num_heads,
-                                  "num_key_value_heads": model_config.num_kv_heads,
-                                  "intermediate_size": model_config.intermediate_size},
-                           linear_profiled_max_tokens=max(grid.tokens))
-        tables = {op: monotone_envelope(rows) for op, rows in tables.items()}
+        tables = measure_tables(Profiler(runner, repeats), grid, progress)
         write_profile(out, tables, meta)
-        # The layer tables miss the work around the layers; fit it as a + b * sequences.
-        predictor = RuntimePredictor.from_directory(out, cache_dir=None)
-        residuals, sequences = [], []
-        for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
-                                         2048):
-            residuals.append(measure_execute_ms(runner, batch) - predict_ms(predictor, batch))
-            sequences.append(len(batch.chunks))
+        # Random batches first: a rough overhead, so the engine below packs sensibly.
+        random_batches = random_batch_residuals(runner, out, grid)
+        fixed_ms, per_sequence_ms = fit_overhead(*zip(*random_batches))
+        meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
+                                   per_sequence_overhead_ms=per_sequence_ms)
+        write_profile(out, tables, meta)
         progress.update()
-    fixed_ms, per_sequence_ms = fit_overhead(sequences, residuals)
-    meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
-                               per_sequence_overhead_ms=per_sequence_ms)
+        del runner  # the engine below loads its own copy of the weights
+        meta = dataclasses.replace(meta, **fit_on_engine_steps(model_dir, device, out,
+                                                               grid.engine_load, random_batches))
+        progress.update()
     write_profile(out, tables, meta)
     return out
 
@@ -264,12 +306,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--out", type=Path, required=True, help="profile directory to write")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per grid point")
+    parser.add_argument("--grid", choices=sorted(PROFILE_GRIDS), default="full",
+                        help="grid size: 'small' profiles a ~100M-parameter CPU model in minutes")
 
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.agent.engine.tiny_model import ensure_default_model
 
     model_dir = args.model or ensure_default_model()
-    out = profile(model_dir, args.device, args.out, args.repeats)
+    out = profile(model_dir, args.device, args.out, args.repeats, PROFILE_GRIDS[args.grid])
     print(f"wrote profile of {model_dir.name} to {out}")
     return 0

@@ -5,7 +5,7 @@
 
 One iteration costs, with every term already multiplied by the number of layers:
 
-    overhead + linear(all tokens in the batch)
+    overhead (runner + engine host work, a + b * sequences) + linear(all tokens in the batch)
              + sum over prefill chunks of prefill_attention(kv cached before the chunk, chunk)
              + decode_attention(decode batch size, KV tokens read by all decodes together)
 
@@ -55,13 +55,19 @@ class BatchTimeModel(Protocol):
 class RuntimePredictor:
     """Interpolates profile tables; see the module docstring for the cost formula."""
 
-    def __init__(self, tables: ProfileTables) -> None:
-        self.meta = tables.meta
-        self.num_layers = tables.meta.num_layers
-        self.iteration_overhead_ms = tables.meta.iteration_overhead_ms
+    def __init__(self, tables: ProfileTables, include_host_overhead: bool = True) -> None:
+        meta = tables.meta
+        self.meta = meta
+        self.num_layers = meta.num_layers
+        # With the host terms this predicts a whole engine step (what the packer's budget and
+        # the simulator's clock need); without them, ModelRunner.execute alone.
+        host = include_host_overhead
+        self.iteration_overhead_ms = meta.iteration_overhead_ms + (meta.host_overhead_ms if host
+                                                                   else 0.0)
         # Charged once per sequence: with each decode in decode_attention_ms and with each
         # prefill chunk in prefill_attention_ms, so wrappers (KVP, SPP) inherit it.
-        self.per_sequence_overhead_ms = tables.meta.per_sequence_overhead_ms
+        self.per_sequence_overhead_ms = meta.per_sequence_overhead_ms + (
+            meta.host_per_sequence_ms if host else 0.0)
         self._linear = _sum_linear_ops(tables)
         kv, chunk, prefill_ms = tables.prefill_attention
         self._prefill = Grid2D(kv, chunk, prefill_ms)
@@ -72,8 +78,9 @@ class RuntimePredictor:
 
     @classmethod
     def from_directory(cls, directory: str | Path, meta: ProfileMeta | None = None,
-                       cache_dir: Path | None = DEFAULT_CACHE_DIR) -> RuntimePredictor:
-        return cls(load_profile(directory, meta=meta, cache_dir=cache_dir))
+                       cache_dir: Path | None = DEFAULT_CACHE_DIR,
+                       include_host_overhead: bool = True) -> RuntimePredictor:
+        return cls(load_profile(directory, meta=meta, cache_dir=cache_dir), include_host_overhead)
 
     def linear_ms(self, num_tokens: int) -> float:
         if num_tokens <= 0:

@@ -11,7 +11,8 @@ Format of a profile directory (the Vidur layout, plus one JSON file of our own):
   by (KV tokens already cached, chunk tokens); ``attn_decode`` by (decode batch size, KV tokens
   the batch reads in total). A 2-D table must be a full grid.
 - ``profile.json``: ``{"format_version": 1, "device": ..., "tp": ..., "num_layers": ...,
-  "model": {hidden_size, ...}, "iteration_overhead_ms": ..., "op_counts_per_layer": {...},
+  "model": {hidden_size, ...}, "iteration_overhead_ms": ..., "per_sequence_overhead_ms": ...,
+  "host_overhead_ms": ..., "host_per_sequence_ms": ..., "op_counts_per_layer": {...},
   "linear_profiled_max_tokens": ...}``. Vidur directories have no such file; callers pass a
   ``ProfileMeta`` for them (``VIDUR_H100_LLAMA3_8B_TP8`` below).
 
@@ -53,6 +54,11 @@ class ProfileMeta:
     # preparation, sampling, and (in the torch reference backend) decode attention padded to
     # the longest sequence. Fitted by the profiler; 0 for the H100 tables.
     per_sequence_overhead_ms: float = 0.0
+    # The engine's own host work per step around the model runner (schedule, request-state
+    # update, detokenization and stop checks), ``host_overhead_ms + host_per_sequence_ms *
+    # sequences``; fitted by the profiler on whole engine steps. 0 for the H100 tables.
+    host_overhead_ms: float = 0.0
+    host_per_sequence_ms: float = 0.0
     op_counts_per_layer: dict = field(default_factory=dict)  # op -> calls per layer (default 1)
     linear_profiled_max_tokens: int | None = None  # tables are flat (unmeasured) above this
 
@@ -65,6 +71,8 @@ class ProfileMeta:
             raise ValueError("iteration_overhead_ms must be >= 0")
         if self.per_sequence_overhead_ms < 0:
             raise ValueError("per_sequence_overhead_ms must be >= 0")
+        if self.host_overhead_ms < 0 or self.host_per_sequence_ms < 0:
+            raise ValueError("host overheads must be >= 0")
 
     def to_json(self) -> dict:
         return {"format_version": PROFILE_FORMAT_VERSION, **asdict(self)}

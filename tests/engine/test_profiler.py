@@ -1,12 +1,19 @@
-"""`slipstream profile` on the tiny model writes a profile the runtime predictor can load."""
+"""`slipstream profile` on the tiny model writes a profile the runtime predictor can load, and
+its engine-step calibration times real LLMEngine steps."""
 
 from __future__ import annotations
 
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profiler import ProfileGrid, profile
+from slipstream.agent.engine.step_calibration import (CalibrationLoad, StepTiming,
+                                                      fit_host_overhead, time_engine_steps)
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 
+SMALL_LOAD = CalibrationLoad(waves=(1, 3), prompt_tokens=(16, 64), output_tokens=(4, 8))
 SMALL_GRID = ProfileGrid(tokens=(1, 16, 128), prefill_kv=(0, 256), prefill_chunk=(32, 128),
-                         decode_batch=(1, 8), decode_kv=(256, 1024), calibration_batches=3)
+                         decode_batch=(1, 8), decode_kv=(256, 1024), calibration_batches=3,
+                         engine_load=SMALL_LOAD)
 
 
 def test_profile_writes_a_loadable_monotone_profile(tiny_model_dir, tmp_path):
@@ -19,3 +26,30 @@ def test_profile_writes_a_loadable_monotone_profile(tiny_model_dir, tmp_path):
     assert 0 < predictor.decode_attention_ms(1, 256) <= predictor.decode_attention_ms(8, 1024)
     names = {path.name for path in out.iterdir()}
     assert {"profile.json", "attn_prefill.csv", "attn_decode.csv", "mlp_up_proj.csv"} <= names
+    # Scheduling and output processing always cost something: the host fit cannot be empty.
+    meta = predictor.meta
+    assert meta.host_overhead_ms + meta.host_per_sequence_ms > 0
+    runner_only = RuntimePredictor.from_directory(out, cache_dir=None,
+                                                  include_host_overhead=False)
+    assert runner_only.iteration_overhead_ms == meta.iteration_overhead_ms
+
+
+def test_engine_steps_are_timed_whole_and_cover_every_batch_size(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=256))
+    load = CalibrationLoad(waves=(1, 4), prompt_tokens=(8, 32), output_tokens=(5, 5))
+    timings = time_engine_steps(engine, load)
+    assert not engine.has_unfinished()
+    assert engine.on_step is None  # the hook is handed back
+    # Prompts fit one chunk: per wave, one prefill step and four decode steps.
+    assert [t.sequences for t in timings] == [1] * 5 + [4] * 5
+    assert all(t.step_ms > t.execute_ms > 0 for t in timings)
+    fixed_ms, per_sequence_ms = fit_host_overhead(timings)
+    assert fixed_ms >= 0 and per_sequence_ms >= 0
+    assert fixed_ms + 4 * per_sequence_ms < max(t.step_ms for t in timings)
+
+
+def test_host_fit_uses_the_time_outside_the_runner():
+    # Steps of 1..8 sequences whose execution grows fast but whose host part is 0.2 + 0.05 n.
+    timings = [StepTiming(n, 3.0 * n + 0.2 + 0.05 * n, 3.0 * n) for n in range(1, 9)] * 2
+    fixed_ms, per_sequence_ms = fit_host_overhead(timings)
+    assert abs(fixed_ms - 0.2) < 1e-6 and abs(per_sequence_ms - 0.05) < 1e-6

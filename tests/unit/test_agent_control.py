@@ -37,6 +37,23 @@ def test_slo_deviation_is_the_mean_relative_overshoot():
     assert window.snapshot(20.0).slo_deviation == 0.0
 
 
+def test_running_sums_agree_with_a_recount_over_a_long_busy_run():
+    window = LoadWindow(start_s=0.0, window_s=5.0)
+    steps = [(i * 0.004, i * 0.004 + 0.003, 64 if i % 7 == 0 else 0) for i in range(20_000)]
+    for index, (start, end, tokens) in enumerate(steps):
+        window.record_step(start, end, tokens)
+        if index % 997 == 0:
+            window.record_first_token(end, ttft_s=0.1 * (index % 5), target_s=0.2)
+    now = steps[-1][1] + 0.5
+    inside = [(s, e, t) for s, e, t in steps if e >= now - 5.0]
+    busy = sum(max(0.0, e - max(s, now - 5.0)) for s, e, _ in inside)
+    rate = sum(t for *_, t in inside) / sum(e - s for s, e, t in inside if t)
+    snapshot = window.snapshot(now)
+    assert snapshot.utilization == pytest.approx(busy / 5.0, rel=1e-9)
+    assert snapshot.prefill_tokens_per_s == pytest.approx(rate, rel=1e-9)
+    assert window.snapshot(now + 60.0).utilization == 0.0
+
+
 def test_queue_backlog_seconds_prices_tokens_at_the_prefill_rate():
     stats = EngineStats(num_waiting=3, num_running=1, kv_blocks_used=0, kv_blocks_total=10,
                         num_preemptions_total=0, backlog_prompt_tokens=4000,

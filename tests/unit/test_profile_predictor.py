@@ -33,7 +33,7 @@ def h100(h100_tables):
     return RuntimePredictor(h100_tables)
 
 
-def small_profile(directory: Path, iteration_overhead_ms: float = 0.0) -> Path:
+def small_profile(directory: Path, iteration_overhead_ms: float = 0.0, **meta_fields) -> Path:
     tokens = np.arange(1, 65)
     kv = np.arange(0, 1025, 256)
     chunks = np.arange(32, 129, 32)
@@ -45,7 +45,7 @@ def small_profile(directory: Path, iteration_overhead_ms: float = 0.0) -> Path:
         "attn_decode": np.array([(b, k, 0.004 + 0.001 * b + 2e-6 * k) for b in batches for k in kv]),
     }
     meta = ProfileMeta(num_layers=2, device="cpu", tp=1, model={"hidden_size": 64},
-                       iteration_overhead_ms=iteration_overhead_ms)
+                       iteration_overhead_ms=iteration_overhead_ms, **meta_fields)
     return write_profile(directory, tables, meta)
 
 
@@ -64,6 +64,21 @@ def test_written_profile_loads_back_and_hits_table_points_exactly(tmp_path):
     expected = (0.5 + predictor.linear_ms(66) + predictor.prefill_attention_ms(512, 64)
                 + predictor.decode_attention_ms(2, 300))
     assert batch_ms == pytest.approx(expected)
+
+
+def test_engine_host_overhead_is_part_of_a_step_unless_only_the_runner_is_asked_for(tmp_path):
+    directory = small_profile(tmp_path / "profile", iteration_overhead_ms=0.5,
+                              per_sequence_overhead_ms=0.1, host_overhead_ms=0.3,
+                              host_per_sequence_ms=0.02)
+    step = RuntimePredictor.from_directory(directory, cache_dir=None)
+    runner = RuntimePredictor.from_directory(directory, cache_dir=None,
+                                             include_host_overhead=False)
+    prefills, decodes = [(64, 576), (32, 32)], [100, 200, 300]
+    # Five sequences: the host adds 0.3 ms per step and 0.02 ms per sequence.
+    difference = (predict_batch_time_ms(step, prefills, decodes)
+                  - predict_batch_time_ms(runner, prefills, decodes))
+    assert difference == pytest.approx(0.3 + 5 * 0.02)
+    assert runner.iteration_overhead_ms == 0.5 and runner.per_sequence_overhead_ms == 0.1
 
 
 def test_profile_without_meta_is_refused(tmp_path):
