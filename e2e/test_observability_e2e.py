@@ -55,7 +55,7 @@ def observed_replica(namespace: str, model_dir: Path) -> dict:
         pools={"short": 1, "longPrefillThresholdTokens": LONG_THRESHOLD_TOKENS,
                "rebalance": {"enabled": True, "periodSeconds": 1, "cooldownSeconds": 300,
                              "hysteresis": 0.2, "minPerPool": 0}},
-        slo={"ttftSeconds": 0.005, "tpotMilliseconds": 500, "attainmentTarget": 0.95})
+        slo={"ttftSeconds": 0.001, "tpotMilliseconds": 500, "attainmentTarget": 0.95})
 
 
 @contextlib.contextmanager

@@ -62,6 +62,15 @@ def test_failed_pod_recreates_its_instance_while_the_other_serves(dev_cluster, s
                             "--wait=false")
         dev_cluster.wait_for(lambda: events(dev_cluster, namespace, "InstanceRestarted"), 60,
                              "an InstanceRestarted Event")
+
+        def replaced() -> bool:
+            names = {p["metadata"]["name"]: instance_of(p)
+                     for p in replica_pods(dev_cluster, namespace, "r")}
+            return victim["metadata"]["name"] not in names and \
+                sorted(names.values()) == ["r-0", "r-1"]
+
+        # The status can still read 2/2 from before the deletion; wait for the pods first.
+        dev_cluster.wait_for(replaced, 60, "a replacement pod for the deleted one")
         replica = wait_ready(dev_cluster, namespace, "r", "2/2")
         time.sleep(1)
     assert traffic.failures == [] and traffic.ok > 0
