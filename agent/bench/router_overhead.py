@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -23,11 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from slipstream.agent.bench.live_server import free_port
 
 
 @contextlib.contextmanager
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    agent_port, router_port = _free_port(), _free_port()
+    agent_port, router_port = free_port(), free_port()
     agent_url, router_url = f"http://127.0.0.1:{agent_port}", f"http://127.0.0.1:{router_port}"
     samples: dict[str, dict[str, list[float]]] = {
         path: {"ttft": [], "e2e": []} for path in ("direct", "router")}
