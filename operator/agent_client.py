@@ -16,7 +16,7 @@ import grpc
 from slipstream.agent.server.control import ControlClient
 from slipstream.operator import naming
 from slipstream.operator.instances import ObservedInstance
-from slipstream.operator.rebalancer import InstanceSignals
+from slipstream.decisions.pools import InstanceSignals
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The pool rebalancer loop of one ServingReplica (PLA-Serve Algorithm 2 around rebalancer.py).
+"""The pool rebalancer loop of one ServingReplica (PLA-Serve Algorithm 2 around
+decisions/pools.py).
 
     kopf daemon per ServingReplica --run()--> every spec.pools.rebalance.periodSeconds:
       pods --observe_pods--> ready instances --agent_client.read_signals--> InstanceSignals
@@ -22,7 +23,7 @@ from slipstream.operator import agent_client, metrics, naming
 from slipstream.operator.handle_reconcile import EventSink, now_rfc3339, replica_lock
 from slipstream.operator.instances import ObservedInstance, observe_pods
 from slipstream.operator.kube import Kube
-from slipstream.operator.rebalancer import InstanceSignals, RebalanceDecision, decide
+from slipstream.decisions.pools import InstanceSignals, RebalanceDecision, decide
 from slipstream.operator.status import with_rebalance
 
 IDLE_CHECK_S = 30.0  # how often a replica without (enabled) pools looks again

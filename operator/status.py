@@ -18,7 +18,7 @@ from slipstream.crds.servingreplica import (
 from slipstream.operator import naming
 from slipstream.operator.instances import ObservedInstance
 from slipstream.operator.placement import InstancePlacement, PlacementFailure
-from slipstream.operator.rebalancer import BALANCED, MOVED, NO_STATS, RebalanceDecision
+from slipstream.decisions.pools import BALANCED, MOVED, NO_STATS, RebalanceDecision
 
 PLACED, READY, DEGRADED, POOLS_BALANCED = "Placed", "Ready", "Degraded", "PoolsBalanced"
 

@@ -7,8 +7,8 @@ long-request threshold is scaled to the tiny CPU model (``--long-threshold-token
 production default of 256K tokens is beyond what a CPU prefills in seconds.
 
 One workload, replayed in real time against a fresh engine per policy, in one run:
-  * mostly short requests (prompt and output lengths drawn from the ShareGPT length trace in
-    ``../shared/data`` and scaled down to the tiny model), Poisson arrivals;
+  * mostly short requests (prompt and output lengths drawn from the ShareGPT length trace the
+    simulator ships, scaled down to the tiny model), Poisson arrivals;
   * a few long prompts, each taking seconds to prefill on this CPU;
   * an arrival rate set to ``--load`` times the engine's measured burst capacity for short
     requests (burst capacity overstates what Poisson arrivals sustain, hence the low default).
@@ -32,13 +32,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from slipstream.agent.bench.datasets import SHAREGPT_LENGTHS, find_shared_data, read_length_trace
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profiler import profile
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.tiny_model import ensure_default_model
 from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.agent.sim.datasets import data_path
+from slipstream.agent.sim.traces import read_length_file
 
 
 
@@ -52,14 +53,11 @@ class Arrival:
 
 
 def short_lengths(rng: np.random.Generator, count: int, scale: float) -> list[tuple[int, int]]:
-    """(prompt, output) lengths from the ShareGPT trace, scaled; uniform if it is missing."""
-    trace = find_shared_data(*SHAREGPT_LENGTHS)
-    if trace is not None:
-        rows = read_length_trace(trace)
-        picks = rng.choice(len(rows), count)
-        return [(max(8, int(rows[i][0] * scale)), max(4, min(48, int(rows[i][1] * scale))))
-                for i in picks]
-    return [(int(rng.integers(16, 256)), int(rng.integers(4, 32))) for _ in range(count)]
+    """(prompt, output) lengths from the ShareGPT trace, scaled."""
+    rows = read_length_file(data_path("sharegpt"))
+    picks = rng.choice(len(rows), count)
+    return [(max(8, int(rows[i][0] * scale)), max(4, min(48, int(rows[i][1] * scale))))
+            for i in picks]
 
 
 def build_workload(rng: np.random.Generator, rate_per_s: float, duration_s: float,

@@ -1,8 +1,7 @@
 """Scheduling cost: wall time of one ``Scheduler.schedule()`` with 10,000 waiting requests.
 
 For each policy, 256 requests are brought to steady decoding, then 10,000 more queue up
-(prompt and output lengths drawn from the ShareGPT length trace in ``../shared/data`` when it
-is present, otherwise from a log-normal). We then step the scheduler on a fake clock that
+(prompt and output lengths drawn from the shipped ShareGPT length trace). We then step the scheduler on a fake clock that
 follows its own predictions, finishing requests at their output length, and time only the
 ``schedule()`` calls. Two scenarios:
 
@@ -11,7 +10,7 @@ follows its own predictions, finishing requests at their output length, and time
   policy order and admits from it. To hold the state at 256 running and 10,000 waiting,
   requests admitted by a step are aborted after it and queued again as new ones (untimed).
 
-The predictor is the H100 Llama-3-8B profile when found, else an analytic model. Writes
+The predictor is the shipped H100 Llama-3-8B profile, or ``--profile-dir``. Writes
 ``sched_bench.json`` under ``--out``. Usage::
 
     python -m slipstream.agent.bench.sched_bench --out results/sched
@@ -31,22 +30,18 @@ import numpy as np
 from slipstream.agent.scheduler.block_manager import BlockManager
 from slipstream.agent.scheduler.config import POLICY_NAMES, SchedulerConfig
 from slipstream.agent.scheduler.offline_driver import Arrival, FakeKvRunner, make_request
-from slipstream.agent.bench.datasets import (H100_LLAMA3_8B_TP8, SHAREGPT_LENGTHS,
-                                             find_shared_data, read_length_trace)
-from slipstream.agent.scheduler.predictor import AnalyticModel, RuntimePredictor
+from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8
 from slipstream.agent.scheduler.request import FinishReason
 from slipstream.agent.scheduler.scheduler import Scheduler
+from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR, data_path
+from slipstream.agent.sim.traces import read_length_file
 
 
 def length_sampler(seed: int):
     rng = np.random.default_rng(seed)
-    trace = find_shared_data(*SHAREGPT_LENGTHS)
-    if trace is not None:
-        rows = read_length_trace(trace)
-        return lambda: rows[int(rng.integers(len(rows)))]
-    return lambda: (int(min(8000, rng.lognormal(7.0, 1.0))) + 1,
-                    int(min(1000, rng.lognormal(5.5, 0.8))) + 1)
+    rows = read_length_file(data_path("sharegpt"))
+    return lambda: rows[int(rng.integers(len(rows)))]
 
 
 def step(scheduler: Scheduler, runner: FakeKvRunner, now_s: float) -> tuple[float, float]:
@@ -110,19 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--running", type=int, default=256, help="running requests")
     parser.add_argument("--steps", type=int, default=300, help="timed schedule() calls")
     parser.add_argument("--profile-dir", type=Path, default=None,
-                        help="Vidur-format profile (default: the shared H100 Llama-3-8B one)")
+                        help="Vidur-format profile (default: the shipped H100 Llama-3-8B one)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    profile = args.profile_dir or find_shared_data(*H100_LLAMA3_8B_TP8)
-    if profile is not None:
-        meta = None if (profile / "profile.json").exists() else VIDUR_H100_LLAMA3_8B_TP8
-        predictor, predictor_name = RuntimePredictor.from_directory(profile, meta=meta), profile.name
-    else:
-        predictor = AnalyticModel(ms_per_token=0.01, ms_per_attended_pair=1e-8,
-                                  ms_per_decode_kv_token=1e-6, iteration_overhead_ms=1.0)
-        predictor_name = "analytic"
+    profile = args.profile_dir or H100_LLAMA3_8B_TP8_DIR
+    meta = None if (profile / "profile.json").exists() else VIDUR_H100_LLAMA3_8B_TP8
+    predictor, predictor_name = RuntimePredictor.from_directory(profile, meta=meta), profile.name
     report = {"machine": {"python": platform.python_version(), "processor": platform.processor(),
                           "platform": platform.platform()},
               "predictor": predictor_name, "results": {}}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slipstream.agent.parallel.config import ParallelConfig, RankCoords
+from slipstream.agent.engine.parallel_config import ParallelConfig, RankCoords
 from slipstream.agent.parallel.env import WorkerEnv
 
 # Long enough for a large model to load on every rank; a dead peer is caught by the

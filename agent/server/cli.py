@@ -23,8 +23,8 @@ from pathlib import Path
 
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, ShortPrefillBuckets)
-from slipstream.agent.scheduler.config import (
-    POLICY_NAMES, PREEMPTION_MODES, SHORT_PREFILL_BATCHING_MODES, SchedulerConfig)
+from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
+from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
 from slipstream.agent.server.config import (
     DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
@@ -150,44 +150,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_short_prefill_arguments(parser)
 
 
-def add_short_prefill_arguments(parser: argparse.ArgumentParser) -> None:
-    """The AWD flags, shared by `slipstream serve` and `slipstream simulate`."""
-    defaults = SchedulerConfig()
-    awd = parser.add_argument_group(
-        "short-prefill batching (PLA-Serve Adaptive Wait-Depth)",
-        "With awd, a new prompt of at most --awd-max-prompt-tokens tokens (and below "
-        "--long-request-threshold-tokens) waits briefly so that short prompts are prefilled "
-        "in groups: a group goes as soon as it reaches AWD's target depth, its window closes, "
-        "a member's TTFT deadline is near, or its oldest member waited --awd-max-head-wait-ms. "
-        "Meant for a short-prefill pool under heavy short traffic; it adds up to the window "
-        "to a lone request's TTFT.")
-    awd.add_argument("--short-prefill-batching", choices=SHORT_PREFILL_BATCHING_MODES,
-                     default=defaults.short_prefill_batching,
-                     help="off admits every request at once; awd batches short prefills")
-    awd.add_argument("--awd-max-prompt-tokens", type=int,
-                     default=defaults.awd_max_prompt_tokens, metavar="TOKENS",
-                     help="longest prompt AWD holds (a power of two >= 8); length buckets are "
-                          "8, 16, ... up to it")
-    awd.add_argument("--awd-max-wait-ms", type=float, default=defaults.awd_max_wait_ms,
-                     metavar="MS", help="longest a group waits to fill (W_max)")
-    awd.add_argument("--awd-max-head-wait-ms", type=float,
-                     default=defaults.awd_max_head_wait_ms, metavar="MS",
-                     help="no prompt is held longer than this")
-    awd.add_argument("--awd-slack-threshold-ms", type=float,
-                     default=defaults.awd_slack_threshold_ms, metavar="MS",
-                     help="release a group once a member's TTFT deadline is this close, after "
-                          "one estimated prefill step")
-
-
-def short_prefill_settings(args: argparse.Namespace) -> dict:
-    """The AWD fields of SchedulerConfig from the flags above."""
-    return dict(short_prefill_batching=args.short_prefill_batching,
-                awd_max_prompt_tokens=args.awd_max_prompt_tokens,
-                awd_max_wait_ms=args.awd_max_wait_ms,
-                awd_max_head_wait_ms=args.awd_max_head_wait_ms,
-                awd_slack_threshold_ms=args.awd_slack_threshold_ms)
-
-
 def _comma_list(values: tuple[int, ...]) -> str:
     # A string default goes through ``type`` like typed-in text, and --help shows it plainly.
     return ",".join(str(value) for value in values)
@@ -241,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.errors import EngineDeadError
-    from slipstream.agent.parallel.config import ParallelConfig
+    from slipstream.agent.engine.parallel_config import ParallelConfig
     from slipstream.agent.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(),

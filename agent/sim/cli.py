@@ -28,17 +28,16 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
+from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8, ProfileMeta
-from slipstream.agent.server.cli import add_short_prefill_arguments, short_prefill_settings
+from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR, H100_PROFILE
 from slipstream.agent.sim.instance import InstanceConfig
 from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
 from slipstream.agent.sim.pools import POOL_MODES, PoolsConfig
 from slipstream.agent.sim.simulator import SimConfig, SimResult, simulate
 from slipstream.agent.sim.workloads import RECIPES, WorkloadSpec, build_workload, parse_weighted
 from slipstream.crds.servingreplica import Rebalance
-
-H100_PROFILE = "h100-llama3-8b-tp8"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inst = parser.add_argument_group("instances")
     inst.add_argument("--profile", default=H100_PROFILE, metavar="DIR",
                       help=f"profile directory from `slipstream profile`, or {H100_PROFILE} "
-                           "(the H100 tables in ../shared/data/perf)")
+                           "(Vidur's H100 tables for Llama-3-8B at TP 8, shipped with the package)")
     inst.add_argument("--num-instances", type=int, default=1)
     inst.add_argument("--tp", type=int, default=None, help="default: the profile's TP")
     inst.add_argument("--spp", type=int, default=1, help="stream pipeline stages")
@@ -120,12 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model(profile: str) -> tuple[RuntimePredictor, ProfileMeta]:
     if profile == H100_PROFILE:
-        from slipstream.agent.bench.datasets import H100_LLAMA3_8B_TP8, find_shared_data
-
-        directory = find_shared_data(*H100_LLAMA3_8B_TP8)
-        if directory is None:
-            raise FileNotFoundError("../shared/data/perf/h100-llama3-8b-tp8 not found")
-        return RuntimePredictor.from_directory(directory, meta=VIDUR_H100_LLAMA3_8B_TP8), \
+        return RuntimePredictor.from_directory(H100_LLAMA3_8B_TP8_DIR,
+                                               meta=VIDUR_H100_LLAMA3_8B_TP8), \
             VIDUR_H100_LLAMA3_8B_TP8
     meta_path = Path(profile) / "profile.json"
     meta = ProfileMeta.from_json(json.loads(meta_path.read_text())) if meta_path.exists() \

@@ -3,7 +3,7 @@ operator's pool rebalancer run on the simulated clock.
 
     arrival --PoolRouter.route()--> pool by prompt length --> least backlog inside the pool
     every period: SimInstance.load / backlog --> InstanceSignals
-        --operator.rebalancer.decide()--> at most one relabel per cooldown
+        --decisions.pools.decide()--> at most one relabel per cooldown
 
 The rebalancer is the operator's own pure ``decide`` (PLA-Serve Algorithm 2), not a copy, and
 the signals are built the way the live agent builds them: queue backlog is the prompt tokens
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from slipstream.agent.engine.stats import NOMINAL_PREFILL_TOKENS_PER_S
 from slipstream.agent.sim.instance import RequestRecord, SimInstance
 from slipstream.crds.servingreplica import Rebalance
-from slipstream.operator.rebalancer import LONG, SHORT, InstanceSignals, RebalanceDecision, decide
+from slipstream.decisions.pools import LONG, SHORT, InstanceSignals, RebalanceDecision, decide
 
 POOL_MODES = ("static", "rebalanced")
 

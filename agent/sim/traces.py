@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from slipstream.agent.sim.datasets import open_text
+
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
@@ -28,9 +30,10 @@ class TraceRequest:
 
 
 def read_azure_csv(path: Path, limit: int | None = None) -> list[TraceRequest]:
-    """Azure LLM inference trace 2023: ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
+    """Azure LLM inference trace 2023: ``TIMESTAMP,ContextTokens,GeneratedTokens`` (``.xz`` or
+    plain, as every reader here)."""
     rows: list[tuple[datetime, int, int]] = []
-    with Path(path).open() as handle:
+    with open_text(Path(path)) as handle:
         for row in csv.DictReader(handle):
             # Seven fractional digits: Python parses at most six.
             stamp = datetime.strptime(row["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f")
@@ -48,7 +51,7 @@ def read_azure_csv(path: Path, limit: int | None = None) -> list[TraceRequest]:
 def read_mooncake_jsonl(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """Mooncake conversation trace: ``timestamp`` (ms), ``input_length``, ``output_length``."""
     requests = []
-    with Path(path).open() as handle:
+    with open_text(Path(path)) as handle:
         for line in handle:
             if not line.strip():
                 continue
@@ -66,7 +69,7 @@ def read_mooncake_jsonl(path: Path, limit: int | None = None) -> list[TraceReque
 
 def read_length_file(path: Path) -> list[tuple[int, int]]:
     """(prompt, output) rows of a vajra/vidur length CSV (``num_prefill_tokens,...``)."""
-    with Path(path).open() as handle:
+    with open_text(Path(path)) as handle:
         return [(max(1, int(row["num_prefill_tokens"])), max(1, int(row["num_decode_tokens"])))
                 for row in csv.DictReader(handle)]
 

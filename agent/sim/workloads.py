@@ -1,4 +1,4 @@
-"""Named workloads: where the evaluation traces live, and recipes built from them.
+"""Named workloads: the shipped traces (``datasets.py``) and recipes built from them.
 
     --trace azure | mooncake | FILE        recorded arrivals and lengths
     --lengths sharegpt[=W] arxiv[=W] ...   lengths drawn from files, synthetic arrivals
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slipstream.agent.bench.datasets import find_shared_data
+from slipstream.agent.sim.datasets import data_path, open_text, trace_format
 from slipstream.agent.sim.traces import (
     TraceRequest,
     arrival_times,
@@ -37,12 +37,6 @@ from slipstream.agent.sim.traces import (
     scale_to_qps,
 )
 
-NAMED_FILES = {
-    "azure": ("traces", "azure2023_conv.csv"),
-    "mooncake": ("traces", "mooncake_conversation_trace.jsonl"),
-    "sharegpt": ("traces", "sharegpt_8k_lengths.csv"),
-    "arxiv": ("traces", "arxiv_summarization_lengths.csv"),
-}
 RECIPES = ("medha-mixed", "sharegpt-short")
 SHORT_PROMPT_MAX_TOKENS = 256
 
@@ -54,24 +48,11 @@ MEDHA_LONG_OUTPUT_P90_TOKENS = 808
 Z_90 = 1.2815515655446004  # standard normal quantile at 0.9
 
 
-def resolve_data_file(name_or_path: str) -> Path:
-    """A named trace (``azure``, ``sharegpt``, ...) in ``../shared/data``, or a file path."""
-    if name_or_path in NAMED_FILES:
-        path = find_shared_data(*NAMED_FILES[name_or_path])
-        if path is None:
-            raise FileNotFoundError(f"trace {name_or_path!r} not found under ../shared/data")
-        return path
-    path = Path(name_or_path)
-    if not path.exists():
-        raise FileNotFoundError(f"no such trace file: {path}")
-    return path
-
-
 def read_trace(name_or_path: str, limit: int | None = None) -> list[TraceRequest]:
-    path = resolve_data_file(name_or_path)
-    if path.suffix == ".jsonl":
+    path = data_path(name_or_path)
+    if trace_format(path) == ".jsonl":
         return read_mooncake_jsonl(path, limit)
-    with path.open() as handle:
+    with open_text(path) as handle:
         header = handle.readline()
     if header.startswith("TIMESTAMP"):
         return read_azure_csv(path, limit)
@@ -84,7 +65,7 @@ def medha_mixed(count: int, qps: float, seed: int, burstiness: float = 1.0,
                 short_lengths: list[tuple[int, int]] | None = None) -> list[TraceRequest]:
     """Medha's mixed workload: ShareGPT lengths plus ``long_fraction`` of 128K-1M prompts."""
     if short_lengths is None:
-        short_lengths = read_length_file(resolve_data_file("sharegpt"))
+        short_lengths = read_length_file(data_path("sharegpt"))
     rng = np.random.default_rng(seed)
     times = arrival_times(rng, count, qps, burstiness).tolist()
     num_long = round(long_fraction * count)
@@ -106,7 +87,7 @@ def medha_mixed(count: int, qps: float, seed: int, burstiness: float = 1.0,
 def sharegpt_short(count: int, qps: float, seed: int,
                    burstiness: float = 1.0) -> list[TraceRequest]:
     """ShareGPT lengths with prompts of at most ``SHORT_PROMPT_MAX_TOKENS``, Poisson arrivals."""
-    rows = [(prompt, output) for prompt, output in read_length_file(resolve_data_file("sharegpt"))
+    rows = [(prompt, output) for prompt, output in read_length_file(data_path("sharegpt"))
             if prompt <= SHORT_PROMPT_MAX_TOKENS]
     rng = np.random.default_rng(seed)
     times = arrival_times(rng, count, qps, burstiness).tolist()
@@ -178,7 +159,7 @@ def _count_for(spec: WorkloadSpec) -> int:
 
 def _from_length_files(spec: WorkloadSpec, count: int) -> list[TraceRequest]:
     rng = np.random.default_rng(spec.seed)
-    tables = [(name, read_length_file(resolve_data_file(name))) for name, _ in spec.lengths]
+    tables = [(name, read_length_file(data_path(name))) for name, _ in spec.lengths]
     weights = np.array([weight for _, weight in spec.lengths], dtype=np.float64)
     choices = rng.choice(len(tables), size=count, p=weights / weights.sum()).tolist()
     times = arrival_times(rng, count, spec.qps, spec.burstiness).tolist()
@@ -186,8 +167,13 @@ def _from_length_files(spec: WorkloadSpec, count: int) -> list[TraceRequest]:
     for at, which in zip(times, choices):
         name, rows = tables[which]
         prompt, output = rows[int(rng.integers(len(rows)))]
-        requests.append(TraceRequest(at, prompt, output, Path(name).stem))
+        requests.append(TraceRequest(at, prompt, output, _source_name(name)))
     return requests
+
+
+def _source_name(name_or_path: str) -> str:
+    """``sharegpt`` for a shipped trace, the bare file name for a path (``a.csv.xz`` -> ``a``)."""
+    return Path(name_or_path).name.removesuffix(".xz").rsplit(".", 1)[0]
 
 
 def parse_weighted(items: list[str]) -> tuple[tuple[str, float], ...]:

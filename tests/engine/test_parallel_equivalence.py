@@ -8,7 +8,7 @@ import pytest
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
-from slipstream.agent.parallel.config import ParallelConfig
+from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 NUM_KV_BLOCKS = 128

@@ -12,7 +12,7 @@ import sys
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
-from slipstream.agent.parallel.config import ParallelConfig
+from slipstream.agent.engine.parallel_config import ParallelConfig
 
 PROMPTS = [[(13 * i + 5 * j + 1) % 4000 for j in range(30 + 25 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,7 @@ from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaSta
 from slipstream.operator import builders, naming
 from slipstream.operator.instances import observe_pods, plan_instances
 from slipstream.operator.placement import InstancePlacement, NodeShare, PlacementFailure
-from slipstream.operator.rebalancer import MOVED, RebalanceDecision
+from slipstream.decisions.pools import MOVED, RebalanceDecision
 from slipstream.operator.status import CreatedInstance, build_status, with_rebalance
 
 GPU = "nvidia.com/gpu"

@@ -6,15 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.agent.bench.datasets import H100_LLAMA3_8B_TP8, find_shared_data
+from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR
 from slipstream.agent.scheduler.packer import FLOAT_SLACK, PackerConfig, PrefillBudget, largest_chunk_tokens
 from slipstream.agent.scheduler.predictor import AnalyticModel, RuntimePredictor
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8
 
 
-H100_DIR = find_shared_data(*H100_LLAMA3_8B_TP8)
-needs_h100 = pytest.mark.skipif(H100_DIR is None, reason="shared/data/perf not present")
+H100_DIR = H100_LLAMA3_8B_TP8_DIR
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,7 +35,7 @@ prefill_requests = st.lists(
        target_ms=st.sampled_from([20.0, 50.0, 120.0]), use_h100=st.booleans())
 def test_packer_never_exceeds_the_budget_by_its_own_prediction(num_decodes, mean_kv, prefills,
                                                                 target_ms, use_h100):
-    model = h100() if use_h100 and H100_DIR else ANALYTIC
+    model = h100() if use_h100 else ANALYTIC
     config = PackerConfig(target_batch_time_ms=target_ms, long_request_threshold_tokens=200_000)
     budget = PrefillBudget(model, config)
     budget.add_decodes(num_decodes, num_decodes * mean_kv)
@@ -114,7 +113,6 @@ def test_kvp_group_room_caps_the_chunk():
     assert budget.chunk_for(4000, 100_000) == 96
 
 
-@needs_h100
 def test_chunks_shrink_as_a_long_prefill_grows_with_h100_tables():
     config = PackerConfig(target_batch_time_ms=50.0)
     sizes = []
@@ -125,7 +123,6 @@ def test_chunks_shrink_as_a_long_prefill_grows_with_h100_tables():
     assert sizes[0] >= 4 * sizes[-1] > 0
 
 
-@needs_h100
 def test_space_sharing_leaves_room_that_short_prefills_use():
     config = PackerConfig(target_batch_time_ms=50.0, max_space_share_fraction=0.5)
     greedy = PrefillBudget(h100(), config)
@@ -155,7 +152,6 @@ def test_prefill_time_cache_matches_a_linear_model_and_divides_by_spp():
     assert spp.total_s(10_000) == pytest.approx(0.25)
 
 
-@needs_h100
 def test_prefill_time_cache_with_h100_is_superlinear_and_monotone():
     cache = PrefillTimeCache(h100(), PackerConfig(target_batch_time_ms=50.0))
     lengths = [256, 1000, 8192, 65_536, 262_144]

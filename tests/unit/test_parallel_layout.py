@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.agent.engine.models.layers import PipelineStage
-from slipstream.agent.parallel.config import ParallelConfig
+from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.parallel.env import NodeEnv, WorkerEnv, parse_ranks
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager

@@ -7,7 +7,7 @@ import pytest
 from slipstream.agent.engine.config import EngineConfig, ShortPrefillBuckets
 from slipstream.agent.engine.prefill_buckets import (
     PrefillBucket, all_buckets, select_bucket, short_prefill_lengths)
-from slipstream.agent.parallel.config import ParallelConfig
+from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.batch import ScheduledChunk
 
 GRID = all_buckets(ShortPrefillBuckets())

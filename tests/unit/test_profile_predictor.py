@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slipstream.agent.bench.datasets import H100_LLAMA3_8B_TP8, find_shared_data
+from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR
 from slipstream.agent.scheduler.predictor import (
     BatchTimeEstimate,
     RuntimePredictor,
@@ -19,8 +19,7 @@ from slipstream.agent.scheduler.profile_table import (
 )
 
 
-H100_DIR = find_shared_data(*H100_LLAMA3_8B_TP8)
-needs_h100 = pytest.mark.skipif(H100_DIR is None, reason="shared/data/perf not present")
+H100_DIR = H100_LLAMA3_8B_TP8_DIR
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +98,6 @@ def test_extrapolation_is_monotone_and_follows_the_analytic_shape(tmp_path):
     assert decode == sorted(decode) and decode[-1] > decode[1]
 
 
-@needs_h100
 def test_h100_interpolation_equals_table_points(h100_tables, h100):
     layers = VIDUR_H100_LLAMA3_8B_TP8.num_layers
     kv, chunk, prefill_ms = h100_tables.prefill_attention
@@ -117,7 +115,6 @@ def test_h100_interpolation_equals_table_points(h100_tables, h100):
     assert h100.prefill_attention_ms(0, 4096) == pytest.approx(prefill_ms[0, -1] * layers)
 
 
-@needs_h100
 def test_h100_extrapolates_beyond_the_profiled_range(h100):
     assert h100.linear_profiled_max_tokens == 4096
     assert h100.linear_ms(8192) == pytest.approx(2 * h100.linear_ms(4096))
@@ -133,7 +130,6 @@ def test_h100_extrapolates_beyond_the_profiled_range(h100):
     assert all(value > 0 for value in grid)
 
 
-@needs_h100
 def test_h100_prediction_is_microseconds(h100):
     import timeit
 

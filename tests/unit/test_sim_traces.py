@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from slipstream.agent.bench.datasets import find_shared_data
 from slipstream.agent.sim.traces import (
     arrival_times,
     mean_qps,
@@ -100,7 +99,6 @@ def test_medha_recipe_is_deterministic_by_seed():
     assert first != other
 
 
-@pytest.mark.skipif(find_shared_data("traces") is None, reason="../shared/data not present")
 def test_real_traces_load():
     azure = build_workload(WorkloadSpec(trace="azure"))
     assert len(azure) > 19_000 and azure[0].arrival_s == 0.0

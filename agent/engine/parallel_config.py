@@ -8,6 +8,9 @@ group, i.e. ``rank = (kvp_group * spp + stage) * tp + tp_rank``. A TP group is `
 consecutive ranks, so it stays on one node when nodes hold whole multiples of ``tp``. Every
 KVP group is a full pipeline (all layers over ``spp`` stages); KV-cache parallelism splits a
 request's sequence, not the model.
+
+It lives with the engine's configuration, below ``agent/parallel``: the engine sizes its KV
+cache and context from it, and the parallel workers (which import the engine) read it too.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.crds.servingreplica import Rebalance, RebalanceWeights
-from slipstream.operator.rebalancer import (
+from slipstream.decisions.pools import (
     AT_MIN_PER_POOL, BALANCED, COOLING_DOWN, MOVED, NO_STATS, InstanceSignals, decide,
     instance_pressure, percentile, pool_pressures)
 
