@@ -20,6 +20,7 @@ run, or a ``+awd`` suffix for one (``--policies fcfs fcfs+awd`` compares the two
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from dataclasses import replace
@@ -220,6 +221,10 @@ def run(args: argparse.Namespace) -> int:
         (args.out / "summary.json").write_text(json.dumps(
             {"workload": vars(spec) | {"lengths": list(spec.lengths)},
              "results": summaries}, indent=2, default=str) + "\n")
+        if importlib.util.find_spec("matplotlib") is None:
+            print("slipstream simulate: no plots without matplotlib (it comes with the agent "
+                  "extra: pip install 'slipstream[agent]')", file=sys.stderr)
+            return 0
         ttft_cdf(results, args.out / "ttft_cdf.png", args.long_prompt_tokens)
         short_ttft_over_time(results, args.out / "short_ttft_over_time.png",
                              args.long_prompt_tokens)
