@@ -200,8 +200,9 @@ class Slo(ApiModel):
         positive("spec.slo.ttftSeconds", "seconds", number=True)))
     tpot_milliseconds: float | None = Field(None, json_schema_extra=rules(
         positive("spec.slo.tpotMilliseconds", "ms", number=True)))
+    # Below 1: the burn-rate alerts divide by the error budget, 1 - target.
     attainment_target: float = Field(0.99, json_schema_extra=rules(Rule(
-        "self > 0.0 && self <= 1.0", "spec.slo.attainmentTarget must be within (0, 1]")))
+        "self > 0.0 && self < 1.0", "spec.slo.attainmentTarget must be within (0, 1)")))
 
 
 _SPEC_RULES = rules(

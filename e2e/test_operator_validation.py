@@ -1,6 +1,6 @@
 """(3) The API server rejects invalid specs with messages that name the field (the CRD's CEL
 rules). (4) A topology that cannot fit creates no pods and says why, in a condition and an
-Event."""
+Event (and the operator stops retrying the change: kopf.PermanentError)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def test_topology_that_cannot_fit_creates_nothing_and_says_why(dev_cluster, sr_n
     assert placed["status"] == "False" and placed["reason"] == "InsufficientGPUs"
     assert "TP group cannot span nodes" in placed["message"]
     assert "gpu-node-0: 8 free" in placed["message"]
+    # No amount of waiting helps (kopf.PermanentError): the nodes hold 8 GPUs each.
+    assert "even with every one of their GPUs free" in placed["message"]
     warning = dev_cluster.wait_for(lambda: events(dev_cluster, namespace, "InsufficientGPUs"),
                                    30, "an InsufficientGPUs Event")
     assert warning[0]["type"] == "Warning"

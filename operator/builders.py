@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
+from slipstream.crds.agent_config import AgentConfig
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import naming
 from slipstream.operator.placement import NodeShare
@@ -33,19 +32,9 @@ def model_path(spec: ServingReplicaSpec) -> str:
     return f"{PVC_MOUNT_DIR}/{sub_path}" if sub_path else PVC_MOUNT_DIR
 
 
-def engine_config(spec: ServingReplicaSpec) -> dict[str, Any]:
-    """The engine-facing part of the spec, as the agents read it from the ConfigMap."""
-    config: dict[str, Any] = {
-        "model": {"name": spec.model.name, "path": model_path(spec), "dtype": spec.model.dtype},
-        "parallelism": spec.parallelism.to_api(),
-        "scheduler": spec.scheduler.to_api(),
-        "slo": spec.slo.to_api(),
-    }
-    if spec.model.max_model_len is not None:
-        config["model"]["maxModelLen"] = spec.model.max_model_len
-    if spec.pools is not None:
-        config["pools"] = {"longPrefillThresholdTokens": spec.pools.long_prefill_threshold_tokens}
-    return config
+def agent_config(spec: ServingReplicaSpec) -> AgentConfig:
+    """What every agent of the replica reads at start (``slipstream serve --config``)."""
+    return AgentConfig.from_spec(spec, model_path(spec))
 
 
 def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec) -> dict:
@@ -54,7 +43,7 @@ def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec
         "kind": "ConfigMap",
         "metadata": {"name": naming.config_map_name(replica), "namespace": namespace,
                      "labels": naming.common_labels(replica)},
-        "data": {ENGINE_CONFIG_FILE: yaml.safe_dump(engine_config(spec), sort_keys=True)},
+        "data": {ENGINE_CONFIG_FILE: agent_config(spec).to_yaml()},
     }
 
 
@@ -152,42 +141,16 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
     }
 
 
-def agent_command(spec: ServingReplicaSpec, *, rank: int) -> list[str]:
+def agent_command(*, rank: int) -> list[str]:
     """Pod 0 runs the controller (HTTP, scheduler) and its node's ranks; every further pod
     runs `slipstream worker` for its node's ranks. The rank layout comes from the
-    SLIPSTREAM_* variables (see ``parallel_env``)."""
+    SLIPSTREAM_* variables (see ``parallel_env``). Everything the spec says about the engine
+    is in the mounted ConfigMap; the flags are only the ports the pod declares (the address
+    to bind is $POD_IP, which the agent reads itself)."""
     if rank > 0:
         return ["slipstream", "worker"]
-    parallel, scheduler = spec.parallelism, spec.scheduler
-    command = ["slipstream", "serve", "--model", model_path(spec),
-               "--served-model-name", spec.model.name, "--dtype", spec.model.dtype,
-               "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT),
-               "--control-port", str(naming.CONTROL_PORT),
-               "--tp", str(parallel.tp), "--spp", str(parallel.spp), "--kvp", str(parallel.kvp),
-               "--kvp-tokens-per-group", str(parallel.kvp_tokens_per_group),
-               "--policy", scheduler.policy,
-               "--target-batch-time-ms", _number(scheduler.target_batch_time_ms),
-               "--max-space-share-fraction", _number(scheduler.max_space_share_fraction),
-               "--long-request-threshold-tokens", str(scheduler.long_request_threshold_tokens),
-               "--preemption", scheduler.preemption,
-               "--slo-attainment-target", _number(spec.slo.attainment_target)]
-    command += ["--short-prefill-batching", scheduler.short_prefill_batching]
-    if scheduler.short_prefill_batching != "off":
-        # Every instance gets the same flags: a rebalance move changes an instance's pool, not
-        # its command. Only short prompts are held, and only the short pool receives them.
-        command += ["--awd-max-prompt-tokens", str(scheduler.short_prefill_max_prompt_tokens),
-                    "--awd-max-wait-ms", _number(scheduler.short_prefill_max_wait_ms),
-                    "--awd-max-head-wait-ms", _number(scheduler.short_prefill_max_head_wait_ms)]
-    if spec.model.max_model_len is not None:
-        command += ["--max-model-len", str(spec.model.max_model_len)]
-    if spec.pools is not None:
-        command += ["--long-prompt-threshold-tokens",
-                    str(spec.pools.long_prefill_threshold_tokens)]
-    if spec.slo.ttft_seconds is not None:
-        command += ["--slo-ttft-seconds", _number(spec.slo.ttft_seconds)]
-    if spec.slo.tpot_milliseconds is not None:
-        command += ["--slo-tpot-ms", _number(spec.slo.tpot_milliseconds)]
-    return command
+    return ["slipstream", "serve", "--config", f"{CONFIG_MOUNT_DIR}/{ENGINE_CONFIG_FILE}",
+            "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT)]
 
 
 def parallel_env(spec: ServingReplicaSpec, namespace: str, instance: str, share: NodeShare,
@@ -216,7 +179,7 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.image,
-        "command": agent_command(spec, rank=rank),
+        "command": agent_command(rank=rank),
         "env": [
             _field_env("POD_IP", "status.podIP"),
             _field_env("POD_NAME", "metadata.name"),
@@ -251,10 +214,6 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
 
 def _field_env(name: str, field_path: str) -> dict:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
-
-
-def _number(value: float) -> str:
-    return f"{value:g}"
 
 
 def model_volume(spec: ServingReplicaSpec) -> dict:

@@ -19,6 +19,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
 from slipstream.operator import builders, metrics, naming, router
@@ -46,8 +47,14 @@ def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class Reconciled:
+    status: ServingReplicaStatus
+    placement_failure: PlacementFailure | None  # why instances are missing, if they are
+
+
 def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
-              event: EventSink) -> ServingReplicaStatus | None:
+              event: EventSink) -> Reconciled | None:
     """Converge one replica and return its new status; None when it is gone or being
     deleted (garbage collection takes over). The replica is read afresh under the lock: a
     body handed over by a trigger may predate the last status write (a rebalance move), and
@@ -70,7 +77,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
 
 
 def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
-                      ) -> ServingReplicaStatus:
+                      ) -> Reconciled:
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     spec = ServingReplicaSpec.model_validate(body["spec"])
@@ -109,7 +116,7 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                           now=now_rfc3339())
     if status != previous:
         kube.patch_replica_status(namespace, name, status.model_dump(mode="json", by_alias=True))
-    return status
+    return Reconciled(status, failure)
 
 
 def owner_of(event_type: str | None, pod: dict) -> tuple[str, str] | None:

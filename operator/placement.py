@@ -101,6 +101,9 @@ class InstancePlacement:
 class PlacementFailure:
     reason: str  # a CamelCase reason for conditions and Events
     message: str
+    # True when no eligible node set could hold the instance even with all its GPUs free:
+    # waiting does not help, only a spec change or new nodes do.
+    permanent: bool = False
 
 
 def eligible(node: NodeGpus, request: PlacementRequest) -> bool:
@@ -121,11 +124,17 @@ def place_instance(request: PlacementRequest,
                    nodes: list[NodeGpus]) -> InstancePlacement | PlacementFailure:
     candidates = sorted((n for n in nodes if eligible(n, request)), key=lambda n: n.name)
     if not candidates:
-        return PlacementFailure("NoEligibleNodes", _no_nodes_message(request, nodes))
+        return PlacementFailure("NoEligibleNodes", _no_nodes_message(request, nodes),
+                                permanent=True)
     slots = {n.name: tp_slots(n, request) for n in candidates}
     needed = request.tp_groups
     if sum(slots.values()) < needed:
-        return PlacementFailure("InsufficientGPUs", _shortage_message(request, candidates, slots))
+        idle = [replace(n, used_gpus=0) for n in candidates]
+        never = sum(tp_slots(n, request) for n in idle) < needed
+        message = _shortage_message(request, candidates, slots)
+        if never:
+            message += "; it would not fit even with every one of their GPUs free"
+        return PlacementFailure("InsufficientGPUs", message, permanent=never)
     chosen = _choose_nodes(slots, needed)
     shares, rank = [], 0
     for node_name, groups in chosen:

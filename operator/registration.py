@@ -4,6 +4,10 @@
     agent pod changed (label slipstream.dev/replica) --> reconcile its owner
     daemon per ServingReplica --> handle_rebalance.run (pool rebalancer)
 
+Failures reach kopf through ``retry``: transient API errors as TemporaryError (every
+trigger), a spec that cannot be placed as PermanentError (the spec-change triggers only; the
+timer keeps reconciling quietly, in case nodes are added).
+
 Importing this module registers the handlers with kopf's default registry; ``cli.py`` imports
 it, builds the settings and the API client (passed to handlers as ``memo.kube``) and runs kopf.
 """
@@ -16,7 +20,8 @@ from typing import Any
 import kopf
 
 from slipstream.crds.servingreplica import GROUP, PLURAL, VERSION
-from slipstream.operator import handle_rebalance, handle_reconcile, naming
+from slipstream.operator.kube import Kube
+from slipstream.operator import handle_rebalance, handle_reconcile, naming, retry
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # A safety net under the event-driven triggers: placement retries, missed pod events.
@@ -35,12 +40,13 @@ def adopt(child: dict, owner: dict) -> None:
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
 def on_replica_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event)
+    result = reconcile(memo.kube, namespace, name)
+    retry.raise_if_unplaceable(result.placement_failure if result else None)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_INTERVAL_S, idle=RESYNC_INTERVAL_S / 3)
 def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    handle_reconcile.reconcile(memo.kube, namespace, name, adopt=adopt, event=post_event)
+    reconcile(memo.kube, namespace, name)
 
 
 @kopf.on.event("", "v1", "pods", labels={naming.REPLICA_LABEL: kopf.PRESENT})
@@ -48,7 +54,12 @@ def on_agent_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo,  # no
                        **_: Any) -> None:
     owner = handle_reconcile.owner_of(type, dict(body))
     if owner is not None:
-        handle_reconcile.reconcile(memo.kube, *owner, adopt=adopt, event=post_event)
+        reconcile(memo.kube, *owner)
+
+
+def reconcile(kube: Kube, namespace: str, name: str) -> handle_reconcile.Reconciled | None:
+    with retry.temporary_api_errors(f"reconcile {namespace}/{name}"):
+        return handle_reconcile.reconcile(kube, namespace, name, adopt=adopt, event=post_event)
 
 
 @kopf.daemon(*RESOURCE, id="rebalancer", cancellation_timeout=5.0)

@@ -1,6 +1,12 @@
 """``slipstream serve``: load a model into the engine and serve it over the OpenAI API.
 
-    argv -> EngineConfig + ServerConfig -> AsyncEngine -> build_app() -> uvicorn
+    [--config FILE: the CRD's AgentConfig --defaults_from_config()--> flag defaults]
+    argv -> EngineConfig + SchedulerConfig + ServerConfig -> AsyncEngine -> build_app() -> uvicorn
+
+In a cluster the operator writes the ServingReplica's engine settings into a ConfigMap, mounts
+it, and starts ``slipstream serve --config /etc/slipstream/engine.yaml`` plus the ports: the
+file's values become the defaults of the flags below, so a flag given on the command line
+still wins.
 
 This is the one place the server reads environment variables:
 - ``POD_IP``: the address to bind when ``--host`` is not given. In a cluster the pod's own IP
@@ -20,9 +26,12 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from slipstream.agent.engine.config import (
-    DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, ShortPrefillBuckets)
+    DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, EngineConfig,
+    ShortPrefillBuckets)
+from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
@@ -45,6 +54,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = _HelpFormatter
+    parser.add_argument("--config", type=Path, default=None, metavar="FILE",
+                        help="YAML with the engine-facing part of a ServingReplica spec "
+                             "(model, parallelism, scheduler, slo, pools; camelCase as in the "
+                             "CRD), as the operator mounts it; its values replace the defaults "
+                             "below, and flags given here override it")
     model = parser.add_argument_group("model and engine")
     model.add_argument("--model", type=Path, default=None, metavar="DIR",
                        help="Hugging Face model directory (config.json, *.safetensors, "
@@ -171,6 +185,57 @@ def short_prefill_buckets_from_args(args: argparse.Namespace) -> ShortPrefillBuc
                                max_padding_factor=args.cuda_graph_max_padding_factor)
 
 
+# AgentConfig field (wire path) -> serve flag (argparse dest). Every field of the file maps to
+# exactly one flag; a unit test keeps this table complete as the CRD grows.
+CONFIG_FLAGS: dict[str, str] = {
+    "model.name": "served_model_name",
+    "model.path": "model",
+    "model.dtype": "dtype",
+    "model.maxModelLen": "max_model_len",
+    "parallelism.tp": "tp",
+    "parallelism.spp": "spp",
+    "parallelism.kvp": "kvp",
+    "parallelism.kvpTokensPerGroup": "kvp_tokens_per_group",
+    "scheduler.policy": "policy",
+    "scheduler.targetBatchTimeMs": "target_batch_time_ms",
+    "scheduler.maxSpaceShareFraction": "max_space_share_fraction",
+    "scheduler.longRequestThresholdTokens": "long_request_threshold_tokens",
+    "scheduler.preemption": "preemption",
+    "scheduler.shortPrefillBatching": "short_prefill_batching",
+    "scheduler.shortPrefillMaxPromptTokens": "awd_max_prompt_tokens",
+    "scheduler.shortPrefillMaxWaitMs": "awd_max_wait_ms",
+    "scheduler.shortPrefillMaxHeadWaitMs": "awd_max_head_wait_ms",
+    "slo.ttftSeconds": "slo_ttft_seconds",
+    "slo.tpotMilliseconds": "slo_tpot_ms",
+    "slo.attainmentTarget": "slo_attainment_target",
+    "pools.longPrefillThresholdTokens": "long_prompt_threshold_tokens",
+}
+
+
+def defaults_from_config(path: Path) -> dict[str, Any]:
+    """The flag defaults a ``--config`` file sets (fields it leaves unset keep theirs)."""
+    from slipstream.crds.agent_config import AgentConfig
+
+    values = _flatten(AgentConfig.from_file(path).to_api())
+    unknown = sorted(set(values) - set(CONFIG_FLAGS))
+    if unknown:
+        raise ValueError(f"fields slipstream serve does not read: {', '.join(unknown)}")
+    defaults = {CONFIG_FLAGS[field]: value for field, value in values.items()}
+    if "model" in defaults:
+        defaults["model"] = Path(defaults["model"])
+    return defaults
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST,
@@ -196,14 +261,23 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         preemption=args.preemption, **short_prefill_settings(args))
 
 
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
+        cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
+        parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
+                                kvp_tokens_per_group=args.kvp_tokens_per_group))
+
+
 def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch via the engine) only once we are really serving.
     import uvicorn
 
     from slipstream.agent.engine.async_engine import AsyncEngine
-    from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.errors import EngineDeadError
-    from slipstream.agent.engine.parallel_config import ParallelConfig
     from slipstream.agent.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -211,15 +285,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server_config = server_config_from_args(args)
-        engine_config = EngineConfig(
-            model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
-            device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-            max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
-            cuda_graphs=args.cuda_graphs,
-            short_prefill_buckets=short_prefill_buckets_from_args(args),
-            parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
-                                    kvp_tokens_per_group=args.kvp_tokens_per_group))
+        engine_config = engine_config_from_args(args)
         engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
     except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)

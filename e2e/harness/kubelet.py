@@ -173,7 +173,8 @@ class Kubelet:
         run = runtime.run
         try:
             launch = podenv.build_launch(self.api, runtime.pod, run.pod_ip, self.base_env,
-                                         self.service_account_env(runtime))
+                                         self.service_account_env(runtime),
+                                         runtime.pod_dir / "volumes")
         except (podenv.PodSpecError, ApiError) as error:
             run.waiting_reason, run.waiting_message = "CreateContainerConfigError", str(error)
             runtime.next_start_s = now_s + 2.0

@@ -2,7 +2,9 @@
 
 Part of the test-harness kubelet. Mirrors what kubelet does before it starts a container:
 resolve `env` (plain values, the downward API, ConfigMap and Secret keys), `envFrom`, and
-`$(VAR)` references in env values, command and args.
+`$(VAR)` references in env values, command and args. ConfigMap volumes cannot be mounted
+into a plain process: their keys are written as files under the pod's state dir, and
+command-line paths under the volume's mountPath are pointed there.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from kubeapi import JSON, KubeApi
 
@@ -119,12 +122,42 @@ def resource_value(container: JSON, ref: JSON) -> str:
     return str(resources.get(resource, "0"))
 
 
+def project_config_maps(api: KubeApi, pod: JSON, container: JSON,
+                        volume_dir: Path) -> dict[str, str]:
+    """Write the container's ConfigMap volumes under ``volume_dir/<volume>/<key>``; returns
+    {mountPath: that directory}."""
+    config_maps = {volume["name"]: volume["configMap"]
+                   for volume in pod["spec"].get("volumes") or [] if "configMap" in volume}
+    mounts: dict[str, str] = {}
+    for mount in container.get("volumeMounts") or []:
+        source = config_maps.get(mount["name"])
+        if source is None:
+            continue
+        data = _object_data(api, pod["metadata"]["namespace"], "ConfigMap", source["name"],
+                            source.get("optional", False))
+        directory = volume_dir / mount["name"]
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, text in data.items():
+            (directory / key).write_text(text)
+        mounts[mount["mountPath"].rstrip("/")] = str(directory)
+    return mounts
+
+
+def point_into_mounts(part: str, mounts: dict[str, str]) -> str:
+    """A command-line word naming a path under a mounted volume, pointed at its local copy."""
+    for mount_path, directory in mounts.items():
+        if part == mount_path or part.startswith(mount_path + "/"):
+            return directory + part[len(mount_path):]
+    return part
+
+
 def build_launch(api: KubeApi, pod: JSON, pod_ip: str, base_env: dict[str, str],
-                 runtime_env: dict[str, str]) -> Launch:
+                 runtime_env: dict[str, str], volume_dir: Path) -> Launch:
     """argv, env and cwd for the pod's first container.
 
     `base_env` is the harness's own environment (so PATH and PYTHONPATH reach the process);
     `runtime_env` is what the runtime adds (service-account KUBECONFIG); the pod's env wins.
+    ConfigMap volumes are written under `volume_dir`.
     """
     containers = pod["spec"].get("containers") or []
     if not containers:
@@ -133,7 +166,8 @@ def build_launch(api: KubeApi, pod: JSON, pod_ip: str, base_env: dict[str, str],
     pod_env = resolve_env(api, pod, container, pod_ip)
     pod_env.setdefault("POD_IP", pod_ip)
     pod_env.setdefault("HOSTNAME", pod["metadata"]["name"])
-    argv = [expand(part, pod_env)
+    mounts = project_config_maps(api, pod, container, volume_dir)
+    argv = [point_into_mounts(expand(part, pod_env), mounts)
             for part in (container.get("command") or []) + (container.get("args") or [])]
     if not argv:
         raise PodSpecError("container has no command: the process runtime has no image "

@@ -1,7 +1,9 @@
 """The ``slipstream`` command. Each subcommand lives in its own module, imported lazily so
 that ``slipstream --help`` is instant and the operator image never imports torch.
 
-A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``.
+A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``. One that
+reads a ``--config`` file also defines ``defaults_from_config(path) -> dict``: the file's
+values become the parser's defaults, so flags on the command line still override them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -43,19 +46,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    if not argv or argv[0] not in SUBCOMMANDS:
-        args = parser.parse_args(argv)  # prints help or the "invalid choice" error
-        parser.print_help()
-        return 0 if not argv else 2
+def parse_subcommand(argv: list[str]) -> tuple[ModuleType, argparse.Namespace]:
+    """The subcommand's module and its parsed arguments (``argv[0]`` names the subcommand)."""
     module_name, help_text = SUBCOMMANDS[argv[0]]
     module = importlib.import_module(module_name)
     sub_parser = argparse.ArgumentParser(prog=f"slipstream {argv[0]}", description=help_text,
                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
+    config_path = getattr(args, "config", None)
+    if config_path is not None and hasattr(module, "defaults_from_config"):
+        try:
+            sub_parser.set_defaults(**module.defaults_from_config(config_path))
+        except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+            sub_parser.error(f"--config {config_path}: {error}")
+        args = sub_parser.parse_args(argv[1:])
+    return module, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints help or the "invalid choice" error
+        parser.print_help()
+        return 0 if not argv else 2
+    module, args = parse_subcommand(argv)
     return int(module.run(args) or 0)
 
 

@@ -177,6 +177,7 @@ INVALID = [
     ("slo.ttftSeconds", 0.0, "spec.slo.ttftSeconds"),
     ("slo.tpotMilliseconds", -5.0, "spec.slo.tpotMilliseconds"),
     ("slo.attainmentTarget", 1.2, "spec.slo.attainmentTarget"),
+    ("slo.attainmentTarget", 1.0, "spec.slo.attainmentTarget"),
     ("placement.gpuResource", "gpu", "spec.placement.gpuResource"),
     ("model.dtype", "int3", "spec.model.dtype"),
     ("pools.rebalance", {"periodSeconds": 60, "cooldownSeconds": 30},

@@ -97,3 +97,23 @@ def test_kill_process_group_takes_the_children_too():
     processes.kill_process_group(leader.pid, 2.0, leader)
     assert leader.returncode is not None
     assert processes.live_group_members(leader.pid) == []
+
+
+def test_config_map_volumes_become_local_files_the_command_points_at(tmp_path):
+    class Api:  # the harness's KubeApi, answering one GET
+        def get(self, path, ok_missing=False):
+            assert path == "/api/v1/namespaces/ns/configmaps/chat-engine"
+            return {"data": {"engine.yaml": "model: {name: m, path: /m}\n"}}
+
+    pod = {"metadata": {"name": "p", "namespace": "ns"},
+           "spec": {"volumes": [{"name": "cfg", "configMap": {"name": "chat-engine"}},
+                                {"name": "model", "hostPath": {"path": "/m"}}],
+                    "containers": [{"command": ["serve", "--config", "/etc/s/engine.yaml",
+                                                "--port", "$(PORT)"],
+                                    "env": [{"name": "PORT", "value": "80"}],
+                                    "volumeMounts": [{"name": "cfg", "mountPath": "/etc/s"},
+                                                     {"name": "model", "mountPath": "/m"}]}]}}
+    launch = podenv.build_launch(Api(), pod, "127.0.0.2", {}, {}, tmp_path / "volumes")
+    config = tmp_path / "volumes" / "cfg" / "engine.yaml"
+    assert launch.argv == ["serve", "--config", str(config), "--port", "80"]
+    assert config.read_text() == "model: {name: m, path: /m}\n"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import yaml
-
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import builders, naming
 from slipstream.operator.placement import NodeShare
@@ -33,18 +31,18 @@ def env(manifest: dict) -> dict:
             manifest["spec"]["containers"][0]["env"]}
 
 
-def test_rank0_pod_serves_the_model_on_its_pod_ip():
+def test_rank0_pod_serves_the_mounted_config_on_its_pod_ip():
+    """The spec's engine settings travel in the ConfigMap (test_agent_config.py follows them
+    to the engine); the command carries only the config path and the pod's ports."""
     manifest = pod(0)
     container = manifest["spec"]["containers"][0]
-    command = container["command"]
-    assert command[:2] == ["slipstream", "serve"]
-    assert command[command.index("--model") + 1] == "/models/llama"
-    assert command[command.index("--host") + 1] == "$(POD_IP)"
-    assert command[command.index("--control-port") + 1] == str(naming.CONTROL_PORT)
-    assert command[command.index("--max-model-len") + 1] == "8192"
-    assert command[command.index("--long-prompt-threshold-tokens") + 1] == "4096"
-    assert command[command.index("--slo-ttft-seconds") + 1] == "0.5"
-    assert command[command.index("--slo-tpot-ms") + 1] == "40"
+    assert container["command"] == [
+        "slipstream", "serve", "--config", f"{builders.CONFIG_MOUNT_DIR}/engine.yaml",
+        "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT)]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts[builders.CONFIG_VOLUME]["mountPath"] == builders.CONFIG_MOUNT_DIR
+    volumes = {v["name"]: v for v in manifest["spec"]["volumes"]}
+    assert volumes[builders.CONFIG_VOLUME]["configMap"] == {"name": naming.config_map_name("chat")}
     assert env(manifest)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env(manifest)["SLIPSTREAM_POOL"] == {
         "fieldRef": {"fieldPath": f"metadata.labels['{naming.POOL_LABEL}']"}}
@@ -85,50 +83,6 @@ def test_single_pod_instance_launches_every_rank_itself():
     variables = env(manifest)
     assert variables["SLIPSTREAM_WORLD_SIZE"] == "8"
     assert "SLIPSTREAM_CONTROLLER_ADDR" not in variables
-    command = manifest["spec"]["containers"][0]["command"]
-    assert command[command.index("--tp") + 1] == "4"
-    assert command[command.index("--spp") + 1] == "2"
-    assert command[command.index("--kvp") + 1] == "1"
-
-
-def test_scheduler_and_slo_settings_reach_the_agent():
-    command = pod(0)["spec"]["containers"][0]["command"]
-    assert command[command.index("--policy") + 1] == "lars"
-    assert command[command.index("--preemption") + 1] == "recompute"
-    assert command[command.index("--target-batch-time-ms") + 1] == "50"
-    assert command[command.index("--slo-attainment-target") + 1] == "0.99"
-
-
-def test_short_prefill_batching_reaches_the_agent_only_when_on():
-    command = pod(0)["spec"]["containers"][0]["command"]
-    assert command[command.index("--short-prefill-batching") + 1] == "off"
-    assert "--awd-max-wait-ms" not in command
-    spec = SPEC.model_copy(update={"scheduler": SPEC.scheduler.model_copy(update={
-        "short_prefill_batching": "awd", "short_prefill_max_prompt_tokens": 128,
-        "short_prefill_max_wait_ms": 15.0, "short_prefill_max_head_wait_ms": 45.5})})
-    command = pod(0, spec=spec)["spec"]["containers"][0]["command"]
-    assert command[command.index("--short-prefill-batching") + 1] == "awd"
-    assert command[command.index("--awd-max-prompt-tokens") + 1] == "128"
-    assert command[command.index("--awd-max-wait-ms") + 1] == "15"
-    assert command[command.index("--awd-max-head-wait-ms") + 1] == "45.5"
-
-
-def test_short_prefill_batching_flags_become_the_agents_scheduler_config():
-    import argparse
-
-    from slipstream.agent.server import cli as serve_cli
-
-    spec = ServingReplicaSpec.model_validate({**SPEC.to_api(), "scheduler": {
-        "shortPrefillBatching": "awd", "shortPrefillMaxPromptTokens": 512,
-        "shortPrefillMaxWaitMs": 30, "shortPrefillMaxHeadWaitMs": 60}})
-    parser = argparse.ArgumentParser(exit_on_error=False)
-    serve_cli.add_arguments(parser)
-    command = pod(0, spec=spec)["spec"]["containers"][0]["command"]
-    args = parser.parse_args([a.replace("$(POD_IP)", "127.0.0.1") for a in command[2:]])
-    config = serve_cli.scheduler_config_from_args(args)
-    assert config.short_prefill_batching == "awd"
-    assert (config.awd_max_prompt_tokens, config.awd_max_wait_ms,
-            config.awd_max_head_wait_ms) == (512, 30.0, 60.0)
 
 
 def test_worker_rank_runs_a_worker_without_http_probes():
@@ -156,8 +110,7 @@ def test_pvc_model_source_mounts_the_claim_and_points_into_it():
                                                       "subPath": "llama/"}}},
             "image": "x"}).model.source})})
     manifest = pod(0, spec=spec)
-    command = manifest["spec"]["containers"][0]["command"]
-    assert command[command.index("--model") + 1] == "/models/llama"
+    assert builders.agent_config(spec).model.path == "/models/llama"
     volumes = {v["name"]: v for v in manifest["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
 
@@ -178,15 +131,6 @@ def test_client_services_select_controllers_and_pools_by_label():
     assert short["spec"]["selector"][naming.POOL_LABEL] == "short"
 
 
-def test_config_map_carries_the_engine_config():
-    config_map = builders.build_config_map_spec("chat", "ns", SPEC)
-    engine = yaml.safe_load(config_map["data"][builders.ENGINE_CONFIG_FILE])
-    assert engine["parallelism"] == {"tp": 4, "spp": 2, "kvp": 1, "kvpTokensPerGroup": 1048576}
-    assert engine["scheduler"]["policy"] == "lars"
-    assert engine["pools"] == {"longPrefillThresholdTokens": 4096}
-    assert engine["model"]["path"] == "/models/llama"
-
-
 def test_long_names_are_shortened_to_dns_labels_without_collisions():
     first = naming.instance_name("x" * 70, 1)
     second = naming.instance_name("x" * 70, 2)
@@ -203,11 +147,8 @@ def test_pod_commands_parse_with_the_agents_own_argument_parsers():
 
     serve = argparse.ArgumentParser(exit_on_error=False)
     serve_cli.add_arguments(serve)
-    command = pod(0)["spec"]["containers"][0]["command"]
-    args = serve.parse_args([a.replace("$(POD_IP)", "127.0.0.1") for a in command[2:]])
-    assert (args.tp, args.spp, args.kvp) == (4, 2, 1)
-    assert args.policy == "lars" and args.control_port == naming.CONTROL_PORT
-    assert args.slo_ttft_seconds == 0.5 and args.long_prompt_threshold_tokens == 4096
+    args = serve.parse_args(pod(0)["spec"]["containers"][0]["command"][2:])
+    assert args.control_port == naming.CONTROL_PORT
     worker = argparse.ArgumentParser(exit_on_error=False)
     launch.add_arguments(worker)
     worker.parse_args(pod(1)["spec"]["containers"][0]["command"][2:])

@@ -40,6 +40,16 @@ def test_tp_group_never_spans_nodes_even_when_total_gpus_suffice():
     assert "a: 4 free" in outcome.message and "b: 4 free" in outcome.message
 
 
+def test_a_shortage_is_permanent_only_when_idle_nodes_could_not_hold_it_either():
+    busy = place_instance(request(tp=8), [node("a", 4), node("b", 0)])
+    assert isinstance(busy, PlacementFailure) and not busy.permanent  # wait for GPUs
+    too_big = place_instance(request(tp=8, spp=4), [node("a", 8), node("b", 8)])
+    assert isinstance(too_big, PlacementFailure) and too_big.permanent
+    assert "even with every one of their GPUs free" in too_big.message
+    nowhere = place_instance(request(tp=8, node_selector=H100), [node("a", 8)])
+    assert isinstance(nowhere, PlacementFailure) and nowhere.permanent
+
+
 def test_spp_stages_may_span_nodes_whole_tp_groups_per_node():
     # tp=4, spp=2: two TP groups of 4. No node has 8 free, so each node takes one group.
     outcome = place_instance(request(tp=4, spp=2), [node("a", 4), node("b", 6)])

@@ -1,0 +1,64 @@
+"""The agent's configuration file: the engine-facing part of a ServingReplica, in the CRD's own
+models, so there is one path from the spec to the engine.
+
+    ServingReplicaSpec --AgentConfig.from_spec()--> engine.yaml in the replica's ConfigMap
+        (operator/builders.py), mounted into every agent pod
+    engine.yaml --slipstream serve --config--> the serve flags' defaults (agent/server/cli.py)
+        --> EngineConfig, SchedulerConfig, ServerConfig
+
+The file uses the CRD's wire names (camelCase), the same as ``kubectl get sr -o yaml`` shows,
+and can be written by hand for a local ``slipstream serve``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from slipstream.crds.servingreplica import (
+    ApiModel, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
+
+
+class AgentModel(ApiModel):
+    name: str = Field(min_length=1, description="The model id clients send.")
+    path: str = Field(min_length=1, description="The model's directory as the agent sees it.")
+    dtype: str = "auto"
+    max_model_len: int | None = None
+
+
+class AgentPools(ApiModel):
+    long_prefill_threshold_tokens: int = Field(8192, gt=0)
+
+
+class AgentConfig(ApiModel):
+    model: AgentModel
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    slo: Slo = Field(default_factory=Slo)
+    pools: AgentPools | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ServingReplicaSpec, model_path: str) -> AgentConfig:
+        pools = None
+        if spec.pools is not None:
+            pools = AgentPools(
+                long_prefill_threshold_tokens=spec.pools.long_prefill_threshold_tokens)
+        return cls(model=AgentModel(name=spec.model.name, path=model_path,
+                                    dtype=spec.model.dtype,
+                                    max_model_len=spec.model.max_model_len),
+                   parallelism=spec.parallelism, scheduler=spec.scheduler, slo=spec.slo,
+                   pools=pools)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_api(), sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: Path) -> AgentConfig:
+        """Raises OSError, or ValueError (pydantic's ValidationError is one) naming the field."""
+        try:
+            tree = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as error:
+            raise ValueError(f"not YAML: {error}") from None
+        return cls.model_validate(tree or {})

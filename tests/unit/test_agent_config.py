@@ -1,0 +1,134 @@
+"""The one path from a ServingReplica spec to the engine's configuration:
+
+    spec --operator builders--> ConfigMap engine.yaml + pod command
+         --slipstream serve's own parser--> EngineConfig, SchedulerConfig, ServerConfig
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.server import cli as serve_cli
+from slipstream.cli import parse_subcommand
+from slipstream.crds.agent_config import AgentConfig
+from slipstream.crds.servingreplica import ServingReplicaSpec
+from slipstream.operator import builders, naming
+from slipstream.operator.placement import NodeShare
+
+SPEC = ServingReplicaSpec.model_validate({
+    "model": {"name": "llama", "source": {"hostPath": {"path": "/models/llama"}},
+              "dtype": "bfloat16", "maxModelLen": 8192},
+    "image": "agent:1",
+    "instances": 2,
+    "parallelism": {"tp": 4, "spp": 2, "kvp": 2, "kvpTokensPerGroup": 65536},
+    "pools": {"short": 1, "longPrefillThresholdTokens": 4096},
+    "scheduler": {"policy": "edf", "targetBatchTimeMs": 40, "maxSpaceShareFraction": 0.25,
+                  "longRequestThresholdTokens": 131072, "preemption": "swap",
+                  "shortPrefillBatching": "awd", "shortPrefillMaxPromptTokens": 512,
+                  "shortPrefillMaxWaitMs": 30, "shortPrefillMaxHeadWaitMs": 60.5},
+    "slo": {"ttftSeconds": 0.5, "tpotMilliseconds": 40, "attainmentTarget": 0.95},
+})
+
+
+def serve_args_in_pod(spec: ServingReplicaSpec, mount_dir: Path, pod_ip: str = "10.0.0.7"):
+    """What `slipstream serve` parses in the controller pod: the ConfigMap's file at its mount
+    path, the pod's command, and the downward-API environment."""
+    config_map = builders.build_config_map_spec("chat", "ns", spec)
+    for key, text in config_map["data"].items():
+        (mount_dir / key).write_text(text)
+    pod = builders.build_agent_pod_spec("chat", "ns", spec, instance="chat-0", index=0,
+                                        incarnation="abcde", share=NodeShare("node-a", 8, 0),
+                                        rank=0, num_ranks=2, pool="short")
+    container = pod["spec"]["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == builders.CONFIG_VOLUME]
+    command = [part.replace(mount["mountPath"], str(mount_dir)) for part in container["command"]]
+    assert command[:2] == ["slipstream", "serve"]
+    _, args = parse_subcommand(command[1:])
+    return args
+
+
+def test_the_spec_reaches_the_engine_scheduler_and_server_configs(tmp_path, monkeypatch):
+    monkeypatch.setenv("POD_IP", "10.0.0.7")
+    monkeypatch.delenv("SLIPSTREAM_POOL", raising=False)
+    args = serve_args_in_pod(SPEC, tmp_path)
+
+    engine = serve_cli.engine_config_from_args(args)
+    assert (engine.model_dir, engine.served_model_name, engine.dtype, engine.max_model_len) == \
+        (Path("/models/llama"), "llama", "bfloat16", 8192)
+    assert engine.parallel == ParallelConfig(tp=4, spp=2, kvp=2, kvp_tokens_per_group=65536)
+
+    scheduler = serve_cli.scheduler_config_from_args(args)
+    assert (scheduler.policy, scheduler.target_batch_time_ms, scheduler.max_space_share_fraction,
+            scheduler.long_request_threshold_tokens, scheduler.preemption) == \
+        ("edf", 40.0, 0.25, 131072, "swap")
+    assert (scheduler.short_prefill_batching, scheduler.awd_max_prompt_tokens,
+            scheduler.awd_max_wait_ms, scheduler.awd_max_head_wait_ms) == ("awd", 512, 30.0, 60.5)
+
+    server = serve_cli.server_config_from_args(args)
+    assert (server.host, server.port, server.control_port) == \
+        ("10.0.0.7", naming.HTTP_PORT, naming.CONTROL_PORT)
+    assert (server.long_prompt_threshold_tokens, server.slo_ttft_s, server.slo_tpot_ms,
+            server.slo_attainment_target) == (4096, 0.5, 40.0, 0.95)
+
+
+def test_a_spec_with_defaults_only_gives_the_agents_defaults(tmp_path):
+    spec = ServingReplicaSpec.model_validate({
+        "model": {"name": "m", "source": {"pvc": {"claimName": "models", "subPath": "llama/"}}},
+        "image": "agent:1"})
+    args = serve_args_in_pod(spec, tmp_path)
+    _, plain = parse_subcommand(["serve"])
+    assert serve_cli.engine_config_from_args(args).model_dir == Path("/models/llama")
+    assert serve_cli.scheduler_config_from_args(args) == \
+        serve_cli.scheduler_config_from_args(plain)
+    server, plain_server = (serve_cli.server_config_from_args(a) for a in (args, plain))
+    assert server.long_prompt_threshold_tokens == plain_server.long_prompt_threshold_tokens
+    assert server.slo_attainment_target == plain_server.slo_attainment_target
+
+
+def test_every_field_of_the_file_has_a_flag():
+    """A field added to the CRD's scheduler (or slo, parallelism) must reach the agent."""
+    def leaves(model: type, prefix: str = "") -> set[str]:
+        names = set()
+        for name, field in model.model_fields.items():
+            wire = prefix + (field.alias or name)
+            nested = [t for t in getattr(field.annotation, "__args__", (field.annotation,))
+                      if isinstance(t, type) and hasattr(t, "model_fields")]
+            names |= leaves(nested[0], wire + ".") if nested else {wire}
+        return names
+
+    assert leaves(AgentConfig) == set(serve_cli.CONFIG_FLAGS)
+    flags = {action.dest for action in _serve_parser()._actions}
+    assert set(serve_cli.CONFIG_FLAGS.values()) <= flags
+
+
+def test_flags_on_the_command_line_override_the_file(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text(AgentConfig.from_spec(SPEC, "/models/llama").to_yaml())
+    _, args = parse_subcommand(["serve", "--config", str(path), "--policy", "fcfs",
+                                "--tp", "1"])
+    assert (args.policy, args.tp, args.spp) == ("fcfs", 1, 2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: {name: m, path: /m}\nscheduler: {polcy: lars}\n", "polcy"),
+    ("model: {name: m}\n", "model.path"),
+    ("model: [unclosed\n", "not YAML"),
+])
+def test_a_bad_file_is_refused_with_the_field_named(tmp_path, capsys, text, message):
+    path = tmp_path / "engine.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_subcommand(["serve", "--config", str(path)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _serve_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    return parser
