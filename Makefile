@@ -28,7 +28,7 @@ EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit test-e2e lint-imports bench-engine bench-metrics bench-sched \
+.PHONY: setup serve test test-unit test-e2e lint-imports typecheck bench-engine bench-metrics bench-sched \
 	bench-sim bench-sim-vs-live \
 	bench-router bench-transport bench-predictor bench-policy-live bench-pools bench-cuda-graphs clean prometheus-tools dashboards generate dev-cluster \
 	dev-cluster-status dev-cluster-stop
@@ -47,13 +47,17 @@ serve: setup
 lint-imports: setup
 	$(BIN)/lint-imports
 
+# Settings in pyproject.toml ([tool.mypy]); the package must type-check with no errors.
+typecheck: setup
+	$(BIN)/mypy
+
 # promtool and prometheus (Debian package) for the alert-rule, dashboard and scrape tests.
 prometheus-tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; }
 
-test: setup lint-imports prometheus-tools
+test: setup lint-imports typecheck prometheus-tools
 	$(BIN)/pytest
 
 test-unit: setup

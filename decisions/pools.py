@@ -46,18 +46,23 @@ MOVED, BALANCED, COOLING_DOWN, AT_MIN_PER_POOL, NO_STATS = (
 
 
 @dataclass(frozen=True)
+class Move:
+    instance: str
+    from_pool: str
+    to_pool: str
+
+
+@dataclass(frozen=True)
 class RebalanceDecision:
     outcome: str
     reason: str
     pressure_short: float | None
     pressure_long: float | None
-    move_instance: str | None = None
-    from_pool: str | None = None
-    to_pool: str | None = None
+    move: Move | None = None  # set exactly when the outcome is MOVED
 
     @property
     def moves(self) -> bool:
-        return self.move_instance is not None
+        return self.move is not None
 
 
 def instance_pressure(signals: InstanceSignals, weights: RebalanceWeights) -> float:
@@ -114,5 +119,5 @@ def decide(signals: list[InstanceSignals], settings: Rebalance, now_s: float,
         return RebalanceDecision(AT_MIN_PER_POOL, f"{imbalance}; the {cold} pool is at "
                                  f"minPerPool ({settings.min_per_pool})", p_short, p_long)
     donor = min(donors, key=lambda s: (instance_pressure(s, settings.weights), s.instance))
-    return RebalanceDecision(MOVED, imbalance, p_short, p_long, move_instance=donor.instance,
-                             from_pool=cold, to_pool=hot)
+    return RebalanceDecision(MOVED, imbalance, p_short, p_long,
+                             move=Move(instance=donor.instance, from_pool=cold, to_pool=hot))

@@ -124,11 +124,13 @@ def merge_many(results: list[AttentionResult]) -> AttentionResult:
     """Fold :func:`merge_states` over any number of KV shards."""
     if not results:
         raise ValueError("merge_many needs at least one partial result")
-    if any(part.lse_natural is None for part in results):
+    parts = [(part.output, part.lse_natural) for part in results]
+    lses = [lse for _, lse in parts if lse is not None]
+    if len(lses) < len(parts):
         raise ValueError("merging partial attention needs each part's lse (return_lse=True)")
-    output, lse = results[0].output, results[0].lse_natural
-    for part in results[1:]:
-        output, lse = merge_states(output, lse, part.output, part.lse_natural)
+    output, lse = parts[0][0], lses[0]
+    for (part_output, _), part_lse in zip(parts[1:], lses[1:]):
+        output, lse = merge_states(output, lse, part_output, part_lse)
     return AttentionResult(output=output, lse_natural=lse)
 
 

@@ -91,6 +91,7 @@ class FlashInferBackend:
         if self._write_rows is not None:
             key, value = key[self._write_rows], value[self._write_rows]
         slots = self._write_slots
+        assert slots is not None, "plan() sets the write slots"
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from slipstream.crds.servingreplica import POOL_NAMES, ServingReplicaSpec, ServingReplicaStatus
@@ -23,7 +23,7 @@ from slipstream.operator import agent_client, metrics, naming
 from slipstream.operator.handle_reconcile import EventSink, now_rfc3339, replica_lock
 from slipstream.operator.instances import ObservedInstance, observe_pods
 from slipstream.operator.kube import Kube
-from slipstream.decisions.pools import InstanceSignals, RebalanceDecision, decide
+from slipstream.decisions.pools import InstanceSignals, Move, RebalanceDecision, decide
 from slipstream.operator.status import with_rebalance
 
 IDLE_CHECK_S = 30.0  # how often a replica without (enabled) pools looks again
@@ -31,7 +31,9 @@ SignalReader = Callable[[ObservedInstance], InstanceSignals | None]
 
 
 class Stopped(Protocol):
-    async def wait(self, timeout: float | None = None) -> object: ...
+    """kopf's DaemonStopped: true once the daemon should stop; ``wait`` sleeps until then."""
+
+    def wait(self, timeout: float | None = None) -> Awaitable[object]: ...
 
     def __bool__(self) -> bool: ...
 
@@ -64,8 +66,9 @@ def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
         last_move_s = parse_time_s(previous.pools.last_rebalance_time if previous.pools else None)
         decision = decide(signals, spec.pools.rebalance, clock(), last_move_s)
         _export_gauges(namespace, name, decision, observed)
-        if decision.moves:
-            _move(kube, body, observed[decision.move_instance], decision, event)
+        if decision.move is not None:
+            _move(kube, body, observed[decision.move.instance], decision.move, decision.reason,
+                  event)
         status = with_rebalance(previous, decision, now_rfc3339(),
                                 body["metadata"].get("generation", 0))
         if status != previous:
@@ -74,22 +77,23 @@ def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
     return decision
 
 
-def _move(kube: Kube, body: dict, instance: ObservedInstance, decision: RebalanceDecision,
+def _move(kube: Kube, body: dict, instance: ObservedInstance, move: Move, reason: str,
           event: EventSink) -> None:
     namespace = body["metadata"]["namespace"]
     for pod in instance.pods:
-        kube.patch_pod_labels(namespace, pod.name, {naming.POOL_LABEL: decision.to_pool})
-    agent_client.notify_pool(instance, decision.to_pool)
-    metrics.REBALANCE_MOVES.labels(decision.from_pool, decision.to_pool).inc()
+        kube.patch_pod_labels(namespace, pod.name, {naming.POOL_LABEL: move.to_pool})
+    agent_client.notify_pool(instance, move.to_pool)
+    metrics.REBALANCE_MOVES.labels(move.from_pool, move.to_pool).inc()
     event(body, "Normal", "PoolRebalanced",
-          f"moved {instance.name} from the {decision.from_pool} pool to the {decision.to_pool} "
-          f"pool: {decision.reason}")
+          f"moved {instance.name} from the {move.from_pool} pool to the {move.to_pool} "
+          f"pool: {reason}")
 
 
 def _export_gauges(namespace: str, name: str, decision: RebalanceDecision,
                    observed: dict[str, ObservedInstance]) -> None:
     replica = metrics.replica_label(namespace, name)
-    pools_after = [decision.to_pool if i.name == decision.move_instance else i.pool
+    move = decision.move
+    pools_after = [move.to_pool if move is not None and i.name == move.instance else i.pool
                    for i in observed.values()]
     for pool, pressure in (("short", decision.pressure_short), ("long", decision.pressure_long)):
         if pressure is not None:

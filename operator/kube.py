@@ -37,10 +37,11 @@ def _json(response: Any) -> Any:
 
 class Kube:
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
-        self.core = client.CoreV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
-        self.apps = client.AppsV1Api(api_client)
-        self.rbac = client.RbacAuthorizationV1Api(api_client)
+        # The client has no type information; its methods are called with plain dicts.
+        self.core: Any = client.CoreV1Api(api_client)
+        self.custom: Any = client.CustomObjectsApi(api_client)
+        self.apps: Any = client.AppsV1Api(api_client)
+        self.rbac: Any = client.RbacAuthorizationV1Api(api_client)
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ it, builds the settings and the API client (passed to handlers as ``memo.kube``)
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -33,20 +33,20 @@ def post_event(body: dict, event_type: str, reason: str, message: str) -> None:
 
 
 def adopt(child: dict, owner: dict) -> None:
-    kopf.adopt(child, owner=owner)
+    kopf.adopt(child, owner=kopf.Body(cast(kopf.RawBody, owner)))  # the API server's JSON
 
 
 @kopf.on.resume(*RESOURCE)
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
-def on_replica_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    result = reconcile(memo.kube, namespace, name)
+def on_replica_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    result = reconcile(memo.kube, namespaced(namespace), name)
     retry.raise_if_unplaceable(result.placement_failure if result else None)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_INTERVAL_S, idle=RESYNC_INTERVAL_S / 3)
-def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    reconcile(memo.kube, namespace, name)
+def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    reconcile(memo.kube, namespaced(namespace), name)
 
 
 @kopf.on.event("", "v1", "pods", labels={naming.REPLICA_LABEL: kopf.PRESENT})
@@ -63,7 +63,15 @@ def reconcile(kube: Kube, namespace: str, name: str) -> handle_reconcile.Reconci
 
 
 @kopf.daemon(*RESOURCE, id="rebalancer", cancellation_timeout=5.0)
-async def rebalancer(namespace: str, name: str, stopped: kopf.DaemonStopped, memo: kopf.Memo,
-                     logger: logging.Logger, **_: Any) -> None:
-    await handle_rebalance.run(memo.kube, namespace, name, stopped, event=post_event,
-                               logger=logger)
+async def rebalancer(namespace: str | None, name: str, stopped: kopf.DaemonStopped,
+                     memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter,
+                     **_: Any) -> None:
+    await handle_rebalance.run(memo.kube, namespaced(namespace), name, stopped,
+                               event=post_event, logger=logger)
+
+
+def namespaced(namespace: str | None) -> str:
+    """kopf's handler types allow cluster-scoped objects; a ServingReplica never is one."""
+    if namespace is None:
+        raise kopf.PermanentError("a ServingReplica must have a namespace")
+    return namespace

@@ -126,9 +126,10 @@ def with_rebalance(previous: ServingReplicaStatus, decision: RebalanceDecision, 
     move, the moved instance's pool and the pool counts."""
     instances = previous.instances
     last_rebalance_time = previous.pools.last_rebalance_time if previous.pools else None
-    if decision.moves:
-        instances = [i.model_copy(update={"pool": decision.to_pool})
-                     if i.name == decision.move_instance else i for i in instances]
+    move = decision.move
+    if move is not None:
+        instances = [i.model_copy(update={"pool": move.to_pool})
+                     if i.name == move.instance else i for i in instances]
         last_rebalance_time = now
     pools = PoolsStatus(
         short=sum(1 for i in instances if i.pool == "short"),
@@ -139,9 +140,8 @@ def with_rebalance(previous: ServingReplicaStatus, decision: RebalanceDecision, 
     balanced = {MOVED: "False", BALANCED: "True", NO_STATS: "Unknown"}.get(decision.outcome,
                                                                           "False")
     message = decision.reason
-    if decision.moves:
-        message = (f"moved {decision.move_instance} from {decision.from_pool} to "
-                   f"{decision.to_pool}: {decision.reason}")
+    if move is not None:
+        message = f"moved {move.instance} from {move.from_pool} to {move.to_pool}: {message}"
     condition = Condition(type=POOLS_BALANCED, status=balanced, reason=decision.outcome,
                           message=message, observed_generation=generation)
     return previous.model_copy(update={

@@ -92,9 +92,11 @@ def timed_ms(runner: ModelRunner, batch: Batch) -> float:
 def measure_bucket(eager: ModelRunner, graphed: ModelRunner, bucket: PrefillBucket,
                    vocab_size: int, repeats: int) -> dict:
     eager_ms, graph_ms = [], []
+    executor = graphed.short_prefill
+    assert executor is not None, "a cuda_graphs runner has a short-prefill executor"
     for repeat in range(WARMUP_RUNS + repeats):
         batch = full_bucket_batch(bucket, vocab_size, salt=repeat)
-        if graphed.short_prefill.select(batch.chunks) != bucket:
+        if executor.select(batch.chunks) != bucket:
             raise RuntimeError(f"a full batch of {bucket} did not select its own bucket")
         sample = (timed_ms(eager, batch), timed_ms(graphed, batch))
         if repeat >= WARMUP_RUNS:
@@ -152,6 +154,8 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     eager, graphed = runner(cuda_graphs=False), runner(cuda_graphs=True)
     executor = graphed.short_prefill
+    if executor is None or executor.capture_reserved_bytes is None:
+        raise RuntimeError("cuda_graphs=True captured no short-prefill graphs")
     results = [measure_bucket(eager, graphed, bucket, model_config.vocab_size, args.repeats)
                for bucket in all_buckets(buckets)]
     return {

@@ -45,7 +45,7 @@ def _start_batch(engine: LLMEngine, batch_size: int, prompt_len: int, max_tokens
     for i in range(batch_size):
         engine.add_request([(7919 * i + 104729 * j) % (vocab - 300) + 10
                             for j in range(prompt_len)], params)
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+    while engine.scheduler.num_waiting or any(r.in_prefill for r in engine.scheduler.running):
         engine.step()
 
 

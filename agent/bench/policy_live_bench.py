@@ -97,7 +97,7 @@ def make_engine(model_dir: Path, profile_dir: Path, system: str,
 
 
 def replay(engine: LLMEngine, arrivals: list[Arrival], label: str,
-           steps: list[tuple[float, float, float]] | None = None) -> dict[str, dict]:
+           steps: list[tuple[float, float | None, float]] | None = None) -> dict[str, dict]:
     """Feed arrivals at their times; returns per-request TTFT/E2E in seconds.
 
     ``steps`` collects (start s, predicted s, actual execute s) per engine step, which shows
@@ -159,9 +159,10 @@ def summarize(records: dict[str, dict]) -> dict:
             "long_ttft_s": [r["ttft_s"] for r in long]}
 
 
-def step_accuracy(steps: list[tuple[float, float, float]]) -> dict:
+def step_accuracy(steps: list[tuple[float, float | None, float]]) -> dict:
     """How the executed steps compared with the predictor the packer budgets with."""
-    ratios = np.array([actual / predicted for _, predicted, actual in steps if predicted > 0])
+    ratios = np.array([actual / predicted for _, predicted, actual in steps
+                       if predicted is not None and predicted > 0])
     actual = np.array([a for _, _, a in steps])
     return {"steps": len(steps), "step_p50_ms": float(np.percentile(actual, 50) * 1000),
             "step_max_ms": float(actual.max() * 1000),
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.load * capacity
     arrivals = build_workload(rng, rate, args.duration_s, args.long_count, args.long_tokens,
                               args.length_scale, vocab)
-    results, step_logs = {}, {}
+    results: dict[str, dict[str, dict]] = {}
+    step_logs: dict[str, list[tuple[float, float | None, float]]] = {}
     for system in args.systems.split(","):
         engine = make_engine(model_dir, profile_dir, system, args.long_threshold_tokens)
         step_logs[system] = []

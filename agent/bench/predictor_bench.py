@@ -39,7 +39,8 @@ def engine_step_errors(model_dir: Path, profile_dir: Path) -> list[float]:
         timings = time_engine_steps(engine, CalibrationLoad(seed=1))
     finally:
         engine.close()
-    return [abs(predict_ms(predictor, t.batch) - t.step_ms) / t.step_ms for t in timings]
+    return [abs(predict_ms(predictor, t.batch) - t.step_ms) / t.step_ms for t in timings
+            if t.batch is not None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=(5, 5))
-    actual = [row["actual_ms"] for row in rows]
-    axis.scatter(actual, [row["predicted_ms"] for row in rows], s=12)
-    top = max(actual + [row["predicted_ms"] for row in rows]) * 1.05
+    measured = [row["actual_ms"] for row in rows]
+    axis.scatter(measured, [row["predicted_ms"] for row in rows], s=12)
+    top = max(measured + [row["predicted_ms"] for row in rows]) * 1.05
     axis.plot([0, top], [0, top], color="grey", linewidth=1)
     axis.set_xlabel("measured iteration time (ms)")
     axis.set_ylabel("predicted (ms)")

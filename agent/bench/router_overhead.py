@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 ttft_s, e2e_s = _one_request(client, url, index, args.max_tokens)
                 samples[path]["ttft"].append(ttft_s)
                 samples[path]["e2e"].append(e2e_s)
-    result = {path: {metric: _summary(values) for metric, values in metrics.items()}
-              for path, metrics in samples.items()}
+    result: dict[str, Any] = {path: {metric: _summary(values) for metric, values in metrics.items()}
+                              for path, metrics in samples.items()}
     result["added_ttft_median_ms"] = (result["router"]["ttft"]["median_ms"]
                                       - result["direct"]["ttft"]["median_ms"])
     result["config"] = {"requests": args.requests, "max_tokens": args.max_tokens}

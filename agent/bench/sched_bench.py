@@ -23,6 +23,7 @@ import json
 import platform
 import statistics
 import time
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -113,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile_dir or H100_LLAMA3_8B_TP8_DIR
     meta = None if (profile / "profile.json").exists() else VIDUR_H100_LLAMA3_8B_TP8
     predictor, predictor_name = RuntimePredictor.from_directory(profile, meta=meta), profile.name
-    report = {"machine": {"python": platform.python_version(), "processor": platform.processor(),
+    report: dict[str, Any] = {"machine": {"python": platform.python_version(), "processor": platform.processor(),
                           "platform": platform.platform()},
-              "predictor": predictor_name, "results": {}}
+                              "predictor": predictor_name, "results": {}}
     for policy in args.policies:
         report["results"][policy] = {}
         for scenario, seats in (("seats_full", args.running), ("seats_open", 4 * args.running)):

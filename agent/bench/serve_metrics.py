@@ -19,6 +19,7 @@ Each latency gets mean, median, std and the requested percentiles (default p99),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +46,10 @@ class RequestTiming:
 
     @property
     def tpot_s(self) -> float | None:
-        if self.output_tokens < 2 or not self.chunk_times_s:
+        times = self.chunk_times_s
+        if self.output_tokens < 2 or not times:
             return None
-        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+        return (times[-1] - times[0]) / (self.output_tokens - 1)  # E2E latency minus TTFT
 
     @property
     def itls_s(self) -> list[float]:
@@ -81,7 +83,7 @@ def _stats(name: str, values_s: list[float], percentiles: tuple[float, ...]) -> 
 
 def meets_goodput(timing: RequestTiming, slos: dict[str, float]) -> bool:
     values = {"ttft": timing.ttft_s, "tpot": timing.tpot_s or 0.0, "e2el": timing.e2el_s}
-    return all(values[key] is not None and values[key] * 1000.0 <= limit
+    return all((value := values[key]) is not None and value * 1000.0 <= limit
                for key, limit in slos.items())
 
 
@@ -96,7 +98,7 @@ def serving_metrics(timings: list[RequestTiming], duration_s: float,
     input_tokens = sum(t.prompt_tokens for t in ok)
     output_tokens = sum(t.output_tokens for t in ok)
     duration_s = max(duration_s, 1e-9)
-    metrics = {
+    metrics: dict[str, Any] = {
         "duration_s": duration_s,
         "completed": len(ok),
         "failed": len(timings) - len(ok),

@@ -47,7 +47,8 @@ def _plots(out: Path, ok: list[RequestTiming]) -> None:
     fig.savefig(out / "ttft_cdf.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    ax.plot([t.send_s for t in ok], [t.ttft_s for t in ok], ".", markersize=3)
+    sent = [(t.send_s, t.ttft_s) for t in ok if t.ttft_s is not None]
+    ax.plot([s for s, _ in sent], [ttft for _, ttft in sent], ".", markersize=3)
     ax.set_xlabel("send time (s)")
     ax.set_ylabel("TTFT (s)")
     ax.grid(True, alpha=0.3)

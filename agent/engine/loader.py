@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from slipstream.agent.engine.config import ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, PipelineStage
-from slipstream.agent.engine.models.llama import LlamaForCausalLM
+from slipstream.agent.engine.models.llama import LlamaForCausalLM, tie_word_embeddings
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,8 +84,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. "
                          f"{missing[:5]}")
     model.load_state_dict(loaded, strict=False, assign=True)
-    if config.tie_word_embeddings and stage.is_first and stage.is_last:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    tie_word_embeddings(model, config)
     # Buffers (rotary inverse frequencies) were created on the meta device; rebuild them.
     model.model.rotary = type(model.model.rotary)(config.head_dim, config.rope_theta,
                                                   config.rope_scaling).to(device)

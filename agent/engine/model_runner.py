@@ -20,6 +20,7 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
+from slipstream.agent.engine.models.llama import KVCache
 from slipstream.agent.engine.sampler import Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
 from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
@@ -89,7 +90,7 @@ class ModelRunner:
         """Host-memory KV blocks that swap preemption copies device blocks into."""
         self.host_kv_caches = self._allocate(num_blocks, torch.device("cpu"))
 
-    def _allocate(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    def _allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
         shape = (num_blocks, BLOCK_SIZE, self.model_config.num_kv_heads, self.model_config.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=device),
                  torch.zeros(shape, dtype=self.dtype, device=device))
@@ -120,12 +121,13 @@ class ModelRunner:
     def _forward_sampling(self, batch: Batch):
         """The forward of one batch: logits of the chunks that sample, and those chunks.
         Times the forward alone into ``last_forward_s`` (input preparation excluded)."""
-        bucket = self.short_prefill.select(batch.chunks) if self.short_prefill else None
-        if bucket is not None:
+        short_prefill = self.short_prefill
+        bucket = short_prefill.select(batch.chunks) if short_prefill is not None else None
+        if short_prefill is not None and bucket is not None:
             chunks = list(batch.chunks)
-            self.short_prefill.load_inputs(chunks, bucket)
+            short_prefill.load_inputs(chunks, bucket)
             started = time.perf_counter()
-            logits = self.short_prefill.forward(bucket, len(chunks))
+            logits = short_prefill.forward(bucket, len(chunks))
         else:
             input_ids, positions, metadata, sample_rows = self._prepare(batch)
             chunks = [batch.chunks[i] for i, _ in sample_rows]

@@ -27,6 +27,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from tqdm import tqdm
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.model_runner import ModelRunner
-from slipstream.agent.engine.models.llama import apply_rotary
+from slipstream.agent.engine.models.llama import LlamaDecoderLayer, apply_rotary
 from slipstream.agent.engine.profile_fit import fit_overhead, lower_envelope
 from slipstream.agent.engine.step_calibration import (CalibrationLoad, fit_host_overhead,
                                                      fit_runner_overhead, time_engine_steps)
@@ -76,7 +77,8 @@ class Profiler:
         self.runner = runner
         self.device = runner.device
         self.repeats = repeats
-        self.layers = list(runner.model.model.layers.values())
+        # ModuleDict hands out plain Modules; these are the model's decoder layers.
+        self.layers = cast(list[LlamaDecoderLayer], list(runner.model.model.layers.values()))
         self.layer = self.layers[0]
         self.config = runner.model_config
 
@@ -99,7 +101,7 @@ class Profiler:
         attn_out = torch.randn(tokens, attn.num_heads * attn.head_dim, device=self.device,
                                dtype=x.dtype)
         intermediate = torch.randn_like(gate)
-        ops: dict[str, Callable[[torch.nn.Module], object]] = {
+        ops: dict[str, Callable[[LlamaDecoderLayer], object]] = {
             "input_layernorm": lambda layer: layer.input_layernorm(x),
             "post_attention_layernorm": lambda layer: layer.post_attention_layernorm(x),
             "attn_pre_proj": lambda layer: (layer.self_attn.q_proj(x), layer.self_attn.k_proj(x),
@@ -112,8 +114,11 @@ class Profiler:
             "add": lambda _: (x + x, x + x),
         }
         layers = self.layers
-        return {name: best_ms(lambda op=op: [op(layer) for layer in layers], self.device,
-                              self.repeats) / len(layers)
+
+        def on_every_layer(op: Callable[[LlamaDecoderLayer], object]) -> Callable[[], object]:
+            return lambda: [op(layer) for layer in layers]
+
+        return {name: best_ms(on_every_layer(op), self.device, self.repeats) / len(layers)
                 for name, op in ops.items()}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
@@ -240,8 +245,9 @@ def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
 
 
 def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
-                        random_batches: Sequence[tuple[int, float]]) -> dict[str, float]:
-    """The runner and host overheads, fitted on the steps the real LLMEngine runs when it
+                        random_batches: Sequence[tuple[int, float]],
+                        meta: ProfileMeta) -> ProfileMeta:
+    """``meta`` with the runner and host overheads, fitted on the steps the real LLMEngine runs when it
     packs a serving load with this profile (see step_calibration.py); the runner's also on
     ``random_batches``, with as much weight in total as the engine steps."""
     # The packer must fit a prefill chunk next to the decodes, also on a model slower than the
@@ -263,8 +269,9 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
     runner_ms, runner_per_sequence_ms = fit_runner_overhead(
         timings, lambda batch: predict_ms(tables_only, batch), list(random_batches) * repeat)
     host_ms, host_per_sequence_ms = fit_host_overhead(timings)
-    return {"iteration_overhead_ms": runner_ms, "per_sequence_overhead_ms": runner_per_sequence_ms,
-            "host_overhead_ms": host_ms, "host_per_sequence_ms": host_per_sequence_ms}
+    return dataclasses.replace(meta, iteration_overhead_ms=runner_ms,
+                               per_sequence_overhead_ms=runner_per_sequence_ms,
+                               host_overhead_ms=host_ms, host_per_sequence_ms=host_per_sequence_ms)
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int,
@@ -287,14 +294,15 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         write_profile(out, tables, meta)
         # Random batches first: a rough overhead, so the engine below packs sensibly.
         random_batches = random_batch_residuals(runner, out, grid)
-        fixed_ms, per_sequence_ms = fit_overhead(*zip(*random_batches))
+        fixed_ms, per_sequence_ms = fit_overhead([n for n, _ in random_batches],
+                                                 [ms for _, ms in random_batches])
         meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
                                    per_sequence_overhead_ms=per_sequence_ms)
         write_profile(out, tables, meta)
         progress.update()
         del runner  # the engine below loads its own copy of the weights
-        meta = dataclasses.replace(meta, **fit_on_engine_steps(model_dir, device, out,
-                                                               grid.engine_load, random_batches))
+        meta = fit_on_engine_steps(model_dir, device, out, grid.engine_load, random_batches,
+                                   meta)
         progress.update()
     write_profile(out, tables, meta)
     return out

@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from slipstream.agent.engine.config import ShortPrefillBuckets
+from slipstream.agent.engine.models.llama import KVCache, LlamaForCausalLM
 from slipstream.agent.engine.prefill_buckets import (
     PrefillBucket, all_buckets, select_bucket, short_prefill_lengths)
 from slipstream.agent.scheduler.batch import ScheduledChunk
@@ -68,7 +68,7 @@ class ShortPrefillExecutor:
     ``scratch_block`` absorbs the padding's KV writes.
     """
 
-    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
                  buckets: ShortPrefillBuckets, scratch_block: int,
                  device: torch.device) -> None:
         if kv_caches and kv_caches[0][0].shape[0] <= scratch_block:
@@ -149,10 +149,11 @@ class ShortPrefillExecutor:
         torch.cuda.synchronize(self.device)
         self.use_graphs = True
         self.capture_s = time.perf_counter() - started
-        self.capture_reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+        reserved = self.capture_reserved_bytes = \
+            torch.cuda.memory_reserved(self.device) - reserved_before
         log.info("captured %d CUDA graphs for short prefills (lengths %s x batches %s) in "
                  "%.1f s, %.2f GiB reserved", self.num_graphs, self.config.lengths_tokens,
-                 self.config.batch_sizes, self.capture_s, self.capture_reserved_bytes / 2**30)
+                 self.config.batch_sizes, self.capture_s, reserved / 2**30)
 
     def run(self, chunks: Sequence[ScheduledChunk], bucket: PrefillBucket) -> torch.Tensor:
         """Logits ``[len(chunks), vocab]`` (float32) at each prompt's last token."""
@@ -163,7 +164,7 @@ class ShortPrefillExecutor:
         """Run ``bucket`` on the inputs last loaded into it (graph replay on CUDA)."""
         program = self._programs[bucket]
         self.runs_per_bucket[bucket] += 1
-        if self.use_graphs:
+        if self.use_graphs and program.graph is not None and program.logits is not None:
             program.graph.replay()
             # The next replay of this bucket overwrites its output tensor.
             return program.logits[:num_prompts].clone()

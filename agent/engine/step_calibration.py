@@ -120,8 +120,9 @@ def fit_runner_overhead(timings: Sequence[StepTiming], tables_ms: Callable[[Batc
     uniform grid does not reproduce: the torch backend pads decodes within a group of similar
     KV lengths), plus
     ``extra`` (sequences, residual ms) samples measured elsewhere."""
-    if len(timings) < 2 or any(t.batch is None for t in timings):
+    batches = [t.batch for t in timings if t.batch is not None]
+    if len(timings) < 2 or len(batches) < len(timings):
         raise ValueError("need at least two timed steps with their batches")
-    samples = [(t.sequences, t.execute_ms - tables_ms(t.batch)) for t in timings]
+    samples = [(t.sequences, t.execute_ms - tables_ms(batch)) for t, batch in zip(timings, batches)]
     samples += list(extra)
     return fit_overhead([n for n, _ in samples], [ms for _, ms in samples])

@@ -197,7 +197,7 @@ def parameter_shapes(preset: TinyModelPreset) -> dict[str, tuple[int, ...]]:
     """Hugging Face Llama parameter names and shapes, in a fixed order."""
     hidden, q_size = preset.hidden_size, preset.num_attention_heads * preset.head_dim
     kv_size = preset.num_key_value_heads * preset.head_dim
-    shapes = {"model.embed_tokens.weight": (preset.vocab_size, hidden)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (preset.vocab_size, hidden)}
     for layer in range(preset.num_hidden_layers):
         prefix = f"model.layers.{layer}"
         shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)

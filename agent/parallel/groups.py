@@ -63,18 +63,25 @@ def init_process_groups(config: ParallelConfig, env: WorkerEnv,
             ranks = config.tp_group_ranks(stage, kvp_index)
             group = dist.new_group(ranks) if config.tp > 1 else None
             if env.rank in ranks:
-                tp_group = group
+                tp_group = _own(group)
     for stage in range(config.spp):
         for tp_rank in range(config.tp):
             ranks = config.kvp_group_ranks(tp_rank, stage)
             group = dist.new_group(ranks) if config.kvp > 1 else None
             if env.rank in ranks:
-                kvp_group = group
+                kvp_group = _own(group)
     stage = coords.stage
     prev_rank = config.rank_of(coords.tp_rank, stage - 1, coords.kvp_group) if stage > 0 else None
     next_rank = (config.rank_of(coords.tp_rank, stage + 1, coords.kvp_group)
                  if stage < config.spp - 1 else None)
     return ProcessGroups(config, coords, tp_group, kvp_group, prev_rank, next_rank)
+
+
+def _own(group: object) -> dist.ProcessGroup | None:
+    """The group a member got back from new_group (non-members get a marker, not a group)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"new_group gave a member {group!r}, not a process group")
+    return group
 
 
 def destroy_process_groups() -> None:

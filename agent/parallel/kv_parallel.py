@@ -37,7 +37,9 @@ def group_metadata(chunks: Sequence[ScheduledChunk], group: int, tokens_per_grou
     """
     shard_start = group * tokens_per_group
     shard_end = shard_start + tokens_per_group
-    kv_lens, block_tables, slots = [], [], []
+    kv_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    slots: list[int] = []
     for chunk in chunks:
         kv_len = min(max(chunk.end_pos - shard_start, 0), tokens_per_group)
         first_block = shard_start // block_size
@@ -73,6 +75,8 @@ class KVParallelBackend:
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: float, return_lse: bool = True) -> AttentionResult:
         part = self.inner.run(query, k_cache, v_cache, scale, return_lse=True)
+        if part.lse_natural is None:
+            raise RuntimeError(f"{self.inner.name} returned no lse; KVP cannot merge without it")
         # One collective per layer: the output and its lse travel as one fp32 tensor.
         packed = torch.cat([part.output.float(), part.lse_natural.unsqueeze(-1)], dim=-1)
         gathered = [torch.empty_like(packed) for _ in range(self.group_size)]

@@ -59,7 +59,8 @@ class LocalWorkers:
 
         torch = sys.modules.get("torch")
         cuda_started = torch is not None and torch.cuda.is_initialized()
-        context = multiprocessing.get_context("spawn" if cuda_started else "fork")
+        context = (multiprocessing.get_context("spawn") if cuda_started
+                   else multiprocessing.get_context("fork"))
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         for local_rank, rank in enumerate(ranks):
             env = WorkerEnv(rank=rank, local_rank=local_rank, world_size=world_size,
@@ -71,7 +72,8 @@ class LocalWorkers:
 
     @property
     def pids(self) -> dict[int, int]:
-        return {rank: process.pid for rank, process in self.processes.items()}
+        return {rank: process.pid for rank, process in self.processes.items()
+                if process.pid is not None}
 
     def exited(self) -> dict[int, int]:
         """Ranks whose process has exited, with its exit code (negative: killed by a signal)."""
@@ -108,17 +110,23 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = NodeEnv.from_environ()
-    missing = [name for name, value in (("SLIPSTREAM_WORLD_SIZE", env.world_size),
-                                        ("SLIPSTREAM_NODE_RANKS", env.node_ranks),
-                                        ("SLIPSTREAM_CONTROLLER_ADDR", env.controller_addr),
-                                        ("MASTER_ADDR", env.master_addr),
-                                        ("MASTER_PORT", env.master_port)) if value is None]
-    if missing:
+    if (env.world_size is None or env.node_ranks is None or env.controller_addr is None
+            or env.master_addr is None or env.master_port is None):
+        missing = [name for name, value in (("SLIPSTREAM_WORLD_SIZE", env.world_size),
+                                            ("SLIPSTREAM_NODE_RANKS", env.node_ranks),
+                                            ("SLIPSTREAM_CONTROLLER_ADDR", env.controller_addr),
+                                            ("MASTER_ADDR", env.master_addr),
+                                            ("MASTER_PORT", env.master_port)) if value is None]
         log.error("slipstream worker needs %s in its environment", ", ".join(missing))
         return 2
     workers = LocalWorkers(env.node_ranks, env.world_size, env.controller_addr,
                            env.master_addr, env.master_port)
-    signal.signal(signal.SIGTERM, lambda *_: (workers.stop(), sys.exit(0)))
+
+    def stop(*_: object) -> None:
+        workers.stop()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     log.info("started ranks %s", list(workers.pids))
     try:
         while True:

@@ -63,8 +63,11 @@ class StageRunner:
         self.model = load_model(config.model_dir, device, self.dtype, model_config, layers,
                                 self.stage)
         backend = select_backend(device, config.attention_backend)
-        self.backend = (KVParallelBackend(backend, groups.kvp_group, parallel.kvp)
-                        if parallel.kvp > 1 else backend)
+        self.backend = backend
+        if parallel.kvp > 1:
+            if groups.kvp_group is None:
+                raise RuntimeError(f"rank {coords.rank}: kvp={parallel.kvp} without a KVP group")
+            self.backend = KVParallelBackend(backend, groups.kvp_group, parallel.kvp)
         self.tokens_per_group = (parallel.kvp_tokens_per_group if parallel.kvp > 1
                                  else _WHOLE_SEQUENCE_TOKENS)
         self.kv_group = coords.kvp_group
@@ -81,7 +84,8 @@ class StageRunner:
         self.is_sampler = coords.rank == parallel.sampler_rank
         self.sampler = Sampler(config.seed) if self.is_sampler else None
         self.spans: deque[StageSpan] = deque(maxlen=MAX_SPANS)
-        self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
+        # The hand-off in flight (isend's request, None once complete) and its tensor.
+        self._pending_send: tuple[dist.Work | None, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def run(self, batch_seq: int, batch: Batch) -> dict[str, SampledToken] | None:
@@ -108,11 +112,18 @@ class StageRunner:
                                     len(positions), started, time.monotonic()))
         if not self.stage.is_last:
             self._send(hidden)
-        return self._sample(batch, sample_rows, logits) if self.is_sampler else None
+        if self.sampler is None:  # only the sampler rank has one
+            return None
+        if logits is None:
+            raise RuntimeError(f"rank {coords.rank} samples but computed no logits (sampler_rank "
+                               "must be a last-stage rank of KVP group 0)")
+        return self._sample(self.sampler, batch, sample_rows, logits)
 
     def finish_sends(self) -> None:
         if self._pending_send is not None:
-            self._pending_send[0].wait()
+            work, _ = self._pending_send
+            if work is not None:
+                work.wait()
             self._pending_send = None
 
     def _send(self, hidden: torch.Tensor) -> None:
@@ -122,12 +133,13 @@ class StageRunner:
         hidden = hidden.contiguous()
         self._pending_send = (dist.isend(hidden, dst=self.groups.next_rank), hidden)
 
-    def _sample(self, batch: Batch, sample_rows: list[tuple[int, int]],
+    @staticmethod
+    def _sample(sampler: Sampler, batch: Batch, sample_rows: list[tuple[int, int]],
                 logits: torch.Tensor) -> dict[str, SampledToken]:
         if not sample_rows:
             return {}
         chunks = [batch.chunks[i] for i, _ in sample_rows]
-        tokens, logprobs = self.sampler(logits, [c.sampling for c in chunks],
+        tokens, logprobs = sampler(logits, [c.sampling for c in chunks],
                                         [c.num_generated for c in chunks])
         return {chunk.request_id: SampledToken(token, logprob)
                 for chunk, token, logprob in zip(chunks, tokens, logprobs)}

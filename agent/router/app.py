@@ -87,6 +87,8 @@ class Router:
         else:
             routed = self.classifier.classify(endpoint, body)
         self.table.observe_prompt(routed.request_class, routed.prompt_tokens)
+        if self.proxy is None:
+            raise RuntimeError("a request reached the router before its start-up")
         return await self.proxy.forward(path, raw, forwarded_headers(request.headers), routed)
 
     def instances_view(self) -> list[dict]:
@@ -126,6 +128,7 @@ def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -
 
     @app.get("/v1/models")
     async def models() -> Response:
+        assert router.client is not None, "the lifespan started the router"
         for instance in router.table.candidates("short"):
             try:
                 upstream = await router.client.get(f"{instance.spec.url}/v1/models", timeout=5)

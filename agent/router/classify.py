@@ -82,10 +82,11 @@ class LengthClassifier:
     def _count_chat(self, messages: Any) -> int:
         if not isinstance(messages, list):
             return 0
-        plain = [{"role": message.get("role"), "content": _message_text(message.get("content"))}
+        texts = [(message.get("role"), _message_text(message.get("content")))
                  for message in messages if isinstance(message, dict)]
         if self.tokenizer is None or self.tokenizer.chat_template is None:
-            return sum(_estimate_tokens(message["content"]) for message in plain)
+            return sum(_estimate_tokens(text) for _, text in texts)
+        plain = [{"role": role, "content": text} for role, text in texts]
         return len(self.tokenizer.encode_chat(plain, add_generation_prompt=True))
 
 

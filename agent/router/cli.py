@@ -108,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if not static and not namespace:
         raise ValueError("no backends: give --backend URL=POOL, or --namespace (or "
                          "$POD_NAMESPACE) to watch agent pods")
-    kubernetes = None if static else KubernetesDiscovery(
+    kubernetes = None if static or namespace is None else KubernetesDiscovery(
         namespace=namespace, label_selector=args.selector, kubeconfig=args.kubeconfig)
     return RouterConfig(
         host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST, port=args.port,
@@ -143,8 +143,9 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("no --model: prompt lengths are estimated from characters, not tokens")
     app = build_router_app(config, tokenizer)
     host = f"[{config.host}]" if ":" in config.host else config.host
-    source = (f"{len(config.static_backends)} static backends" if config.static_backends
-              else f"pods in {config.kubernetes.namespace} ({config.kubernetes.label_selector})")
+    watched = config.kubernetes
+    source = (f"pods in {watched.namespace} ({watched.label_selector})" if watched is not None
+              else f"{len(config.static_backends)} static backends")
     print(f"Slipstream router at http://{host}:{config.port}/v1 -> {source}; long prompts: "
           f">= {config.long_prefill_threshold_tokens} tokens", file=sys.stderr, flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,

@@ -157,10 +157,10 @@ class InstanceTable:
 
     def replace_all(self, specs: Iterable[BackendSpec]) -> None:
         """Make the table exactly ``specs`` (after a full list of pods)."""
-        specs = {spec.name: spec for spec in specs}
-        for name in set(self._instances) - set(specs):
+        by_name = {spec.name: spec for spec in specs}
+        for name in set(self._instances) - set(by_name):
             del self._instances[name]
-        for spec in specs.values():
+        for spec in by_name.values():
             current = self._instances.get(spec.name)
             if current is None:
                 self._instances[spec.name] = Instance(spec)

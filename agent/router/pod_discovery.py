@@ -78,7 +78,7 @@ class PodWatcher:
         self._loop = loop
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pod-watch", daemon=True)
-        self._api = None
+        self._api: Any = None  # kubernetes.client.CoreV1Api (untyped) once started
 
     def start(self) -> None:
         from kubernetes import client, config

@@ -169,11 +169,12 @@ class AdaptiveWaitDepth:
 
     def window_end_s(self, depth: int) -> float:
         """When this round's waiting window ``W`` closes, for a batch of ``depth`` so far."""
-        start = self._round_started_s
+        start, last_arrival_s = self._round_started_s, self._last_arrival_s
+        assert start is not None and last_arrival_s is not None, "no round without requests"
         end = start + self.window_fill_s
         if self._mean_gap_s is not None and self._mean_gap_s > 0:
             # Leftovers of a release open a round after their own arrivals.
-            latest = max(start, self._last_arrival_s)
+            latest = max(start, last_arrival_s)
             end = min(end, latest + max(0, self.target_depth - depth) * self._mean_gap_s)
         return min(max(end, start + self.config.min_wait_s), start + self.config.max_wait_s)
 
@@ -222,6 +223,7 @@ class AdaptiveWaitDepth:
         for bucket_length, bucket in self._buckets.items():
             if any(id(request) in released for request in bucket):
                 self._buckets[bucket_length] = deque(r for r in bucket if id(r) not in released)
+        assert self._round_started_s is not None, "members were waiting, so a round is open"
         fill_time_s = now_s - self._round_started_s
         depth = len(members)
         if depth >= self.target_depth:

@@ -130,7 +130,9 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_
         for request_id in sampled:
             request = scheduler.requests[request_id]
             if request.num_output_tokens >= request.max_tokens:
-                result.finished[request_id] = scheduler.finish(request_id, FinishReason.LENGTH, now_s)
+                finished = scheduler.finish(request_id, FinishReason.LENGTH, now_s)
+                if finished is not None:
+                    result.finished[request_id] = finished
         result.num_steps += 1
         if result.num_steps >= max_steps:
             raise RuntimeError(f"not done after {max_steps} steps")
@@ -143,6 +145,7 @@ def _next_time(scheduler: Scheduler, batch: Batch, now_s: float, pending: list[A
     """After a batch, its predicted end; after an empty step, the scheduler's wakeup (AWD
     holding short prefills) or the next arrival, whichever is first, else a short idle step."""
     if batch.chunks:
+        assert batch.predicted_time_s is not None, "schedule() predicts every batch it makes"
         return now_s + batch.predicted_time_s
     wakeup_s = scheduler.next_wakeup_s(now_s)
     if wakeup_s is None:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable
+from collections.abc import Hashable, Mapping
+from typing import Any, ClassVar
 
 from slipstream.agent.scheduler.length_predictor import LengthPredictor
 from slipstream.agent.scheduler.request import Request
@@ -60,7 +61,7 @@ class SchedulingPolicy:
 
     # Per-bucket scales when the order changes with time: score = (key - now) * scale[bucket].
     # None means the key alone is the order (see priority_index.py).
-    score_scale: dict[Hashable, float] | None = None
+    score_scale: Mapping[Any, float] | None = None
 
     def prefill_key(self, request: Request, now_s: float) -> tuple[Hashable, float]:
         raise NotImplementedError

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Hashable, Iterator, KeysView, Mapping
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, KeysView, Mapping
 
 from slipstream.agent.scheduler.request import Request
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from slipstream.agent.scheduler.policies import SchedulingPolicy
 
 # Per-bucket scale of a score linear in time: score = (key - now_s) * scale[bucket].
-ScoreScale = Mapping[Hashable, float]
+ScoreScale = Mapping[Any, float]  # keyed by a policy's own (hashable) buckets
 
 
 class PriorityIndex:

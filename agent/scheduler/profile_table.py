@@ -263,7 +263,7 @@ def _load_cached(sources: dict[str, Path], cache_dir: Path | None) -> dict[str, 
         try:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_path.with_suffix(".tmp.npz")
-            np.savez(tmp, **arrays)
+            np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub types allow_pickle only
             tmp.replace(cache_path)
         except OSError:
             pass  # a read-only home only costs the next load its parse time

@@ -209,6 +209,8 @@ class Scheduler:
             return
         for _ in range(self.config.max_displacements_per_step):
             head = self.queue.first_waiting(now_s)
+            if head is None or not self.running:  # nobody left to admit, or to evict
+                return
             first_chunk = min(head.num_uncomputed_tokens, self.packer_config.initial_chunk_tokens)
             seats_full = len(self.running) >= self.config.max_num_seqs
             memory_short = self.block_manager.kv_blocks_free < blocks_for_tokens(
@@ -359,7 +361,7 @@ class Scheduler:
         computed_tokens = request.num_computed_tokens
         copy = self.preemptor.preempt(request, allow_swap=swap_out is not None)
         self.num_preemptions_total += 1
-        if copy is not None:
+        if copy is not None and swap_out is not None:  # preempt() swaps only when allowed
             swap_out.append(copy)
             self.swapped.append(request)
             return

@@ -67,7 +67,9 @@ class UrgencyModel:
         return self.prefill_times.remaining_s(request.num_tokens, processed)
 
     def slack_s(self, request: Request, now_s: float) -> float:
+        assert request.ttft_deadline_s is not None, "assign() sets it when the request arrives"
         return request.ttft_deadline_s - now_s - self.remaining_prefill_s(request)
 
     def relative_slack(self, request: Request, now_s: float) -> float:
+        assert request.prefill_work_s is not None, "assign() sets it when the request arrives"
         return self.slack_s(request, now_s) / request.prefill_work_s

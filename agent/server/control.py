@@ -17,6 +17,7 @@ from concurrent import futures
 from typing import Protocol
 
 import grpc
+from google.protobuf.message import Message
 
 from slipstream.agent.server import control_pb2 as pb
 
@@ -26,17 +27,35 @@ POOLS = ("short", "long", "unified")
 
 class EngineLoad(Protocol):
     """The fields of the engine's EngineStats that the control API reports. Declared here,
-    not imported, so the operator can use this module's client without the engine (torch)."""
+    not imported, so the operator can use this module's client without the engine (torch).
+    Read-only, as EngineStats is frozen."""
 
-    num_waiting: int
-    num_running: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions_total: int
-    backlog_prompt_tokens: int
-    utilization: float
-    prefill_tokens_per_s: float
-    slo_deviation: float
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def kv_blocks_used(self) -> int: ...
+
+    @property
+    def kv_blocks_total(self) -> int: ...
+
+    @property
+    def num_preemptions_total(self) -> int: ...
+
+    @property
+    def backlog_prompt_tokens(self) -> int: ...
+
+    @property
+    def utilization(self) -> float: ...
+
+    @property
+    def prefill_tokens_per_s(self) -> float: ...
+
+    @property
+    def slo_deviation(self) -> float: ...
 
     @property
     def queue_backlog_s(self) -> float: ...
@@ -92,7 +111,7 @@ class ControlService:
 
 
 # method name -> (request type, response type, ControlService attribute)
-_METHODS = {
+_METHODS: dict[str, tuple[type[Message], type[Message], str]] = {
     "Health": (pb.HealthRequest, pb.HealthResponse, "health"),
     "Stats": (pb.StatsRequest, pb.StatsResponse, "stats"),
     "SetPool": (pb.SetPoolRequest, pb.SetPoolResponse, "set_pool"),

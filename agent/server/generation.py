@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -188,7 +188,7 @@ class Generation:
         self._first = first
         self._timer = timer
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         output: RequestOutput | None = self._first
         finished = False
         try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slipstream.agent.engine.load_window import LoadWindow
+from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
@@ -77,7 +78,9 @@ class KvpTimeModel:
     def __init__(self, base: BatchTimeModel, config: InstanceConfig, num_layers: int) -> None:
         self.base = base
         self.config = config
-        self.group_tokens = int(config.kvp_tokens_per_group)
+        if config.kvp_tokens_per_group is None:
+            raise ValueError("KV-parallel timing needs kvp_tokens_per_group")
+        self.group_tokens = config.kvp_tokens_per_group
         self.num_layers = num_layers
         self.iteration_overhead_ms = base.iteration_overhead_ms
 
@@ -139,7 +142,7 @@ class SimInstance:
         self.num_iterations = 0
         self.num_finished = 0
         self.busy_s = 0.0
-        self._pending = None  # (batch, exit_s) of the batch now in the pipeline
+        self._pending: tuple[Batch, float] | None = None  # (batch, exit_s) in the pipeline
         self._parked: dict[str, float] = {}  # request id -> when its sampled token comes out
         self.waiting_for_wakeup = False  # idle until AWD's wakeup; an arrival may come first
         # The live engine's load window, fed the same way: the pool rebalancer reads it.
@@ -152,6 +155,7 @@ class SimInstance:
                           slo=RequestSLO(ttft_s=ttft_slo_s))
         self.scheduler.add(request)
         record.instance = self.index
+        assert request.ttft_deadline_s is not None, "the scheduler sets it on add()"
         record.ttft_deadline_s = request.ttft_deadline_s - record.arrival_s
         self.backlog_tokens += record.prompt_tokens + record.output_tokens
 
@@ -181,6 +185,7 @@ class SimInstance:
             return self._next_wake_s(now_s)
         self.num_iterations += 1
         config = self.config
+        assert batch.predicted_time_s is not None, "schedule() predicts every batch it makes"
         time_s = batch.predicted_time_s + config.host_overhead_ms / 1000.0
         self.backlog_tokens = max(0, self.backlog_tokens - batch.num_tokens)
         prefill_tokens = batch.num_tokens - batch.num_decodes
@@ -213,6 +218,7 @@ class SimInstance:
                    if r.in_prefill)
 
     def _complete(self, now_s: float) -> None:
+        assert self._pending is not None
         batch, exit_s = self._pending
         self._pending = None
         scheduler = self.scheduler

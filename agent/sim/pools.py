@@ -86,12 +86,13 @@ class PoolRouter:
         signals = [instance_signals(inst, self.pools[inst.index], now_s) for inst in instances]
         decision = decide(signals, self.config.rebalance, now_s, self.last_move_s)
         self.decisions += 1
-        if decision.moves:
-            index = int(decision.move_instance)
-            self.pools[index] = decision.to_pool
+        move = decision.move
+        if move is not None:
+            index = int(move.instance)
+            self.pools[index] = move.to_pool
             self.last_move_s = now_s
-            self.moves.append({"time_s": now_s, "instance": index, "from": decision.from_pool,
-                               "to": decision.to_pool,
+            self.moves.append({"time_s": now_s, "instance": index, "from": move.from_pool,
+                               "to": move.to_pool,
                                "pressure_short": decision.pressure_short,
                                "pressure_long": decision.pressure_long,
                                "sizes": self.pool_sizes()})

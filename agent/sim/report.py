@@ -46,9 +46,10 @@ def tpot_s(record: RequestRecord) -> float | None:
 
 
 def meets_slo(record: RequestRecord, tpot_slo_ms: float | None) -> bool:
-    if record.finished_s is None or record.first_token_s is None:
+    ttft = ttft_s(record)
+    if record.finished_s is None or ttft is None:
         return False
-    if ttft_s(record) > record.ttft_deadline_s + 1e-9:
+    if record.ttft_deadline_s is not None and ttft > record.ttft_deadline_s + 1e-9:
         return False
     tpot = tpot_s(record)
     return tpot_slo_ms is None or tpot is None or tpot * 1000.0 <= tpot_slo_ms
@@ -60,14 +61,16 @@ def class_metrics(records: list[RequestRecord], end_s: float, duration_s: float,
     ttfts = [t for r in records if (t := ttft_s(r)) is not None]
     tpots = [t for r in finished if (t := tpot_s(r)) is not None]
     good = sum(1 for r in finished if meets_slo(r, tpot_slo_ms))
-    waits = [ttft_s(r) if r.first_token_s is not None else end_s - r.arrival_s for r in records]
+    waits = [(end_s if r.first_token_s is None else r.first_token_s) - r.arrival_s
+             for r in records]
     return {
         "requests": len(records),
         "completed": len(finished),
         "unfinished": len(records) - len(finished),
         "ttft_s": distribution(ttfts),
         "tpot_ms": distribution(tpots, 1000.0),
-        "e2e_s": distribution([r.finished_s - r.arrival_s for r in finished]),
+        "e2e_s": distribution([r.finished_s - r.arrival_s for r in records
+                               if r.finished_s is not None]),
         "slo_attained": good,
         "slo_attainment": good / len(records) if records else None,
         "goodput_rps": good / duration_s if duration_s > 0 else 0.0,
@@ -113,8 +116,8 @@ def summarize(result: SimResult, long_prompt_tokens: int, tpot_slo_ms: float | N
 
 def short_ttft_series(result: SimResult, long_prompt_tokens: int) -> tuple[list[float], list[float]]:
     """(arrival time, TTFT) of short requests that got a first token, for the time plot."""
-    points = [(r.arrival_s, ttft_s(r)) for r in result.records
-              if r.prompt_tokens < long_prompt_tokens and r.first_token_s is not None]
+    points = [(r.arrival_s, ttft) for r in result.records
+              if r.prompt_tokens < long_prompt_tokens and (ttft := ttft_s(r)) is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
 

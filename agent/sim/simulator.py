@@ -48,6 +48,11 @@ class SimConfig:
         if self.instance.num_kv_blocks is None:
             raise ValueError("instance.num_kv_blocks must be set (see kv_capacity.py)")
 
+    @property
+    def num_kv_blocks(self) -> int:
+        assert self.instance.num_kv_blocks is not None  # checked above
+        return self.instance.num_kv_blocks
+
 
 @dataclass
 class SimResult:
@@ -69,7 +74,7 @@ def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
         kvp_tokens_per_group=instance.kvp_tokens_per_group if instance.kvp > 1 else None)
     if instance.kvp > 1:
         model = KvpTimeModel(model, instance, config.num_layers)
-    return Scheduler(scheduler_config, BlockManager(instance.num_kv_blocks, 0, BLOCK_SIZE),
+    return Scheduler(scheduler_config, BlockManager(config.num_kv_blocks, 0, BLOCK_SIZE),
                      predictor=model)
 
 
@@ -80,7 +85,7 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
     by_id = {record.request_id: record for record in records}
     instances = [SimInstance(i, make_scheduler(config, model), config.instance, by_id)
                  for i in range(config.num_instances)]
-    capacity_tokens = config.instance.num_kv_blocks * BLOCK_SIZE
+    capacity_tokens = config.num_kv_blocks * BLOCK_SIZE
     events: list[tuple[float, int]] = []
     # The time of each instance's live event in the heap (None: none); other entries are stale.
     scheduled_at: list[float | None] = [None] * len(instances)

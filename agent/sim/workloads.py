@@ -92,7 +92,8 @@ def sharegpt_short(count: int, qps: float, seed: int,
     rng = np.random.default_rng(seed)
     times = arrival_times(rng, count, qps, burstiness).tolist()
     picks = rng.integers(len(rows), size=count).tolist()
-    return [TraceRequest(at, *rows[pick], "sharegpt-short") for at, pick in zip(times, picks)]
+    return [TraceRequest(at, rows[pick][0], rows[pick][1], "sharegpt-short")
+            for at, pick in zip(times, picks)]
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,15 @@ def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
         if spec.qps is not None:
             requests = scale_to_qps(requests, spec.qps)
     else:
-        count = spec.num_requests or _count_for(spec)
+        qps = spec.qps
+        assert qps is not None, "__post_init__: synthetic arrivals need a rate"
+        count = spec.num_requests or _count_for(spec, qps)
         if spec.recipe == "medha-mixed":
-            requests = medha_mixed(count, spec.qps, spec.seed, spec.burstiness)
+            requests = medha_mixed(count, qps, spec.seed, spec.burstiness)
         elif spec.recipe == "sharegpt-short":
-            requests = sharegpt_short(count, spec.qps, spec.seed, spec.burstiness)
+            requests = sharegpt_short(count, qps, spec.seed, spec.burstiness)
         else:
-            requests = _from_length_files(spec, count)
+            requests = _from_length_files(spec, count, qps)
     if spec.duration_s is not None:
         requests = first_seconds(requests, spec.duration_s)
     if spec.num_requests is not None:
@@ -149,20 +152,20 @@ def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     return requests
 
 
-def _count_for(spec: WorkloadSpec) -> int:
+def _count_for(spec: WorkloadSpec, qps: float) -> int:
     if spec.duration_s is None:
         raise ValueError("synthetic arrivals need --num-requests or --duration-s")
     # Enough for the duration even in a slow stretch; first_seconds() trims the rest.
-    expected = spec.qps * spec.duration_s
+    expected = qps * spec.duration_s
     return int(expected + 6 * math.sqrt(expected / min(spec.burstiness, 1.0)) + 10)
 
 
-def _from_length_files(spec: WorkloadSpec, count: int) -> list[TraceRequest]:
+def _from_length_files(spec: WorkloadSpec, count: int, qps: float) -> list[TraceRequest]:
     rng = np.random.default_rng(spec.seed)
     tables = [(name, read_length_file(data_path(name))) for name, _ in spec.lengths]
     weights = np.array([weight for _, weight in spec.lengths], dtype=np.float64)
     choices = rng.choice(len(tables), size=count, p=weights / weights.sum()).tolist()
-    times = arrival_times(rng, count, spec.qps, spec.burstiness).tolist()
+    times = arrival_times(rng, count, qps, spec.burstiness).tolist()
     requests = []
     for at, which in zip(times, choices):
         name, rows = tables[which]

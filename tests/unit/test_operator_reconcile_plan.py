@@ -7,7 +7,7 @@ from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaSta
 from slipstream.operator import builders, naming
 from slipstream.operator.instances import observe_pods, plan_instances
 from slipstream.operator.placement import InstancePlacement, NodeShare, PlacementFailure
-from slipstream.decisions.pools import MOVED, RebalanceDecision
+from slipstream.decisions.pools import MOVED, Move, RebalanceDecision
 from slipstream.operator.status import CreatedInstance, build_status, with_rebalance
 
 GPU = "nvidia.com/gpu"
@@ -176,8 +176,8 @@ def test_pool_counts_and_rebalance_results_in_status():
                               agent_pod(2, pool="long")], GPU).values())
     before = status(spec(3, pools={"short": 1}), kept, [])
     assert (before.pools.short, before.pools.long) == (1, 2)
-    move = RebalanceDecision(MOVED, "short is hot", 3.0, 0.5, move_instance="r-2",
-                             from_pool="long", to_pool="short")
+    move = RebalanceDecision(MOVED, "short is hot", 3.0, 0.5,
+                             move=Move(instance="r-2", from_pool="long", to_pool="short"))
     after = with_rebalance(before, move, "2026-01-01T00:10:00Z", generation=3)
     assert (after.pools.short, after.pools.long) == (2, 1)
     assert after.pools.last_rebalance_time == "2026-01-01T00:10:00Z"

@@ -7,7 +7,7 @@ import pytest
 
 from slipstream.crds.servingreplica import Rebalance, RebalanceWeights
 from slipstream.decisions.pools import (
-    AT_MIN_PER_POOL, BALANCED, COOLING_DOWN, MOVED, NO_STATS, InstanceSignals, decide,
+    AT_MIN_PER_POOL, BALANCED, COOLING_DOWN, MOVED, NO_STATS, InstanceSignals, Move, decide,
     instance_pressure, percentile, pool_pressures)
 
 SETTINGS = Rebalance(period_seconds=10, cooldown_seconds=60, hysteresis=0.2, min_per_pool=1,
@@ -43,8 +43,7 @@ def test_short_pool_under_pressure_takes_the_least_loaded_long_instance():
                signal("l0", "long", 0.5), signal("l1", "long", 0.1)]
     decision = decide(signals, SETTINGS, now_s=1000.0, last_move_s=None)
     assert decision.outcome == MOVED and decision.moves
-    assert (decision.move_instance, decision.from_pool, decision.to_pool) == ("l1", "long",
-                                                                              "short")
+    assert decision.move == Move("l1", "long", "short")
     assert decision.pressure_short > decision.pressure_long
 
 
@@ -52,7 +51,8 @@ def test_long_pool_under_pressure_takes_a_short_instance():
     signals = [signal("s0", "short"), signal("s1", "short", 0.2),
                signal("l0", "long", 9.0, deviation=2.0)]
     decision = decide(signals, SETTINGS, now_s=0.0, last_move_s=None)
-    assert (decision.move_instance, decision.to_pool) == ("s0", "long")
+    assert decision.move is not None
+    assert (decision.move.instance, decision.move.to_pool) == ("s0", "long")
 
 
 @pytest.mark.parametrize(("hot", "cold", "moves"), [
@@ -94,7 +94,8 @@ def test_min_per_pool_keeps_the_donor_pool_alive():
     decision = decide(signals, SETTINGS, now_s=0.0, last_move_s=None)
     assert decision.outcome == AT_MIN_PER_POOL and not decision.moves
     relaxed = SETTINGS.model_copy(update={"min_per_pool": 0})
-    assert decide(signals, relaxed, now_s=0.0, last_move_s=None).move_instance == "l0"
+    relaxed_move = decide(signals, relaxed, now_s=0.0, last_move_s=None).move
+    assert relaxed_move is not None and relaxed_move.instance == "l0"
 
 
 def test_a_pool_without_stats_means_no_decision():
@@ -113,8 +114,8 @@ def test_closed_loop_moves_at_most_one_instance_per_cooldown():
         signals = [signal(name, pool, 10.0 if pool == "short" else 0.0)
                    for name, pool in sorted(pools.items())]
         decision = decide(signals, SETTINGS, now_s, last_move_s)
-        if decision.moves:
-            pools[decision.move_instance] = decision.to_pool
+        if decision.move is not None:
+            pools[decision.move.instance] = decision.move.to_pool
             moves.append(now_s)
             last_move_s = now_s
     assert len(moves) == 3, "three long instances could move before the long pool hit its min"

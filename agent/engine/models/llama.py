@@ -42,8 +42,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, layers, stage)
         self.lm_head = layers.lm_head(config.hidden_size, config.vocab_size) \
             if stage.is_last else None
-        if config.tie_word_embeddings and stage.is_first and stage.is_last:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        tie_word_embeddings(self, config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], backend: AttentionBackend,
@@ -54,11 +53,21 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, backend, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        lm_head = self.lm_head
+        if lm_head is None:
+            raise RuntimeError("only the last pipeline stage has the LM head")
         rows = hidden.shape[0]
         if 1 < rows < MIN_CPU_LOGIT_ROWS and hidden.device.type == "cpu":
             padding = hidden.new_zeros(MIN_CPU_LOGIT_ROWS - rows, hidden.shape[1])
-            return self.lm_head(torch.cat([hidden, padding]))[:rows].float()
-        return self.lm_head(hidden).float()
+            return lm_head(torch.cat([hidden, padding]))[:rows].float()
+        return lm_head(hidden).float()
+
+
+def tie_word_embeddings(model: LlamaForCausalLM, config: ModelConfig) -> None:
+    """A model with tied embeddings (and both ends in this stage) shares one weight."""
+    embed_tokens, lm_head = model.model.embed_tokens, model.lm_head
+    if config.tie_word_embeddings and embed_tokens is not None and lm_head is not None:
+        lm_head.weight = embed_tokens.weight
 
 
 class LlamaModel(nn.Module):
@@ -76,6 +85,9 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache], backend: AttentionBackend,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         if hidden is None:
+            if self.embed_tokens is None:
+                raise ValueError("a later pipeline stage starts from the previous stage's "
+                                 "hidden states, not from token ids")
             hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
@@ -149,6 +161,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
