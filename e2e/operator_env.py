@@ -68,6 +68,14 @@ def sr_namespace(dev_cluster, operator_release) -> str:
     dev_cluster.create_namespace(name)
     yield name
     dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    # The next test counts free GPUs: this namespace's pods must be gone first, not merely
+    # marked for deletion (on a loaded machine their processes take a while to stop).
+    dev_cluster.wait_for(lambda: not namespace_pods(dev_cluster, name), 180,
+                         f"the pods of namespace {name} to be deleted")
+
+
+def namespace_pods(cluster, namespace: str) -> list[dict]:
+    return cluster.api.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
 
 
 # -- helpers ------------------------------------------------------------------------------------
