@@ -1,24 +1,5 @@
-# Slipstream developer entry points. Every target sets up what it needs from scratch.
-#   make serve        serve the embedded tiny model on localhost:8000 (OpenAI-compatible)
-#   make test         install everything and run the whole test suite (CI runs this)
-#   make bench-engine engine throughput vs transformers; JSON and plots under results/
-#   make bench-transport controller->worker hop per iteration (ZeroMQ + msgspec/pickle)
-#   make bench-metrics cost of the per-step metrics on the engine hot path (JSON)
-#   make dashboards   regenerate charts/slipstream/dashboards/*.json from charts/dashgen
-#   make generate     regenerate the CRD YAML (crds/, chart) and the control API's protobuf code
-#   make bench-predictor  runtime-predictor accuracy on this machine's CPU engine (held-out batches)
-#   make bench-policy-live  LARS vs FCFS (and EDF) on the live CPU engine: short-request TTFT
-#   make bench-sched  schedule() cost per policy, 10,000 waiting + 256 running; JSON under results/
-#   make bench-sim    simulator: Medha's mixed workload and Mooncake, policies side by side;
-#                     one hour of the Azure trace for speed (docs/simulation.md)
-#   make bench-pools  pools vs unified instances in the simulator (docs/pools.md)
-#   make bench-sim-vs-live  live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
-#   make bench-router latency the router adds (TTFT, E2E), direct vs through it; JSON under results/
-#   make bench-cuda-graphs  short-prefill latency per (length, batch) bucket, eager vs CUDA graph
-#                     (needs a GPU; on CPU it says so and exits 2)
-#   make dev-cluster  local Kubernetes control plane with fake GPU nodes; prints a kubeconfig
-#                     path (first run builds the binaries into ~/.cache/slipstream/k8s)
-#   make dev-cluster-stop   stop every process the dev cluster started
+# Slipstream's developer entry points; README.md says what each is for. Every target sets up
+# what it needs (a virtualenv in .venv). `make bench` lists the benchmarks.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -28,10 +9,10 @@ EXTRAS ?= agent,operator,router,dev
 PORT ?= 8000
 RESULTS ?= results
 
-.PHONY: setup serve test test-unit test-e2e lint-imports typecheck bench-engine bench-metrics bench-sched \
-	bench-sim bench-sim-vs-live \
-	bench-router bench-transport bench-predictor bench-policy-live bench-pools bench-cuda-graphs clean prometheus-tools dashboards generate dev-cluster \
-	dev-cluster-status dev-cluster-stop
+BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
+
+.PHONY: setup serve test test-unit test-e2e lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
+	clean prometheus-tools dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -77,13 +58,23 @@ dev-cluster-status:
 dev-cluster-stop:
 	$(PYTHON) e2e/cluster/devcluster.py stop
 
-bench-engine: setup
+# The benchmark suite: each writes JSON and PNG plots under $(RESULTS)/. `make bench` lists it
+# (from the `##` notes on the bench-* targets); `make bench NAME=sim` runs bench-sim.
+bench:
+ifdef NAME
+	@$(MAKE) --no-print-directory bench-$(NAME)
+else
+	@echo "Benchmarks; run one with make bench NAME=<name> (or make bench-<name>):"
+	@sed -n 's/^bench-\([a-z-]*\):[^#]*\(## \)\{0,1\}/  \1\t/p' $(firstword $(MAKEFILE_LIST)) | expand -t 16
+endif
+
+bench-engine: setup  ## engine throughput vs transformers, and the engine's own overhead
 	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
 
-bench-transport: setup
+bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgspec/pickle)
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
-bench-metrics: setup
+bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 
 dashboards: setup
@@ -94,17 +85,17 @@ generate: setup
 	$(BIN)/python -m slipstream.crds.generate
 	$(BIN)/python -m slipstream.agent.server.control_codegen
 
-bench-predictor: setup
+bench-predictor: setup  ## runtime-predictor accuracy on this machine's CPU engine (held-out batches)
 	$(BIN)/python -m slipstream.agent.bench.predictor_bench --out $(RESULTS)/predictor
 
-bench-policy-live: setup
+bench-policy-live: setup  ## LARS vs FCFS (and EDF) on the live CPU engine: short-request TTFT
 	$(BIN)/python -m slipstream.agent.bench.policy_live_bench --out $(RESULTS)/policy-live \
 	  --systems fcfs,lars,edf --load 0.25
 
-bench-sched: setup
+bench-sched: setup  ## schedule() cost per policy, 10,000 waiting + 256 running
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
-bench-sim: setup
+bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azure (docs/simulation.md)
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
 	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary --out $(RESULTS)/sim
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
@@ -113,20 +104,20 @@ bench-sim: setup
 	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
 	  --out $(RESULTS)/sim/azure-1h
 
-bench-pools: setup
+bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
-bench-sim-vs-live: setup
+bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live
 
-bench-cuda-graphs: setup
+bench-cuda-graphs: setup  ## short-prefill latency per (length, batch) bucket, eager vs CUDA graph (GPU only)
 	$(BIN)/python -m slipstream.agent.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs
 
-bench-router: setup
+bench-router: setup  ## latency the router adds (TTFT, E2E), direct vs through it
 	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router
 
 clean:

@@ -11,16 +11,22 @@ pod IP, which is what the client Service would route to.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
+
+from slipstream.agent.bench import local_process
+from slipstream.agent.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "slipstream"
@@ -174,6 +180,27 @@ def operator_metric(cluster, release: OperatorRelease, name: str) -> list[tuple[
     text = urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=10).read().decode()
     return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
             for sample in family.samples if sample.name == name]
+
+
+@contextlib.contextmanager
+def router_process(cluster, namespace: str, replica: str, log_path: Path,
+                   *flags: str) -> Iterator[str]:
+    """`slipstream router` on 127.0.0.1, finding the replica's controller pods through the pod
+    list; yields its ``host:port``."""
+    port = free_port()
+    env = {**cluster.env, "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("POD_IP", None)
+    argv = [sys.executable, "-m", "slipstream.cli", "router", "--namespace", namespace,
+            "--selector", f"slipstream.dev/replica={replica},slipstream.dev/role=controller",
+            "--kubeconfig", str(cluster.kubeconfig), "--host", "127.0.0.1",
+            "--port", str(port), *flags]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        local_process.stop(process, grace_s=15)
 
 
 def timed(what: str):

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +29,7 @@ import pytest
 
 from operator_env import (
     POOL_LABEL, REPO, client_for, events, get_replica, operator_pods, pod_ip, replica_pods,
-    servingreplica, timed, wait_ready)
+    router_process, servingreplica, timed, wait_ready)
 
 sys.path.insert(0, str(REPO / "charts"))
 from dashgen import inventory, live_prometheus  # noqa: E402  (dashgen lives beside the chart)
@@ -56,34 +54,6 @@ def observed_replica(namespace: str, model_dir: Path) -> dict:
                "rebalance": {"enabled": True, "periodSeconds": 1, "cooldownSeconds": 300,
                              "hysteresis": 0.2, "minPerPool": 0}},
         slo={"ttftSeconds": 0.001, "tpotMilliseconds": 500, "attainmentTarget": 0.95})
-
-
-@contextlib.contextmanager
-def router_process(dev_cluster, namespace: str, log_path: Path):
-    """`slipstream router` on 127.0.0.1, finding the replica's agents through the pod list."""
-    port = live_prometheus.free_port()
-    env = {**dev_cluster.env, "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("POD_IP", None)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "slipstream.cli", "router", "--namespace", namespace,
-             "--selector", f"slipstream.dev/replica={REPLICA},slipstream.dev/role=controller",
-             "--kubeconfig", str(dev_cluster.kubeconfig), "--host", "127.0.0.1",
-             "--port", str(port), "--long-prefill-threshold-tokens", str(LONG_THRESHOLD_TOKENS),
-             # One request per instance: the mixed load's 4 clients on 2 instances queue, so
-             # the fair-queue wait panel has observations (it counts requests that waited).
-             "--max-in-flight-per-instance", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @contextlib.contextmanager
@@ -167,7 +137,11 @@ def test_every_dashboard_panel_has_data(dev_cluster, operator_release, sr_namesp
                                                                      REPLICA)]
     operator = f"{pod_ip(operator_pods(dev_cluster, operator_release, ready=True)[0])}:" \
                f"{OPERATOR_METRICS_PORT}"
-    with router_process(dev_cluster, namespace, tmp_path / "router.log") as router:
+    # One request per instance: the mixed load's 4 clients on 2 instances queue, so the
+    # fair-queue wait panel has observations (it counts requests that waited).
+    with router_process(dev_cluster, namespace, REPLICA, tmp_path / "router.log",
+                        "--long-prefill-threshold-tokens", str(LONG_THRESHOLD_TOKENS),
+                        "--max-in-flight-per-instance", "1") as router:
         dev_cluster.wait_for(lambda: router_sees(router) == len(agents), 60,
                              "the router to see every agent")
         targets = {"slipstream-agent": agents, "slipstream-operator": [operator],

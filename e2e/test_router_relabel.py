@@ -8,18 +8,15 @@ measures membership and routing, not model start-up.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+
+from operator_env import router_process
 
 pytestmark = pytest.mark.e2e
 
@@ -78,35 +75,6 @@ def namespace(dev_cluster) -> str:
     dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def router_process(dev_cluster, namespace: str, log_path: Path):
-    port = _free_port()
-    env = {**dev_cluster.env, "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("POD_IP", None)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "slipstream.cli", "router", "--namespace", namespace,
-             "--selector", "slipstream.dev/replica=chat,slipstream.dev/role=controller",
-             "--kubeconfig", str(dev_cluster.kubeconfig), "--port", str(port),
-             "--long-prefill-threshold-tokens", str(THRESHOLD_TOKENS), "--log-level", "info"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
 
 def pools_seen(base_url: str) -> dict[str, str]:
     try:
@@ -127,7 +95,10 @@ def test_relabelling_a_pod_moves_long_requests_within_one_watch_event(
         dev_cluster, namespace, tmp_path):
     dev_cluster.apply(agent_pod("agent-a", namespace, "short"))
     dev_cluster.apply(agent_pod("agent-b", namespace, "long"))
-    with router_process(dev_cluster, namespace, tmp_path / "router.log") as base_url:
+    with router_process(dev_cluster, namespace, "chat", tmp_path / "router.log",
+                        "--long-prefill-threshold-tokens", str(THRESHOLD_TOKENS),
+                        "--log-level", "info") as router:
+        base_url = f"http://{router}"
         dev_cluster.wait_for(lambda: pools_seen(base_url) == {"agent-a": "short",
                                                               "agent-b": "long"},
                              90, "the router to see both Ready agent pods")

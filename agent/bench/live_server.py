@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from slipstream.agent.bench.local_process import stop, wait_ready
 from slipstream.agent.bench.serve_bench import LoadConfig, run_load
 from slipstream.agent.bench.serve_metrics import serving_metrics
+from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.sim.traces import TraceRequest
 
 MODEL_NAME = "sim-vs-live"
@@ -38,11 +38,6 @@ class ServerSettings:
     policy: str = "lars"
     target_batch_time_ms: float = 50.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LiveServer:
@@ -67,29 +62,20 @@ class LiveServer:
                    "--served-model-name", MODEL_NAME, "--log-level", "warning",
                    "--policy", settings.policy,
                    "--target-batch-time-ms", str(settings.target_batch_time_ms)]
-        self.process = subprocess.Popen(command, stdout=self.log.open("wb"),
-                                        stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.__exit__(None, None, None)
-        raise RuntimeError("server did not become healthy")
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                            env=env)
+        try:
+            wait_ready(f"{self.base_url}/health", self.process, self.log,
+                       self.startup_timeout_s)
+        except RuntimeError:
+            stop(self.process)
+            raise
+        return self
 
-    def __exit__(self, *_exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def __exit__(self, *_exc: object) -> None:
+        if self.process is not None:
+            stop(self.process)
 
     def run_load(self, requests: list[TraceRequest]) -> dict:
         """Replay ``requests`` with ``bench serve``'s load generator; p50/p99 TTFT and TPOT."""

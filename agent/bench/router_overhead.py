@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from slipstream.agent.bench.live_server import free_port
+from slipstream.agent.parallel.launch import free_port
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ applies ``clean_up_tokenization_spaces`` (lossy; ``transformers`` 5 skips it for
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -195,9 +195,6 @@ class IncrementalDetokenizer:
         self._token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         return self._advance(final=False)
-
-    def add_tokens(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.add_token(token_id) for token_id in token_ids)
 
     def flush(self) -> str:
         """At the end of the stream: the held-back text, incomplete characters included."""

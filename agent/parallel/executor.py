@@ -172,10 +172,6 @@ class ParallelExecutor:
             spans.extend(decode_object(self._expect(TRACE_REPLY, deadline)[2][0]))
         return spans
 
-    @property
-    def worker_pids(self) -> dict[int, int]:
-        return self.workers.pids if self.workers is not None else {}
-
     def close(self) -> None:
         if self._closed:
             return

@@ -23,11 +23,6 @@ from slipstream.kernels.attention import (
     AttentionBackend, AttentionMetadata, AttentionResult, merge_many)
 
 
-def kvp_group_of(position: int, tokens_per_group: int) -> int:
-    """The KVP group that stores the KV of the token at ``position``."""
-    return position // tokens_per_group
-
-
 def group_metadata(chunks: Sequence[ScheduledChunk], group: int, tokens_per_group: int,
                    block_size: int, device: torch.device) -> AttentionMetadata:
     """Attention metadata for group ``group``'s shard of every sequence in a batch.

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_GRAPH_LENGTHS = (8, 16, 32, 64, 128, 256)
 DEFAULT_GRAPH_DEPTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -95,12 +95,6 @@ class ShortPrefillBatch:
     @property
     def depth(self) -> int:
         return len(self.request_ids)
-
-
-@dataclass
-class _Round:
-    started_s: float
-    members: list[PendingPrefill] = field(default_factory=list)
 
 
 class AdaptiveWaitDepth:

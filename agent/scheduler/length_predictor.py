@@ -24,16 +24,6 @@ class LengthPredictor(Protocol):
         ...
 
 
-class MaxTokensLengthPredictor:
-    """Assume every request runs to ``max_tokens``: pessimistic, never surprised."""
-
-    def predict_output_tokens(self, request: Request) -> int:
-        return max(1, request.max_tokens)
-
-    def observe(self, request: Request) -> None:
-        pass
-
-
 class RunningMeanLengthPredictor:
     """Mean output length of the application's finished requests (a prior until then)."""
 

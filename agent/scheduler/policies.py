@@ -128,9 +128,6 @@ class LarsPolicy(SchedulingPolicy):
             self._inverse_class_work[work_class] = 1.0 / work
         return work_class
 
-    def class_work_s(self, work_class: int) -> float:
-        return 1.0 / self._inverse_class_work[work_class]
-
     def prefill_key(self, request, now_s):
         key = request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
         return self.work_class(request.prefill_work_s), key

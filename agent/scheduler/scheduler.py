@@ -148,10 +148,6 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
-
     # -- one iteration ----------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> Batch:

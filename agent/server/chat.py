@@ -10,7 +10,6 @@ with ``finish_reason``, then (with ``stream_options.include_usage``) a usage-onl
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,8 +19,8 @@ from starlette.requests import Request
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
-    SSE_DONE, SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs,
-    engine_failure, prepare, sse_event, start_generation, tokenize)
+    SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs, prepare, sse_event,
+    start_generation, stream_events, tokenize)
 from slipstream.agent.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, TopLogprob, Usage,
@@ -75,23 +74,19 @@ async def _stream(ctx: ServingContext, generation: Generation, request_id: str, 
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
                                              choices=choices, usage=usage).model_dump_json())
 
-    yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-    final: RequestOutput | None = None
-    async for output in generation:
-        final = output
-        if output.finish_reason == "error":
-            yield sse_event(json.dumps(engine_failure(output, generation.engine_healthy).body()))
-            break
-        if not output.new_token_ids and not output.finished:
-            continue
+    def render(output: RequestOutput) -> bytes:
         logprobs = chat_logprobs(ctx, output.logprobs) if want_logprobs else None
         delta = ChatDelta(content=output.new_text or None)
-        yield chunk([ChatChunkChoice(delta=delta, logprobs=logprobs,
-                                     finish_reason=output.finish_reason if output.finished
-                                     else None)])
-    if include_usage and final is not None:
-        yield chunk([], Usage.of(final.num_prompt_tokens, final.num_output_tokens))
-    yield SSE_DONE
+        return chunk([ChatChunkChoice(delta=delta, logprobs=logprobs,
+                                      finish_reason=output.finish_reason if output.finished
+                                      else None)])
+
+    def usage(final: RequestOutput) -> bytes:
+        return chunk([], Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+
+    yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+    async for event in stream_events(generation, render, usage if include_usage else None):
+        yield event
 
 
 def chat_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob]) -> ChatLogprobs:

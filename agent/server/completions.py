@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,8 +15,8 @@ from starlette.requests import Request
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
-    SSE_DONE, SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs,
-    engine_failure, prepare, sse_event, start_generation, tokenize)
+    SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs, prepare, sse_event,
+    start_generation, stream_events, tokenize)
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)
@@ -61,31 +60,27 @@ def _response(ctx: ServingContext, request_id: str, model: str, outputs: list[Re
                               usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
 
 
-async def _stream(ctx: ServingContext, generation: Generation, request_id: str, model: str,
-                  want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+def _stream(ctx: ServingContext, generation: Generation, request_id: str, model: str,
+            want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
     created = unix_time_s()
     text_offset = 0
-    final: RequestOutput | None = None
-    async for output in generation:
-        final = output
-        if output.finish_reason == "error":
-            yield sse_event(json.dumps(engine_failure(output, generation.engine_healthy).body()))
-            break
-        if not output.new_token_ids and not output.finished:
-            continue
+
+    def render(output: RequestOutput) -> bytes:
+        nonlocal text_offset
         logprobs = None
         if want_logprobs:
             logprobs, text_offset = completion_logprobs(ctx, output.logprobs, text_offset)
         choice = CompletionChoice(text=output.new_text, logprobs=logprobs,
                                   finish_reason=output.finish_reason if output.finished else None)
-        chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
-        yield sse_event(chunk.model_dump_json())
-    if include_usage and final is not None:
-        usage_chunk = CompletionResponse(
+        return sse_event(CompletionResponse(id=request_id, created=created, model=model,
+                                            choices=[choice]).model_dump_json())
+
+    def usage(final: RequestOutput) -> bytes:
+        return sse_event(CompletionResponse(
             id=request_id, created=created, model=model, choices=[],
-            usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
-        yield sse_event(usage_chunk.model_dump_json())
-    yield SSE_DONE
+            usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens)).model_dump_json())
+
+    return stream_events(generation, render, usage if include_usage else None)
 
 
 def completion_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob],

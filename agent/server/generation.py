@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -274,6 +275,26 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def sse_event(json_text: str) -> bytes:
     return b"data: " + json_text.encode() + b"\n\n"
+
+
+async def stream_events(generation: Generation, render: Callable[[RequestOutput], bytes],
+                        usage: Callable[[RequestOutput], bytes] | None
+                        ) -> AsyncIterator[bytes]:
+    """The SSE body every streaming endpoint shares: ``render`` of each output that brings
+    tokens or the finish, an engine failure as an error event (which ends the stream), then
+    ``usage`` of the last output when asked for, then ``[DONE]``."""
+    final: RequestOutput | None = None
+    async for output in generation:
+        final = output
+        if output.finish_reason == "error":
+            yield sse_event(json.dumps(engine_failure(output, generation.engine_healthy).body()))
+            break
+        if not output.new_token_ids and not output.finished:
+            continue
+        yield render(output)
+    if usage is not None and final is not None:
+        yield usage(final)
+    yield SSE_DONE
 
 
 def engine_failure(output: RequestOutput, engine_healthy: bool = True) -> APIError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +21,8 @@ import httpx
 import yaml
 
 from dashgen import inventory
+from slipstream.agent.bench import local_process
+from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.server import metric_names
 
 SCRAPE_INTERVAL = "1s"
@@ -35,11 +36,6 @@ MAY_BE_NAN = frozenset({metric_names.BATCH_TIME_PREDICTED.name})
 def binary() -> str | None:
     return shutil.which("prometheus")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PrometheusServer:
@@ -71,27 +67,12 @@ class PrometheusServer:
                  f"--storage.tsdb.path={self.workdir / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
                 stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.base_url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"prometheus did not become ready:\n{self.log_path.read_text()}")
+        local_process.wait_ready(f"{self.base_url}/-/ready", self.process, self.log_path,
+                                 START_TIMEOUT_S)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            local_process.stop(self.process, STOP_TIMEOUT_S)
 
     def query(self, promql: str) -> list[dict]:
         response = httpx.get(f"{self.base_url}/api/v1/query", params={"query": promql},

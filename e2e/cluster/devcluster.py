@@ -19,7 +19,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,11 +71,6 @@ def default_state_dir() -> Path:
 def log(message: str) -> None:
     print(f"[dev-cluster] {message}", file=sys.stderr, flush=True)
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class StateFile:
@@ -226,6 +220,9 @@ def _start_processes(config: ClusterConfig, state: StateFile, bin_dir: Path, pki
     identities = components.make_identities()
     token_file = pki_dir / "tokens.csv"
     token_file.write_text(components.token_file_text(identities))
+    # Here, not at the top: `status` and `stop` run on a Python without slipstream installed.
+    from slipstream.agent.parallel.launch import free_port
+
     ports = components.Ports(*(free_port() for _ in range(5)))
     server = f"https://127.0.0.1:{ports.apiserver}"
     kubeconfigs = {}

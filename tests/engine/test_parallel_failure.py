@@ -5,60 +5,34 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+
+from slipstream.agent.bench import local_process
+from slipstream.agent.parallel.launch import free_port
 
 START_TIMEOUT_S = 180.0
 EXIT_BOUND_S = 20.0  # from the kill to the server's exit (detection is sub-second)
 EXIT_ENGINE_DEAD = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(base_url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"slipstream serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"slipstream serve did not become healthy:\n{log_path.read_text()}")
-
-
 @pytest.fixture
 def parallel_server(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "slipstream.cli", "serve", "--model", str(tiny_model_dir),
-             "--device", "cpu", "--spp", "2", "--port", str(port), "--max-model-len", "4096",
-             "--num-kv-blocks", "512", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env={k: v for k, v in os.environ.items()
-                                                       if not k.startswith("SLIPSTREAM_")})
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", process, log_path)
-        yield f"http://127.0.0.1:{port}", process, log_path
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    base_url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "slipstream.cli", "serve", "--model", str(tiny_model_dir),
+            "--device", "cpu", "--spp", "2", "--port", str(port), "--max-model-len", "4096",
+            "--num-kv-blocks", "512", "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    with local_process.running(argv, log_path, f"{base_url}/health", env=env,
+                               timeout_s=START_TIMEOUT_S) as process:
+        yield base_url, process, log_path
 
 
 def test_killed_worker_fails_requests_with_503_and_exits_nonzero(parallel_server):

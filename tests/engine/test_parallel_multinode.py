@@ -5,7 +5,6 @@ by the environment variables the operator sets. Output equals the single-process
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,15 +12,11 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.parallel.launch import free_port
 
 PROMPTS = [[(13 * i + 5 * j + 1) % 4000 for j in range(30 + 25 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _generate(model_dir, parallel: ParallelConfig) -> list[list[int]]:
@@ -36,8 +31,8 @@ def _generate(model_dir, parallel: ParallelConfig) -> list[list[int]]:
 def test_controller_node_and_worker_node_from_environment(tiny_model_dir, monkeypatch):
     expected = _generate(tiny_model_dir, ParallelConfig())
     shared = {"SLIPSTREAM_WORLD_SIZE": "2",
-              "SLIPSTREAM_CONTROLLER_ADDR": f"127.0.0.1:{_free_port()}",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+              "SLIPSTREAM_CONTROLLER_ADDR": f"127.0.0.1:{free_port()}",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     other_node = subprocess.Popen(
         [sys.executable, "-m", "slipstream.cli", "worker", "--log-level", "warning"],
         env={**os.environ, **shared, "SLIPSTREAM_NODE_RANKS": "1"})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,9 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream.agent.bench import local_process
+from slipstream.agent.parallel.launch import free_port
 
 MAX_MODEL_LEN_TOKENS = 2048
 NUM_KV_BLOCKS = 512
@@ -62,11 +64,6 @@ class ServerHandle:
         return value
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _slipstream(*args: str) -> list[str]:
     return [sys.executable, "-m", "slipstream.cli", *args]
@@ -83,29 +80,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def serve(model_dir: Path, log_dir: Path, *extra_args: str,
           pool: str = POOL_LABEL) -> Iterator[ServerHandle]:
     """Run ``slipstream serve`` on a free port until the block ends (then stop it by PID)."""
-    port, control_port = _free_port(), _free_port()
-    log_path = log_dir / "serve.log"
+    port, control_port = free_port(), free_port()
     env = {**os.environ, "SLIPSTREAM_POOL": pool}
     env.pop("POD_IP", None)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            _slipstream("serve", "--model", str(model_dir), "--port", str(port),
-                        "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
-                        "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
-                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
-                        "--control-port", str(control_port), *extra_args),
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    handle = ServerHandle(f"http://127.0.0.1:{port}", process, control_port)
-    try:
-        _wait_until_healthy(handle, log_path)
-        yield handle
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    argv = _slipstream("serve", "--model", str(model_dir), "--port", str(port),
+                       "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
+                       "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
+                       "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
+                       "--control-port", str(control_port), *extra_args)
+    base_url = f"http://127.0.0.1:{port}"
+    with local_process.running(argv, log_dir / "serve.log", f"{base_url}/health", env=env,
+                               timeout_s=SERVER_START_TIMEOUT_S) as process:
+        yield ServerHandle(base_url, process, control_port)
 
 
 @pytest.fixture(scope="session")
@@ -123,17 +109,3 @@ def start_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
             return stack.enter_context(serve(tiny_model_dir, tmp_path_factory.mktemp("server"),
                                              *extra_args, pool=pool))
         yield start
-
-
-def _wait_until_healthy(handle: ServerHandle, log_path: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if handle.process.poll() is not None:
-            raise RuntimeError(f"slipstream serve exited:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"slipstream serve did not become healthy:\n{log_path.read_text()}")

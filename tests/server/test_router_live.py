@@ -21,6 +21,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from slipstream.agent.bench import local_process
+from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.server import metric_names
 
 THRESHOLD_TOKENS = 48
@@ -46,43 +48,21 @@ class RouterHandle:
                                                   for k, v in labels.items()))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @contextlib.contextmanager
 def run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str
                ) -> Iterator[RouterHandle]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "slipstream.cli", "router", "--model", str(model_dir),
             "--port", str(port), "--long-prefill-threshold-tokens", str(THRESHOLD_TOKENS),
             "--log-level", "warning", *extra]
     for backend in backends:
         args += ["--backend", backend]
-    log_path = log_dir / f"router-{port}.log"
     env = {key: value for key, value in os.environ.items() if key != "POD_IP"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    handle = RouterHandle(f"http://127.0.0.1:{port}", process)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
-        yield handle
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    base_url = f"http://127.0.0.1:{port}"
+    with local_process.running(args, log_dir / f"router-{port}.log", f"{base_url}/health",
+                               env=env, timeout_s=60, grace_s=15) as process:
+        yield RouterHandle(base_url, process)
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import kopf
 import pytest
 import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from slipstream.agent.parallel.launch import free_port
 from slipstream.operator import registration, retry
 from slipstream.operator.kube import Kube
 from slipstream.operator.placement import PlacementFailure
@@ -37,11 +36,8 @@ def test_only_transient_failures_are_retried(error, delay):
 
 
 def test_an_unreachable_api_server_is_a_temporary_error():
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     configuration = client.Configuration()
-    configuration.host = f"http://127.0.0.1:{port}"
+    configuration.host = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     configuration.retries = 0
     kube = Kube(client.ApiClient(configuration))
     with pytest.raises(kopf.TemporaryError) as raised:
