@@ -80,7 +80,7 @@ async def _stream(ctx: ServingContext, generation: Generation, request_id: str, 
     async for output in generation:
         final = output
         if output.finish_reason == "error":
-            yield sse_event(json.dumps(engine_failure(output, generation.engine_healthy).body()))
+            yield sse_event(json.dumps(engine_failure(output).body()))
             break
         if not output.new_token_ids and not output.finished:
             continue

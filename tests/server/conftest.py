@@ -22,6 +22,7 @@ NUM_KV_BLOCKS = 512
 SERVED_MODEL_NAME = "tiny-test"
 POOL_LABEL = "short"
 SERVER_START_TIMEOUT_S = 180.0
+ROUTER_LONG_THRESHOLD_TOKENS = 48  # prompts this long go to the long pool in router tests
 
 
 class ServerHandle:
@@ -137,3 +138,63 @@ def _wait_until_healthy(handle: ServerHandle, log_path: Path) -> None:
             pass
         time.sleep(0.25)
     raise RuntimeError(f"slipstream serve did not become healthy:\n{log_path.read_text()}")
+
+
+class RouterHandle:
+    """A running ``slipstream router``: its URL, an openai client and its metrics."""
+
+    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
+        self.base_url = base_url
+        self.process = process
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
+                             timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v
+                                                  for k, v in labels.items()))
+
+
+@contextlib.contextmanager
+def _run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str
+               ) -> Iterator[RouterHandle]:
+    """Run ``slipstream router`` over ``backends`` ("URL=pool") until the block ends."""
+    port = _free_port()
+    args = [sys.executable, "-m", "slipstream.cli", "router", "--model", str(model_dir),
+            "--port", str(port),
+            "--long-prefill-threshold-tokens", str(ROUTER_LONG_THRESHOLD_TOKENS),
+            "--log-level", "warning", *extra]
+    for backend in backends:
+        args += ["--backend", backend]
+    log_path = log_dir / f"router-{port}.log"
+    env = {key: value for key, value in os.environ.items() if key != "POD_IP"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    handle = RouterHandle(f"http://127.0.0.1:{port}", process)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        yield handle
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def run_router():
+    """``run_router(model_dir, log_dir, backends, *flags)``: a router for one block."""
+    return _run_router
