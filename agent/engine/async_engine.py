@@ -6,10 +6,13 @@
 All engine state is touched by the engine thread only; the server talks to it through the
 command queue. A consumer that stops iterating (client disconnect, cancellation) aborts its
 request, and the abort is applied before the next step is scheduled, so its KV blocks are free
-within one iteration. If a step raises, every in-flight request fails with an error output
-and the engine keeps serving new requests. If it raises ``EngineDeadError`` (a worker process
-died), the engine marks itself unhealthy first (the server then answers 503), fails every
-request, stops, and calls ``on_fatal`` so the server can exit non-zero and be restarted.
+within one iteration. A step that fails because of one request fails only that request
+(``LLMEngine`` finds it, see isolation.py). If a step still raises, every request in flight
+fails with an error output and the engine keeps serving new requests. If it raises
+``EngineDeadError`` (a worker process died), the engine marks itself unhealthy first (the
+server then refuses new requests with 503), fails every request, stops, and calls
+``on_fatal`` so the server can exit non-zero and be restarted. Error outputs carry a code
+from ``errors.py`` and a message meant for clients; exception text stays in the log.
 
 When a step runs nothing while requests wait (AWD holds short prefills until their group is
 due), the thread sleeps on the command queue until the engine's wakeup time: a new request
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import EngineStats, LLMEngine
-from slipstream.agent.engine.errors import EngineDeadError
+from slipstream.agent.engine.errors import (
+    DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
@@ -106,9 +110,10 @@ class AsyncEngine:
                  slo: RequestSLO | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         if self.fatal_error is not None:
-            raise EngineDeadError(f"the engine is unavailable: {self.fatal_error}")
+            raise EngineDeadError("the engine of this instance failed; retry on another "
+                                  "instance")
         if not self.healthy:
-            raise RuntimeError("the engine is not running")
+            raise EngineUnavailable("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self.engine.validate(prompt_token_ids, params)  # reads immutable config only
@@ -116,8 +121,8 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
-            self._deliver(_error_output(request_id, f"the engine is unavailable: "
-                                                    f"{self.fatal_error}"))
+            self._deliver(_error_output(request_id, "the engine of this instance failed; "
+                                                    "retry the request", ENGINE_DEAD))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str,
@@ -159,13 +164,16 @@ class AsyncEngine:
             except EngineDeadError as error:
                 self._die(str(error))
                 return
-            except Exception as error:  # noqa: BLE001 - fail the requests, keep serving
+            except Exception:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed; failing in-flight requests")
-                outputs = self._fail_all(f"engine error: {error}")
+                outputs = self._fail_all("the engine failed while running this request",
+                                         ENGINE_ERROR)
             self._stats = engine.stats()
             for output in outputs:
                 self._deliver(output)
-        self._fail_all("the engine is shutting down")
+        for output in self._fail_all("the server shut down before this request finished",
+                                     DRAINED):
+            self._deliver(output)
 
     def _die(self, reason: str) -> None:
         log.error("the engine is dead, failing every request: %s", reason)
@@ -174,7 +182,8 @@ class AsyncEngine:
         # Every open stream, including requests still queued as commands: nothing else will
         # ever answer them.
         for request_id in list(self._streams):
-            self._deliver(_error_output(request_id, f"the engine is unavailable: {reason}"))
+            self._deliver(_error_output(request_id, "the engine of this instance failed; "
+                                                    "retry the request", ENGINE_DEAD))
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -196,16 +205,17 @@ class AsyncEngine:
                                             command.request_id, app_id=command.app_id,
                                             priority=command.priority, slo=command.slo)
                 except ValueError as error:
-                    self._deliver(_error_output(command.request_id, str(error)))
+                    self._deliver(_error_output(command.request_id, str(error),
+                                                INVALID_REQUEST))
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:
                     self._deliver(output)
             self._stats = self.engine.stats()
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
+    def _fail_all(self, message: str, code: str) -> list[RequestOutput]:
         return [output for request_id in list(self.engine.scheduler.requests)
-                if (output := self.engine.abort(request_id, FinishReason.ERROR, message))]
+                if (output := self.engine.abort(request_id, FinishReason.ERROR, message, code))]
 
     def _deliver(self, output: RequestOutput) -> None:
         target = self._streams.get(output.request_id)
@@ -214,6 +224,6 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, output)
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
+def _error_output(request_id: str, message: str, code: str) -> RequestOutput:
     return RequestOutput(request_id, [], "", 0, 0, finished=True, finish_reason="error",
-                         error=message)
+                         error=message, error_code=code)

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.errors import REQUEST_FAILED, EngineDeadError
+from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
@@ -40,6 +43,7 @@ from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
 
+log = logging.getLogger(__name__)
 # After a step that ran nothing while no wakeup time is known (nothing held, nothing runnable,
 # e.g. a request waiting for KV blocks), retry after this long rather than at once.
 STALLED_RETRY_S = 0.001
@@ -135,6 +139,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
         prompt_len = len(prompt_token_ids)
         if prompt_len + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -162,12 +169,14 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
-              error: str | None = None) -> RequestOutput | None:
+              error: str | None = None, error_code: str | None = None) -> RequestOutput | None:
         request = self.scheduler.finish(request_id, reason, self.clock())
         state = self._outputs.pop(request_id, None)
         if request is None or state is None:
             return None
-        return self._final_output(request, state, [], "", error=error)
+        output = self._final_output(request, state, [], "", error=error)
+        output.error_code = error_code
+        return output
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -228,15 +237,56 @@ class LLMEngine:
         if batch.is_empty:
             return []
         execute_start_s = self.clock()
-        sampled = self.runner.execute(batch)
+        sampled, failures = self._execute(batch)
         now = self.clock()
         self.load.record_step(schedule_start_s, now, batch.num_tokens - batch.num_decodes)
         if self.on_step is not None:
             self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
                                    self.runner.last_forward_s))
-        self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()}, now)
-        return [out for rid, token in sampled.items()
-                if (out := self._process(rid, token, now)) is not None]
+        return self._apply(batch, sampled, failures, now)
+
+    def _execute(self, batch: Batch) -> tuple[dict[str, SampledToken], dict[str, str]]:
+        """Run the batch; if it raises, find the requests that make it fail (isolation.py).
+        Returns the sampled tokens and ``{request_id: why}`` for requests to fail alone."""
+        try:
+            sampled = self.runner.execute(batch)
+            failures: dict[str, str] = {}
+        except EngineDeadError:
+            raise
+        except Exception as error:  # noqa: BLE001 - find the culprit, spare the rest
+            log.warning("an engine step of %d requests failed (%s: %s); looking for the "
+                        "request that causes it", len(batch.chunks), type(error).__name__, error)
+            sampled, failures = isolate_failures(
+                lambda chunks: self.runner.execute(Batch(chunks=chunks)), batch.chunks, error)
+        return sampled, failures
+
+    def _apply(self, batch: Batch, sampled: dict[str, SampledToken], failures: dict[str, str],
+               now: float) -> list[RequestOutput]:
+        """Fail the requests that could not be run or sampled, then advance the rest."""
+        failures = {**failures, **{rid: s.error for rid, s in sampled.items() if s.error}}
+        outputs = [out for rid, why in failures.items() if (out := self._fail(rid, why))]
+        tokens = {rid: s.token_id for rid, s in sampled.items() if rid not in failures}
+        self.scheduler.update(batch, tokens, now)
+        for request_id in tokens:
+            try:
+                output = self._process(request_id, sampled[request_id], now)
+            except Exception as error:  # noqa: BLE001 - output handling of one request
+                output = self._fail(request_id, f"{type(error).__name__}: {error}")
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail(self, request_id: str, why: str) -> RequestOutput | None:
+        """End one request with an error; the cause goes to the log, not to the client."""
+        log.error("request %s failed in the engine: %s", request_id, why)
+        known = request_id in self._outputs
+        output = self.abort(request_id, FinishReason.ERROR, REQUEST_FAILED_MESSAGE,
+                            REQUEST_FAILED)
+        if output is None and known:  # its output handling broke half-way: still answer it
+            output = RequestOutput(request_id, [], "", 0, 0, finished=True,
+                                   finish_reason=FinishReason.ERROR.value,
+                                   error=REQUEST_FAILED_MESSAGE, error_code=REQUEST_FAILED)
+        return output
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Send a batch if the pipeline has room, then take the results that are back."""
@@ -297,10 +347,7 @@ class LLMEngine:
         if self.on_step is not None:  # execute time here includes the wait in the pipeline
             self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
                                    self.runner.last_forward_s))
-        self.scheduler.update(Batch(chunks=tuple(current)),
-                              {rid: s.token_id for rid, s in sampled.items()}, now)
-        return [out for rid, token in sampled.items()
-                if (out := self._process(rid, token, now)) is not None]
+        return self._apply(Batch(chunks=tuple(current)), sampled, {}, now)
 
     def _process(self, request_id: str, sampled: SampledToken, now: float) -> RequestOutput | None:
         request = self.scheduler.requests.get(request_id)

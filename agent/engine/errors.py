@@ -9,6 +9,20 @@ server can exit non-zero and its supervisor (Kubernetes) restarts it.
 
 from __future__ import annotations
 
+# Why a request ended with an error (``RequestOutput.error_code``). The server maps each to
+# an HTTP status; only the ones a retry elsewhere can fix are 503s (see server/generation.py).
+INVALID_REQUEST = "invalid_request"  # the engine refused the request (the message says why)
+REQUEST_FAILED = "request_failed"  # this request made the step fail; the others went on
+ENGINE_ERROR = "engine_error"  # a step failed for a reason no single request explains
+ENGINE_DEAD = "engine_dead"  # a worker died while the request was in flight
+DRAINED = "drained"  # the instance is shutting down and its drain period ran out
+SHUTTING_DOWN = "shutting_down"  # the engine stopped before the request could start
 
-class EngineDeadError(RuntimeError):
+
+class EngineUnavailable(RuntimeError):
+    """The engine takes no new requests now: not started yet, draining, or dead. The request
+    never ran, so another instance may serve it."""
+
+
+class EngineDeadError(EngineUnavailable):
     """The engine lost a part it cannot run without."""

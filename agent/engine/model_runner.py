@@ -21,10 +21,10 @@ import torch
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.llama import KVCache
-from slipstream.agent.engine.sampler import Sampler
+from slipstream.agent.engine.sampler import SampleResult, Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
 from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
-from slipstream.agent.scheduler.batch import Batch, BlockCopy
+from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.kernels.attention import AttentionMetadata, select_backend
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+    error: str | None = None  # this request could not be sampled; the engine fails it alone
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -44,6 +45,13 @@ def resolve_device(requested: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was requested but CUDA is not available")
     return device
+
+
+def sampled_tokens(chunks: list[ScheduledChunk], result: SampleResult) -> dict[str, SampledToken]:
+    """The sampler's rows, keyed by request; a row it could not sample carries its error."""
+    return {chunk.request_id: SampledToken(token, logprob, result.errors.get(row))
+            for row, (chunk, token, logprob) in enumerate(zip(chunks, result.tokens,
+                                                              result.logprobs))}
 
 
 class ModelRunner:
@@ -107,10 +115,8 @@ class ModelRunner:
         logits, chunks = self._forward_sampling(batch)
         if not chunks:
             return {}
-        tokens, logprobs = self.sampler(logits, [c.sampling for c in chunks],
-                                        [c.num_generated for c in chunks])
-        return {chunk.request_id: SampledToken(token, logprob)
-                for chunk, token, logprob in zip(chunks, tokens, logprobs)}
+        return sampled_tokens(chunks, self.sampler(logits, [c.sampling for c in chunks],
+                                                   [c.num_generated for c in chunks]))
 
     @torch.inference_mode()
     def sample_logits(self, batch: Batch) -> torch.Tensor:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from slipstream.agent.scheduler.batch import SamplingOptions
 
 MAX_LOGPROBS = 20
+# Integers cross to the sampler (and, with parallel workers, over msgpack) as int64.
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,12 @@ class SamplingParams:
             errors.append(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             errors.append(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k == 0 or self.top_k < -1:
-            errors.append(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k <= INT64_MAX:
+            errors.append(f"top_k must be -1 (disabled) or in [1, {INT64_MAX}], got {self.top_k}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            errors.append(f"seed must fit in a signed 64-bit integer, got {self.seed}")
+        if any(not 0 <= token <= INT64_MAX for token in self.stop_token_ids):
+            errors.append("stop_token_ids must be non-negative token ids")
         if not 0.0 < self.top_p <= 1.0:
             errors.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -74,4 +81,5 @@ class RequestOutput:
     arrival_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
-    error: str | None = None
+    error: str | None = None  # for the client: never an exception's text
+    error_code: str | None = None  # one of the codes in engine/errors.py

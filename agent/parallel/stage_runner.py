@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
-from slipstream.agent.engine.model_runner import SampledToken
+from slipstream.agent.engine.model_runner import SampledToken, sampled_tokens
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
 from slipstream.agent.engine.sampler import Sampler
 from slipstream.agent.parallel.groups import ProcessGroups
@@ -139,10 +139,8 @@ class StageRunner:
         if not sample_rows:
             return {}
         chunks = [batch.chunks[i] for i, _ in sample_rows]
-        tokens, logprobs = sampler(logits, [c.sampling for c in chunks],
-                                        [c.num_generated for c in chunks])
-        return {chunk.request_id: SampledToken(token, logprob)
-                for chunk, token, logprob in zip(chunks, tokens, logprobs)}
+        return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
+                                              [c.num_generated for c in chunks]))
 
     def _prepare(self, batch: Batch):
         token_ids: list[int] = []

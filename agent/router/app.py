@@ -39,6 +39,8 @@ from slipstream.agent.server.errors import APIError, add_openai_error_handlers
 log = logging.getLogger(__name__)
 # Bodies larger than this are tokenized off the event loop (a 1M-token prompt takes ~1 s).
 INLINE_TOKENIZE_MAX_BYTES = 64 * 1024
+# Below the agents' own keep-alive timeout (server/cli.py AGENT_KEEPALIVE_S).
+UPSTREAM_KEEPALIVE_S = 10.0
 
 
 class Router:
@@ -56,9 +58,13 @@ class Router:
         self.watcher: PodWatcher | None = None
 
     async def start(self) -> None:
+        # Idle connections are dropped well before an agent would close them (its
+        # keep-alive timeout is longer): otherwise a request sent on a connection the agent
+        # is closing at that instant is lost, and such a request is not retried.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=UPSTREAM_KEEPALIVE_S))
         self.proxy = Proxy(self.config, self.dispatcher, self.client, self.metrics)
         for backend in self.config.static_backends:
             self.table.upsert(BackendSpec(name=backend.url, url=backend.url.rstrip("/"),
@@ -141,9 +147,12 @@ def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -
 
     @app.get("/health")
     async def health() -> Response:
-        if router.table.candidates("short") or router.table.candidates("long"):
-            return JSONResponse({"status": "ok", "instances": len(router.table)})
-        return JSONResponse({"status": "no instances"}, status_code=503)
+        """Ready while some instance can take traffic; counts only those (a dead or
+        draining instance is not counted, though the table still knows it)."""
+        serving = router.table.serving_count()
+        body = {"status": "ok" if serving else "no instances", "instances": serving,
+                "known_instances": len(router.table)}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -176,6 +176,11 @@ class InstanceTable:
         own = [instance for instance in healthy if instance.pool in _POOLS_FOR_CLASS[request_class]]
         return own or healthy
 
+    def serving_count(self) -> int:
+        """Instances that may take traffic now (neither failed nor cooling down)."""
+        now_s = self._clock()
+        return sum(1 for instance in self._instances.values() if instance.healthy(now_s))
+
     def pool_sizes(self) -> dict[str, int]:
         sizes = {pool: 0 for pool in (SHORT_POOL, LONG_POOL, UNIFIED_POOL)}
         for instance in self._instances.values():

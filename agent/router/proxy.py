@@ -1,16 +1,23 @@
-"""Forwarding one request to an instance: retry until the first token, then pure passthrough.
+"""Forwarding one request to an instance: retry only what a retry can fix, then passthrough.
 
     RoutedRequest + original body --Dispatcher.acquire--> Lease(instance)
-        --POST instance/v1/...--> hold the SSE prefix until the first token
-            failure before it (connect error, 5xx, dropped stream, error event): mark the
-            instance failed, try another (up to max_attempts), keeping the fairness tag
+        --POST instance/v1/...--> for a stream, hold the SSE prefix until the first token
+            no connection (refused, connect timeout), or a 503 (the instance is draining,
+            starting or saturated): the request never ran there; mark the instance, try
+            another (up to max_attempts), keeping the fairness tag
+            anything else (4xx, 500, a connection lost mid-request, an error event): answered
+            as it is; the request is never sent to a second instance
             first token seen: send the held prefix, then every upstream chunk as it arrives
+
+Why so strict: a request that made one instance fail (a 500, a dropped connection) may do
+the same to the next one; retrying it is how one bad request takes down a whole pool. A
+refused connection or a 503 says the request was never run, so trying elsewhere is safe.
 
 Before the first token the client has seen nothing that it would see twice: the agent's
 streams open with a role-only chunk that carries no token, and that chunk is held back with
-the rest of the prefix. After it, bytes are forwarded as they come, never re-framed. A
-failure after the first token cannot be hidden; the client gets an OpenAI error event.
-Non-streaming answers are one body, so they are retried on any failure before it arrives.
+the rest of the prefix. After it, bytes are forwarded as they come, never re-framed. Every
+error the router itself produces is in OpenAI's JSON shape (an SSE error event once a
+stream has started), and an instance's non-JSON error body is wrapped into that shape.
 """
 
 from __future__ import annotations
@@ -38,13 +45,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class RetryableFailure(Exception):
-    """The attempt failed before the first token; another instance may serve it.
-    ``instance_down``: the instance itself looks broken (it gets no traffic for a while),
-    rather than this one request failing there."""
-
-    def __init__(self, message: str, instance_down: bool = True) -> None:
-        super().__init__(message)
-        self.instance_down = instance_down
+    """The request never ran on the instance (no connection, or a 503); another may serve
+    it. The instance gets no traffic for the cooldown: it is down, draining or saturated."""
 
 
 class Proxy:
@@ -74,18 +76,16 @@ class Proxy:
                 return await self._attempt(path, body, headers, routed, lease)
             except RetryableFailure as failure:
                 last_failure = f"{lease.instance.name}: {failure}"
-                log.warning("attempt %d on %s failed before the first token: %s", attempt + 1,
-                            lease.instance.name, failure)
-                if failure.instance_down:
-                    lease.instance.mark_failed(time.monotonic(),
-                                               self._config.unhealthy_cooldown_s)
+                log.warning("attempt %d on %s was refused, trying another instance: %s",
+                            attempt + 1, lease.instance.name, failure)
+                lease.instance.mark_failed(time.monotonic(), self._config.unhealthy_cooldown_s)
                 lease.finish()
             except BaseException:  # the client went away, or a bug: free the slot
                 lease.finish()
                 raise
         self._count(routed, routed.request_class, "error")
-        raise APIError(503, f"{self._config.max_attempts} instances failed before the first "
-                            f"token; last failure: {last_failure}", code="instances_failed")
+        raise APIError(503, f"{self._config.max_attempts} instances refused the request; last: "
+                            f"{last_failure}", code="no_instance_available")
 
     async def _attempt(self, path: str, body: bytes, headers: dict[str, str],
                        routed: RoutedRequest, lease: Lease) -> Response:
@@ -93,17 +93,24 @@ class Proxy:
                                              content=body, headers=headers)
         try:
             upstream = await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            raise RetryableFailure(f"no connection: {type(error).__name__}") from None
         except httpx.TransportError as error:
-            raise RetryableFailure(f"{type(error).__name__}: {error}") from None
-        if upstream.status_code >= 500:
+            # Sent, then lost: the instance may have failed because of this very request.
+            self._finish_failed(routed, lease, error)
+            raise instance_lost(error) from None
+        if upstream.status_code == 503:
             text = await _read_quietly(upstream)
-            raise RetryableFailure(f"HTTP {upstream.status_code}: {text[:200]}",
-                                   instance_down=upstream.status_code in (502, 503, 504))
+            raise RetryableFailure(f"HTTP 503: {text[:200]}")
         if upstream.status_code >= 400 or not routed.stream:
             return await self._whole_body(upstream, routed, lease)
         # One iterator for the whole stream: the prefix is read from it, the rest follows.
         chunks = upstream.aiter_bytes()
-        held = await self._hold_until_first_token(upstream, chunks)
+        try:
+            held = await self._hold_until_first_token(upstream, chunks)
+        except APIError as error:
+            self._finish_failed(routed, lease, error)
+            raise
         lease.first_token()
         self._observe_ttft(routed, lease)
 
@@ -124,7 +131,8 @@ class Proxy:
         try:
             content = await upstream.aread()
         except httpx.TransportError as error:
-            raise RetryableFailure(f"body lost: {type(error).__name__}") from None
+            self._finish_failed(routed, lease, error)
+            raise instance_lost(error) from None
         finally:
             await upstream.aclose()
         ok = upstream.status_code < 400
@@ -134,35 +142,44 @@ class Proxy:
             self._observe_ttft(routed, lease)
         lease.finish(output_tokens)
         self._count(routed, lease.instance.pool, "ok" if ok else "error")
+        headers = {BACKEND_HEADER: lease.instance.name}
+        if not ok and not _is_openai_error(content):
+            body = APIError(upstream.status_code, f"the instance answered HTTP "
+                            f"{upstream.status_code}: {_printable(content)}",
+                            code="instance_error").body()
+            return Response(json.dumps(body), status_code=upstream.status_code,
+                            media_type="application/json", headers=headers)
         return Response(content, status_code=upstream.status_code,
                         media_type=upstream.headers.get("content-type", "application/json"),
-                        headers={BACKEND_HEADER: lease.instance.name})
+                        headers=headers)
+
+    def _finish_failed(self, routed: RoutedRequest, lease: Lease,
+                       error: Exception | None = None) -> None:
+        if error is not None:
+            log.warning("%s lost a request it was serving (%r, from %r); not retrying it",
+                        lease.instance.name, error, error.__cause__)
+        lease.finish()
+        self._count(routed, lease.instance.pool, "error")
 
     async def _hold_until_first_token(self, upstream: httpx.Response,
                                       chunks: AsyncIterator[bytes]) -> bytes:
-        try:
-            return await self._read_prefix(chunks)
-        except BaseException:
-            await upstream.aclose()
-            raise
-
-    @staticmethod
-    async def _read_prefix(chunks: AsyncIterator[bytes]) -> bytes:
+        """The stream's prefix up to its first token, an error event or its end; a
+        connection lost before that is answered as a 502, not retried."""
         held = bytearray()
         scanned = 0
         try:
             async for chunk in chunks:
                 held += chunk
                 state, scanned = _scan_events(held, scanned)
-                if state == "error":
-                    raise RetryableFailure(f"error event before the first token: "
-                                           f"{bytes(held[-300:]).decode(errors='replace')}")
-                if state == "token":
-                    return bytes(held)
+                if state != "none":
+                    break
         except httpx.TransportError as error:
-            raise RetryableFailure(f"stream lost before the first token: "
-                                   f"{type(error).__name__}") from None
-        raise RetryableFailure("stream ended before the first token")
+            await upstream.aclose()
+            raise instance_lost(error) from None
+        except BaseException:
+            await upstream.aclose()
+            raise
+        return bytes(held)
 
     async def _pass_through(self, held: bytes, chunks: AsyncIterator[bytes],
                             upstream: httpx.Response, routed: RoutedRequest,
@@ -258,6 +275,25 @@ def _usage_completion_tokens(content: bytes) -> int | None:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         return None
     return tokens if isinstance(tokens, int) else None
+
+
+def instance_lost(error: httpx.TransportError) -> APIError:
+    return APIError(502, f"the instance serving this request failed before answering "
+                         f"({type(error).__name__}); it was not retried elsewhere",
+                    code="instance_failed")
+
+
+def _is_openai_error(content: bytes) -> bool:
+    try:
+        error = json.loads(content).get("error")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and isinstance(error.get("message"), str)
+
+
+def _printable(content: bytes, limit: int = 200) -> str:
+    text = content[:limit].decode(errors="replace")
+    return "".join(ch if ch.isprintable() else " " for ch in text).strip() or "(no body)"
 
 
 async def _read_quietly(upstream: httpx.Response) -> str:

@@ -1,9 +1,14 @@
-"""Load reports from the agents, polled from their Prometheus ``/metrics``.
+"""Readiness and load reports from the agents, polled over HTTP.
 
-    every stats_interval_s: GET <agent>/metrics --parse_agent_metrics()--> AgentReport
-        --> Instance.report() (foreign load, KV capacity)      no answer --> mark_failed
+    every stats_interval_s: GET <agent>/health --> ready? (no: mark_failed, no traffic)
+                            GET <agent>/metrics --parse_agent_metrics()--> AgentReport
+        --> Instance.report() (foreign load, KV capacity)
 
-``/metrics`` is what every agent serves already, so the router needs no second protocol. The
+``/health`` is the agent's readiness (engine and every worker rank answer, not draining) and
+``/metrics`` is what every agent serves already, so the router needs no second protocol. An
+agent that refuses the connection or answers 503 gets no traffic until it answers again. An
+agent that is merely slow to answer (a loaded machine, a long /metrics) keeps its traffic:
+slowness is not death, and treating it so would empty the pool exactly under load. The
 agent's gRPC control API (``Stats``: backlog prompt tokens, queue seconds) would make the
 foreign backlog exact instead of estimated; the router does not depend on it yet.
 """
@@ -22,6 +27,7 @@ from slipstream.agent.server import metric_names as names
 
 log = logging.getLogger(__name__)
 KV_BLOCK_TOKENS = 16  # the agents' paged KV block size
+POLL_TIMEOUT_S = 5.0  # a loaded agent may take seconds to answer; that alone is no failure
 
 
 def parse_agent_metrics(text: str) -> AgentReport:
@@ -72,15 +78,26 @@ class StatsPoller:
             await asyncio.sleep(self._interval_s)
 
     async def _poll(self, instance: Instance) -> None:
+        timeout_s = max(POLL_TIMEOUT_S, self._interval_s)
         try:
-            response = await self._client.get(f"{instance.spec.url}/metrics",
-                                              timeout=max(1.0, self._interval_s))
+            health = await self._client.get(f"{instance.spec.url}/health", timeout=timeout_s)
+            if health.status_code != 200:
+                self._not_serving(instance, f"/health answered {health.status_code}")
+                return
+            response = await self._client.get(f"{instance.spec.url}/metrics", timeout=timeout_s)
             response.raise_for_status()
             report = parse_agent_metrics(response.text)
+        except httpx.TimeoutException as error:
+            log.info("stats of %s are late (%s); keeping its traffic", instance.name,
+                     type(error).__name__)
+            return
         except (httpx.HTTPError, ValueError) as error:
-            if self._table.get(instance.name) is instance:
-                log.info("no stats from %s (%s); no traffic for %.0f s", instance.name,
-                         type(error).__name__, self._cooldown_s)
-                instance.mark_failed(time.monotonic(), self._cooldown_s)
+            self._not_serving(instance, type(error).__name__)
             return
         instance.report(report)
+
+    def _not_serving(self, instance: Instance, why: str) -> None:
+        if self._table.get(instance.name) is instance:
+            log.info("%s is not serving (%s); no traffic for %.0f s", instance.name, why,
+                     self._cooldown_s)
+            instance.mark_failed(time.monotonic(), self._cooldown_s)

@@ -139,6 +139,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        # The details are for the operator's log; a client learns nothing of the internals.
         logger.exception("unhandled error while serving a request")
-        return error_response(APIError(500, f"internal error: {type(error).__name__}: {error}",
-                                       code="internal_error"))
+        return error_response(APIError(500, "internal error while serving this request; the "
+                                       "server logged the details", code="internal_error"))

@@ -41,6 +41,10 @@ from slipstream.agent.server.config import (
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Idle client connections stay open this long. Longer than the router's own idle limit
+# (router/app.py UPSTREAM_KEEPALIVE_S): the client side must give up on an idle connection
+# first, or a request can meet a connection the server is closing at that instant.
+AGENT_KEEPALIVE_S = 30
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -307,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port,
         log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-        timeout_graceful_shutdown=5))
+        timeout_keep_alive=AGENT_KEEPALIVE_S, timeout_graceful_shutdown=5))
     # A dead worker ends the process (non-zero), after the in-flight requests got their 503s.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from starlette.requests import Request
 
-from slipstream.agent.engine.errors import EngineDeadError
+from slipstream.agent.engine import errors
+from slipstream.agent.engine.errors import EngineUnavailable
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server.config import ServerConfig
@@ -209,10 +210,6 @@ class Generation:
                 with anyio.CancelScope(shield=True):
                     await release(self._ctx, self._prepared.request_id, self._outputs)
 
-    @property
-    def engine_healthy(self) -> bool:
-        return self._ctx.engine.healthy
-
     async def collect(self) -> list[RequestOutput]:
         async with contextlib.aclosing(self.__aiter__()) as outputs:
             return [output async for output in outputs]
@@ -236,7 +233,7 @@ async def start_generation(ctx: ServingContext, http_request: Request,
                                       priority=prepared.priority, slo=prepared.slo)
     except ValueError as error:
         raise bad_request(str(error)) from None
-    except EngineDeadError as error:
+    except EngineUnavailable as error:
         raise APIError(503, str(error), code="engine_unavailable") from None
     timer = ctx.metrics.start_request(len(prepared.prompt_token_ids), prepared.slo)
     try:
@@ -252,10 +249,10 @@ async def start_generation(ctx: ServingContext, http_request: Request,
         with anyio.CancelScope(shield=True):
             await release(ctx, prepared.request_id, outputs)
         raise
-    if first.finish_reason == "error" and not ctx.engine.healthy:
-        # The engine died before this request's first token: a real 503, even for a stream.
+    if first.finish_reason == "error":
+        # Nothing was sent yet, so even a stream gets a real HTTP error status.
         timer.finish(first, "error")
-        raise engine_failure(first, engine_healthy=False)
+        raise engine_failure(first)
     return Generation(ctx, prepared, outputs, first, timer)
 
 
@@ -263,7 +260,7 @@ async def collect_outputs(http_request: Request, generation: Generation) -> list
     """All outputs of a non-streaming request; an engine failure becomes a 500."""
     outputs = await run_until_disconnect(http_request, generation.collect())
     if outputs[-1].finish_reason == "error":
-        raise engine_failure(outputs[-1], generation.engine_healthy)
+        raise engine_failure(outputs[-1])
     return outputs
 
 
@@ -287,7 +284,7 @@ async def stream_events(generation: Generation, render: Callable[[RequestOutput]
     async for output in generation:
         final = output
         if output.finish_reason == "error":
-            yield sse_event(json.dumps(engine_failure(output, generation.engine_healthy).body()))
+            yield sse_event(json.dumps(engine_failure(output).body()))
             break
         if not output.new_token_ids and not output.finished:
             continue
@@ -297,10 +294,22 @@ async def stream_events(generation: Generation, render: Callable[[RequestOutput]
     yield SSE_DONE
 
 
-def engine_failure(output: RequestOutput, engine_healthy: bool = True) -> APIError:
-    """500 for a failed step the engine survived; 503 when the engine itself is gone (a
-    worker died): the instance is restarting and the client should retry elsewhere."""
-    if not engine_healthy:
-        return APIError(503, output.error or "the engine is unavailable",
-                        code="engine_unavailable")
-    return APIError(500, output.error or "the engine failed while generating", code="engine_error")
+# HTTP status for each way the engine ends a request with an error. Only 503 tells a
+# router (or a client) to try another instance: the request never ran, or the instance is
+# shutting down. A request that broke the engine, or was running when a worker died, is
+# not sent elsewhere, where it could do the same again.
+_STATUS_BY_ERROR_CODE = {
+    errors.INVALID_REQUEST: 400,
+    errors.REQUEST_FAILED: 500,
+    errors.ENGINE_ERROR: 500,
+    errors.ENGINE_DEAD: 500,
+    errors.DRAINED: 503,
+    errors.SHUTTING_DOWN: 503,
+}
+
+
+def engine_failure(output: RequestOutput) -> APIError:
+    """The error a failed request reports, with the status its error code calls for."""
+    code = output.error_code or errors.ENGINE_ERROR
+    return APIError(_STATUS_BY_ERROR_CODE.get(code, 500),
+                    output.error or "the engine failed while generating", code=code)

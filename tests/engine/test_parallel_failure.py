@@ -1,5 +1,7 @@
-"""A worker dies mid-request: the real HTTP server answers the in-flight requests with 503,
-exits non-zero within a bounded time, and leaves no worker process behind."""
+"""A worker dies mid-request: the real HTTP server answers the in-flight requests with a
+500 ``engine_dead`` (they were running when the engine broke, so no router resends them),
+refuses new ones with 503, exits non-zero within a bounded time, and leaves no worker process
+behind."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def parallel_server(tiny_model_dir, tmp_path):
         yield base_url, process, log_path
 
 
-def test_killed_worker_fails_requests_with_503_and_exits_nonzero(parallel_server):
+def test_killed_worker_fails_requests_in_flight_and_exits_nonzero(parallel_server):
     base_url, process, log_path = parallel_server
     workers = psutil.Process(process.pid).children(recursive=True)
     assert len(workers) == 2, "spp=2 should run two worker processes"
@@ -55,9 +57,10 @@ def test_killed_worker_fails_requests_with_503_and_exits_nonzero(parallel_server
         rest = "\n".join(lines)
     blocking.join(timeout=EXIT_BOUND_S)
     assert answers, "the non-streaming request did not come back"
-    assert answers[0].status_code == 503, answers[0].text
-    assert answers[0].json()["error"]["code"] == "engine_unavailable"
-    assert '"engine_unavailable"' in rest  # the stream ends with a 503-class error event
+    assert answers[0].status_code == 500, answers[0].text
+    assert answers[0].json()["error"]["code"] == "engine_dead"
+    assert '"engine_dead"' in rest  # the stream ends with an error event
+    assert rest.rstrip().endswith("data: [DONE]")
     code = process.wait(timeout=EXIT_BOUND_S)
     assert time.monotonic() - killed_s < EXIT_BOUND_S
     assert code == EXIT_ENGINE_DEAD, log_path.read_text()

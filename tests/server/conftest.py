@@ -24,6 +24,7 @@ NUM_KV_BLOCKS = 512
 SERVED_MODEL_NAME = "tiny-test"
 POOL_LABEL = "short"
 SERVER_START_TIMEOUT_S = 180.0
+ROUTER_LONG_THRESHOLD_TOKENS = 48  # prompts this long go to the long pool in router tests
 
 
 class ServerHandle:
@@ -62,7 +63,6 @@ class ServerHandle:
             time.sleep(0.05)
             value = self.metric(name, **labels)
         return value
-
 
 
 def _slipstream(*args: str) -> list[str]:
@@ -109,3 +109,46 @@ def start_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
             return stack.enter_context(serve(tiny_model_dir, tmp_path_factory.mktemp("server"),
                                              *extra_args, pool=pool))
         yield start
+
+
+class RouterHandle:
+    """A running ``slipstream router``: its URL, an openai client and its metrics."""
+
+    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
+        self.base_url = base_url
+        self.process = process
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
+                             timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v
+                                                  for k, v in labels.items()))
+
+
+@contextlib.contextmanager
+def _run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str
+               ) -> Iterator[RouterHandle]:
+    """Run ``slipstream router`` over ``backends`` ("URL=pool") until the block ends."""
+    port = free_port()
+    args = [sys.executable, "-m", "slipstream.cli", "router", "--model", str(model_dir),
+            "--port", str(port),
+            "--long-prefill-threshold-tokens", str(ROUTER_LONG_THRESHOLD_TOKENS),
+            "--log-level", "warning", *extra]
+    for backend in backends:
+        args += ["--backend", backend]
+    env = {key: value for key, value in os.environ.items() if key != "POD_IP"}
+    base_url = f"http://127.0.0.1:{port}"
+    with local_process.running(args, log_dir / f"router-{port}.log", f"{base_url}/health",
+                               env=env, timeout_s=60, grace_s=15) as process:
+        yield RouterHandle(base_url, process)
+
+
+@pytest.fixture(scope="session")
+def run_router():
+    """``run_router(model_dir, log_dir, backends, *flags)``: a router for one block."""
+    return _run_router

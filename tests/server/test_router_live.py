@@ -4,65 +4,24 @@ instance when one fails before the first token, and the router's own metrics."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.agent.bench import local_process
-from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.server import metric_names
 
 THRESHOLD_TOKENS = 48
 BACKEND_HEADER = "x-slipstream-backend"
 SHORT_PROMPT = "hello world"
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 12
-
-
-class RouterHandle:
-    def __init__(self, base_url: str, process: subprocess.Popen) -> None:
-        self.base_url = base_url
-        self.process = process
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0,
-                             timeout=60)
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples
-                   if sample.name == name and all(sample.labels.get(k) == v
-                                                  for k, v in labels.items()))
-
-
-
-@contextlib.contextmanager
-def run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str
-               ) -> Iterator[RouterHandle]:
-    port = free_port()
-    args = [sys.executable, "-m", "slipstream.cli", "router", "--model", str(model_dir),
-            "--port", str(port), "--long-prefill-threshold-tokens", str(THRESHOLD_TOKENS),
-            "--log-level", "warning", *extra]
-    for backend in backends:
-        args += ["--backend", backend]
-    env = {key: value for key, value in os.environ.items() if key != "POD_IP"}
-    base_url = f"http://127.0.0.1:{port}"
-    with local_process.running(args, log_dir / f"router-{port}.log", f"{base_url}/health",
-                               env=env, timeout_s=60, grace_s=15) as process:
-        yield RouterHandle(base_url, process)
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +35,13 @@ def long_backend(start_server):
 
 
 @pytest.fixture(scope="module")
-def router(tiny_model_dir, tmp_path_factory, short_backend, long_backend):
+def router(run_router, tiny_model_dir, tmp_path_factory, short_backend, long_backend):
     with run_router(tiny_model_dir, tmp_path_factory.mktemp("router"),
                     [f"{short_backend.base_url}=short", f"{long_backend.base_url}=long"]) as r:
         yield r
 
 
-def _served_by(router: RouterHandle, prompt: str, **kwargs) -> tuple[str, str]:
+def _served_by(router, prompt: str, **kwargs) -> tuple[str, str]:
     raw = router.client().completions.with_raw_response.create(
         model="tiny-test", prompt=prompt, max_tokens=4, temperature=0, **kwargs)
     return raw.headers[BACKEND_HEADER], raw.parse().choices[0].text
@@ -144,7 +103,7 @@ def test_router_metrics_are_exactly_the_registry(router):
 
 
 def test_a_killed_instance_is_retried_on_another_before_the_first_token(
-        tiny_model_dir, tmp_path_factory, start_server, short_backend):
+        run_router, tiny_model_dir, tmp_path_factory, start_server, short_backend):
     doomed = start_server(pool="short")
     # Stats are polled rarely here, so only failed requests can tell the router.
     with run_router(tiny_model_dir, tmp_path_factory.mktemp("router-retry"),
@@ -194,31 +153,37 @@ class DropAfterRoleChunk:
                                    + self.ROLE_CHUNK + b"\r\n")
 
 
-def test_a_stream_that_breaks_before_its_first_token_is_resent_elsewhere(
-        tiny_model_dir, tmp_path_factory, short_backend):
+def test_a_request_whose_instance_fails_under_it_is_not_resent_elsewhere(
+        run_router, tiny_model_dir, tmp_path_factory, short_backend):
+    """The instance dropped the connection while holding the request: the request may be
+    what broke it, so it gets a clean 502 and never meets a second instance."""
     dropper = DropAfterRoleChunk()
     # The dropper fails every request, its /metrics too: with no cooldown it stays a
-    # candidate, so each request meets it first (ties rotate) and must be resent.
+    # candidate, so requests keep meeting it (ties rotate).
     with run_router(tiny_model_dir, tmp_path_factory.mktemp("router-drop"),
                     [f"{dropper.url}=short", f"{short_backend.base_url}=short"],
                     "--stats-interval-seconds", "600", "--unhealthy-cooldown-seconds", "0"
                     ) as router:
         dropper.connections = 0
-        client = router.client()
-        for index in range(3):
-            stream = client.chat.completions.create(
-                model="tiny-test", messages=[{"role": "user", "content": f"hi {index}"}],
-                max_tokens=4, stream=True, extra_body={"ignore_eos": True})
-            chunks = list(stream)
-            # Exactly one role chunk: the dropped attempt's was held back, never sent.
-            assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
-            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-        assert dropper.connections >= 1
-        assert router.metric("slipstream_router_retries_total", pool="short") >= 1
+        served = {"dropped": 0, "ok": 0}
+        for index in range(6):
+            response = httpx.post(f"{router.base_url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny-test", "messages": [{"role": "user", "content": f"hi {index}"}],
+                "max_tokens": 4, "stream": True, "ignore_eos": True})
+            if response.status_code == 200:
+                served["ok"] += 1
+                assert response.text.rstrip().endswith("data: [DONE]")
+                continue
+            served["dropped"] += 1
+            assert response.status_code == 502
+            error = response.json()["error"]
+            assert error["code"] == "instance_failed" and "not retried" in error["message"]
+        assert served["dropped"] == dropper.connections >= 1
+        assert router.metric("slipstream_router_retries_total") == 0
     dropper.server.close()
 
 
-def test_under_saturation_a_light_application_overtakes_a_flood(tiny_model_dir, tmp_path_factory,
+def test_under_saturation_a_light_application_overtakes_a_flood(run_router, tiny_model_dir, tmp_path_factory,
                                                                 short_backend):
     """One request at a time per instance. App "flood" queues eight requests, then app
     "light" sends two of the same size: first come, first served would finish light last;
