@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -30,8 +31,13 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None,
 
 def test_simulate_runs_from_an_installed_wheel(tmp_path):
     wheels = tmp_path / "wheels"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-          "--quiet", "--wheel-dir", str(wheels), str(REPO)], cwd=tmp_path)
+    had_build_dir = (REPO / "build").exists()
+    try:
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+              "--quiet", "--wheel-dir", str(wheels), str(REPO)], cwd=tmp_path)
+    finally:
+        if not had_build_dir:  # setuptools builds in the source tree; leave it as it was
+            shutil.rmtree(REPO / "build", ignore_errors=True)
     (wheel,) = wheels.glob("slipstream-*.whl")
     assert wheel.stat().st_size < WHEEL_LIMIT_BYTES
     with zipfile.ZipFile(wheel) as archive:
