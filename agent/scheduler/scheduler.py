@@ -289,7 +289,10 @@ class Scheduler:
             return False
         urgency = self.policy.urgency
         head_urgency = urgency(request, now_s)
-        victims = sorted((r for r in self.running if urgency(r, now_s) > head_urgency),
+        # Ties count as less urgent than the head: under FCFS, requests that arrived together
+        # score alike, and a strict comparison left them holding the cache against each other.
+        victims = sorted((r for r in self.running
+                          if r is not request and urgency(r, now_s) >= head_urgency),
                          key=lambda r: urgency(r, now_s), reverse=True)
         preempted = False
         for victim in victims:

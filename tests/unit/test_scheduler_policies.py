@@ -46,6 +46,18 @@ def test_steady_mixed_stream_every_request_finishes(stream, policy):
     assert not scheduler.has_unfinished() and scheduler.block_manager.kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_prefills_that_tie_on_urgency_do_not_hold_the_cache_against_each_other(policy):
+    # Three 12K-token prompts arriving together need 36K tokens of a 32K-token cache. Under
+    # FCFS they score alike; before the fix each held part of the cache and none could finish.
+    arrivals = [Arrival(f"r{i}", 0.0, prompt, 1)
+                for i, prompt in enumerate([16, 16, 12_000, 12_000, 12_000])]
+    scheduler = make_scheduler(policy, blocks=2048)
+    result = drive(scheduler, arrivals, max_steps=30_000)
+    assert set(result.finished) == {a.request_id for a in arrivals}
+    assert scheduler.block_manager.kv_blocks_used == 0
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_kv_cache_too_small_for_the_load_still_completes_everything(policy, preemption):
