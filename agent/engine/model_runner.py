@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.llama import KVCache
-from slipstream.agent.engine.sampler import SampleResult, Sampler
+from slipstream.agent.engine.sampler import GrammarMasks, SampleResult, Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
 from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
@@ -105,7 +106,11 @@ class ModelRunner:
                 for _ in range(self.model_config.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+    def execute(self, batch: Batch,
+                masks: Callable[[], GrammarMasks | None] | None = None
+                ) -> dict[str, SampledToken]:
+        """Run the batch and sample; ``masks`` (grammar masks of the guided sampling rows)
+        is called after the forward, so that they can be computed while it runs."""
         for copy in batch.swap_out:
             self._copy_blocks(self.kv_caches, self.host_kv_caches, copy)
         for copy in batch.swap_in:
@@ -116,7 +121,8 @@ class ModelRunner:
         if not chunks:
             return {}
         return sampled_tokens(chunks, self.sampler(logits, [c.sampling for c in chunks],
-                                                   [c.num_generated for c in chunks]))
+                                                   [c.num_generated for c in chunks],
+                                                   [c.history for c in chunks], masks))
 
     @torch.inference_mode()
     def sample_logits(self, batch: Batch) -> torch.Tensor:

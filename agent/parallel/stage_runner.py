@@ -140,7 +140,8 @@ class StageRunner:
             return {}
         chunks = [batch.chunks[i] for i, _ in sample_rows]
         return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
-                                              [c.num_generated for c in chunks]))
+                                              [c.num_generated for c in chunks],
+                                              [c.history for c in chunks]))
 
     def _prepare(self, batch: Batch):
         token_ids: list[int] = []
