@@ -53,6 +53,8 @@ class Codec:
     state it keeps between steps (none for the whole-batch codecs)."""
 
     def __init__(self, name: str) -> None:
+        if name not in CODECS:
+            raise ValueError(f"unknown codec {name!r}; one of {CODECS}")
         self.name = name
         self.differ = BatchDiffer()
         self.tables = WorkerTables()
@@ -117,7 +119,7 @@ def measure_round_trips(codec_name: str, num_workers: int, batch: Batch,
     port = free_port()
     context = multiprocessing.get_context("fork")
     workers = [context.Process(target=echo_worker,
-                               args=(f"127.0.0.1:{port}", rank, codec, rank == 0))
+                               args=(f"127.0.0.1:{port}", rank, codec_name, rank == 0))
                for rank in range(num_workers)]
     for worker in workers:
         worker.start()
