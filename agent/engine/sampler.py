@@ -60,7 +60,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, options: list[SamplingOptions],
                  positions: list[int], histories: list[tuple[int, ...]] | None = None,
-                 masks: Callable[[], GrammarMasks | None] | None = None) -> SampleResult:
+                 masks: MaskSource | None = None) -> SampleResult:
         """``logits`` [rows, vocab]; ``positions`` are output indices for seeding;
         ``histories`` the tokens each row's penalties count (``ScheduledChunk.history``);
         ``masks`` returns the grammar masks of the guided rows (called after the forward,
@@ -105,6 +105,10 @@ class GrammarMasks:
     rows: list[int]
     allowed: torch.Tensor
     dead_rows: list[int] = field(default_factory=list)
+
+
+# Called by the sampler after the forward: the grammar masks of the step's guided rows.
+MaskSource = Callable[[], "GrammarMasks | None"]
 
 
 def adjust_logits(logits: torch.Tensor, options: list[SamplingOptions], positions: list[int],
