@@ -315,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -323,7 +324,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
+        engine = AsyncEngine(engine_config, engine=build_engine(
+            engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
