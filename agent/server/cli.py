@@ -294,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch via the engine) only once we are really serving.
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
     from slipstream.agent.server.drain import DrainingServer
     from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
@@ -304,7 +305,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
+        engine = AsyncEngine(engine_config, engine=build_engine(
+            engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
