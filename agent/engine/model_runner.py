@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.config import EngineConfig, ModelConfig, kv_cache_budget_gib
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.llama import KVCache
 from slipstream.agent.engine.sampler import MaskSource, SampleResult, Sampler
@@ -140,7 +140,8 @@ class ModelRunner:
     def _default_num_blocks(self) -> int:
         element_bytes = torch.finfo(self.dtype).bits // 8
         bytes_per_token = self.model_config.kv_bytes_per_token // 4 * element_bytes
-        return max(1, int(self.config.kv_cache_memory_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
+        budget_gib = kv_cache_budget_gib(self.config, self.device.type)
+        return max(1, int(budget_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         """Host-memory KV blocks that swap preemption copies device blocks into."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.config import EngineConfig, ModelConfig, kv_cache_budget_gib
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.model_runner import FlatInputs, SampledToken, sample_batch
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
@@ -74,7 +74,7 @@ class StageRunner:
         local_kv_heads = layers.local_count(model_config.num_kv_heads)
         num_layers = len(self.stage.layer_indices)
         self.num_kv_blocks = config.num_kv_blocks or _blocks_in_memory(
-            config.kv_cache_memory_gib, num_layers * local_kv_heads * model_config.head_dim,
+            kv_cache_budget_gib(config, device.type), num_layers * local_kv_heads * model_config.head_dim,
             self.dtype)
         shape = (self.num_kv_blocks, BLOCK_SIZE, local_kv_heads, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),

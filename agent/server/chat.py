@@ -22,7 +22,7 @@ from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
     SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, prepare, sse_event,
-    start_choices, stream_events, tokenize)
+    start_choices, stream_events, tokenize, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, TopLogprob, Usage,
@@ -69,7 +69,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request,
     response = ChatCompletionResponse(
         id=prepared.request_id, model=model, choices=response_choices,
         usage=Usage.of(*choices.usage_counts()))
-    return JSONResponse(response.model_dump(mode="json"))
+    return JSONResponse(with_kv_transfer(response.model_dump(mode="json"), by_choice[0][-1]))
 
 
 async def _stream(ctx: ServingContext, choices: Choices, request_id: str, model: str,

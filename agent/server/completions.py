@@ -19,7 +19,7 @@ from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
     SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, prepare, sse_event,
-    start_choices, stream_events, tokenize)
+    start_choices, stream_events, tokenize, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)
@@ -51,8 +51,9 @@ async def create_completion(ctx: ServingContext, http_request: Request,
                     prepared.include_usage_in_stream, echo),
             media_type="text/event-stream", headers=SSE_HEADERS)
     by_choice = await collect_choices(http_request, choices)
-    return JSONResponse(_response(ctx, prepared.request_id, model, choices, by_choice,
-                                  body.logprobs is not None, echo).model_dump(mode="json"))
+    return JSONResponse(with_kv_transfer(
+        _response(ctx, prepared.request_id, model, choices, by_choice,
+                  body.logprobs is not None, echo).model_dump(mode="json"), by_choice[0][-1]))
 
 
 def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:

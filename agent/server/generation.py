@@ -69,6 +69,7 @@ class PreparedRequest:
     priority: int
     slo: RequestSLO | None
     include_usage_in_stream: bool
+    kv_transfer: dict | None = None  # disaggregation (engine/disagg.py)
     num_choices: int = 1
 
     def choices(self) -> list[PreparedRequest]:
@@ -115,12 +116,19 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     ``grammar`` (llguidance, already checked) constrains every output."""
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
+    kv_transfer = body.kv_transfer_params
+    if kv_transfer and kv_transfer.get("do_remote_decode") and body.stream:
+        raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the KV "
+                          "handle comes back in the response body", param="stream")
+    if kv_transfer and body.num_choices > 1:
+        raise bad_request("kv_transfer_params needs n=1", param="n")
     params = build_sampling_params(body, resolved_max_tokens, logprobs, grammar)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
         app_id=body.app_id or (body.user or "")[:256] or "default", priority=body.priority,
         slo=build_slo(body.slo, ctx.config),
-        include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices)
+        include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices,
+        kv_transfer=kv_transfer)
 
 
 def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None,
@@ -336,7 +344,8 @@ async def start_generation(ctx: ServingContext, http_request: Request,
     try:
         outputs = ctx.engine.generate(prepared.request_id, prepared.prompt_token_ids,
                                       prepared.params, app_id=prepared.app_id,
-                                      priority=prepared.priority, slo=prepared.slo)
+                                      priority=prepared.priority, slo=prepared.slo,
+                                      kv_transfer=prepared.kv_transfer)
     except ValueError as error:
         raise bad_request(str(error)) from None
     except EngineUnavailable as error:
@@ -386,6 +395,14 @@ async def collect_choices(http_request: Request, choices: Choices) -> list[list[
         if outputs[-1].finish_reason == "error":
             raise engine_failure(outputs[-1])
     return by_choice
+
+
+def with_kv_transfer(body: dict[str, Any], final: RequestOutput) -> dict[str, Any]:
+    """A prefill instance's answer carries the handle of the KV it holds for a decode
+    instance, as a top-level ``kv_transfer_params`` field (vLLM's name for it)."""
+    if final.kv_transfer is not None:
+        body["kv_transfer_params"] = final.kv_transfer
+    return body
 
 
 async def collect_outputs(http_request: Request, generation: Generation) -> list[RequestOutput]:
@@ -439,6 +456,7 @@ _STATUS_BY_ERROR_CODE = {
     errors.ENGINE_DEAD: 500,
     errors.DRAINED: 503,
     errors.SHUTTING_DOWN: 503,
+    errors.KV_TRANSFER_FAILED: 503,  # nothing was sent: the router may retry the pair
 }
 
 
