@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -154,8 +155,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    num_kv_blocks: int | None = None  # defaults to kv_cache_memory_gib worth of blocks
-    kv_cache_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None  # fixed; default: sized by kv_cache_memory
+    # A share of the free memory or a size (see kv_memory.py); default: the device's share.
+    kv_cache_memory: KVCacheMemory = field(default_factory=KVCacheMemory)
     max_num_seqs: int = 256
     max_batched_tokens: int = 512
     seed: int = 0
