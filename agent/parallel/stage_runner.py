@@ -23,7 +23,8 @@ import torch.distributed as dist
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.kv_memory import allocate_kv_tensor
-from slipstream.agent.engine.model_runner import SampledToken, plan_kv_blocks, sampled_tokens
+from slipstream.agent.engine.model_runner import (
+    FlatInputs, SampledToken, plan_kv_blocks, sample_batch)
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
 from slipstream.agent.engine.sampler import Sampler
 from slipstream.agent.parallel.groups import ProcessGroups
@@ -118,7 +119,7 @@ class StageRunner:
         if logits is None:
             raise RuntimeError(f"rank {coords.rank} samples but computed no logits (sampler_rank "
                                "must be a last-stage rank of KVP group 0)")
-        return self._sample(self.sampler, batch, sample_rows, logits)
+        return sample_batch(self.sampler, batch, sample_rows, logits)
 
     def finish_sends(self) -> None:
         if self._pending_send is not None:
@@ -134,29 +135,13 @@ class StageRunner:
         hidden = hidden.contiguous()
         self._pending_send = (dist.isend(hidden, dst=self.groups.next_rank), hidden)
 
-    @staticmethod
-    def _sample(sampler: Sampler, batch: Batch, sample_rows: list[tuple[int, int]],
-                logits: torch.Tensor) -> dict[str, SampledToken]:
-        if not sample_rows:
-            return {}
-        chunks = [batch.chunks[i] for i, _ in sample_rows]
-        return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
-                                              [c.num_generated for c in chunks]))
-
     def _prepare(self, batch: Batch):
-        token_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
-        for index, chunk in enumerate(batch.chunks):
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.end_pos))
-            if chunk.sample:
-                sample_rows.append((index, len(token_ids) - 1))
+        flat = FlatInputs.of(batch.chunks)
         metadata = group_metadata(batch.chunks, self.kv_group, self.tokens_per_group, BLOCK_SIZE,
                                   self.device)
         self.backend.plan(metadata)
-        return (torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device), sample_rows)
+        input_ids, positions = flat.tensors(self.device)
+        return input_ids, positions, flat.sample_rows
 
     def _copy_blocks(self, copy: BlockCopy) -> None:
         # Swap to host memory is not wired for parallel workers yet: the engine gives them no

@@ -301,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -309,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
+        engine = AsyncEngine(engine_config, engine=build_engine(
+            engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
