@@ -188,3 +188,4 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_dir.name
+

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 # After a step that ran nothing while no wakeup time is known (nothing held, nothing runnable,
 # e.g. a request waiting for KV blocks), retry after this long rather than at once.
 STALLED_RETRY_S = 0.001
+# The warm-up request (``warm_up``); a generous bound, for a loaded machine or a first CUDA call.
+WARM_UP_REQUEST_ID = "slipstream-warm-up"
+WARM_UP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -399,6 +402,33 @@ class LLMEngine:
             finished=True, finish_reason=reason, logprobs=state.logprobs,
             arrival_s=state.arrival_s, first_token_s=state.first_token_s,
             finished_s=request.finished_s, error=error)
+
+    def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+        """Run one real one-token request through every rank and wait for its token, so that
+        an instance says it is ready only once it has served. Raises ``EngineDeadError`` if a
+        worker is gone, ``RuntimeError`` if the step fails or takes longer than
+        ``timeout_s``. Leaves no trace: step observers are not told, and the load window
+        starts afresh."""
+        on_step, self.on_step = self.on_step, None
+        try:
+            request_id = self.add_request([0], SamplingParams(max_tokens=1, temperature=0.0,
+                                                              ignore_eos=True),
+                                          WARM_UP_REQUEST_ID)
+            deadline = self.clock() + timeout_s
+            final: RequestOutput | None = None
+            while final is None:
+                if self.clock() > deadline:
+                    self.abort(request_id)
+                    raise RuntimeError(f"the engine did not complete a one-token request in "
+                                       f"{timeout_s:.0f} s")
+                final = next((out for out in self.step() if out.finished), None)
+                if final is None and (wait_s := self.idle_wait_s()) > 0:
+                    time.sleep(wait_s)
+            if final.finish_reason == FinishReason.ERROR.value:
+                raise RuntimeError(f"the engine failed its warm-up request: {final.error}")
+        finally:
+            self.on_step = on_step
+        self.load = LoadWindow(start_s=self.clock())
 
     # -- offline use ------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, Sc
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
 from slipstream.agent.server.config import (
-    DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
+    ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -144,6 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="TOKENS",
                       help="cap on max_tokens for requests that leave it out (they otherwise "
                            "get the rest of the context)")
+    http.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                      help="on SIGTERM: stop taking requests (503, not ready), give those in "
+                           "flight this long to finish, end the rest with an error event and "
+                           "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
+                           "be longer (the operator sets it)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
@@ -231,6 +237,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "slo.tpotMilliseconds": "slo_tpot_ms",
     "slo.attainmentTarget": "slo_attainment_target",
     "pools.longPrefillThresholdTokens": "long_prompt_threshold_tokens",
+    "server.drainTimeoutSeconds": "drain_timeout_s",
 }
 
 
@@ -270,6 +277,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
         control_port=args.control_port,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 
@@ -297,12 +305,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch via the engine) only once we are really serving.
-    import uvicorn
-
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.errors import EngineDeadError
     from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
+    from slipstream.agent.server.drain import DrainingServer
+    from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -329,15 +337,17 @@ def run(args: argparse.Namespace) -> int:
                                               "--control-port, or 0 to turn it off)", error)
             engine.engine.close()
             return 2
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
-        log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-        timeout_keep_alive=AGENT_KEEPALIVE_S, timeout_graceful_shutdown=5))
-    # A dead worker ends the process (non-zero), after the in-flight requests got their 503s.
+        log_level=server_config.log_level, keepalive_s=AGENT_KEEPALIVE_S,
+        drain_timeout_s=server_config.drain_timeout_s), engine, server_config.drain_timeout_s)
+    # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)
     try:
         server.run()
+    except SystemExit:  # uvicorn's way to report a failed start-up; it logged why
+        pass
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
@@ -345,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD
+    if not server.started:  # start-up failed (the port, the warm-up); uvicorn said why
+        return 2
     return 0
 
 
