@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
@@ -170,6 +171,8 @@ class EngineConfig:
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     cuda_graphs: bool = False
     short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
+    # Prefill/decode disaggregation: the role and the KV transfer (engine/disagg.py).
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -184,6 +187,9 @@ class EngineConfig:
         if self.cuda_graphs and not self.parallel.is_single_process:
             raise ValueError("cuda_graphs (the bucketed short-prefill path) runs in a single "
                              "process only; it is not wired into tp/spp/kvp workers yet")
+        if self.disagg.enabled and not self.parallel.is_single_process:
+            raise ValueError(f"--role {self.disagg.role} runs in a single process only; KV "
+                             "transfer is not wired into tp/spp/kvp workers yet")
 
     @property
     def model_name(self) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, EngineConfig,
     ShortPrefillBuckets)
+from slipstream.agent.engine.disagg_config import ROLES, TRANSPORTS, DisaggConfig
 from slipstream.agent.engine.kv_memory import (
     DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
 from slipstream.agent.engine.parallel_config import ParallelConfig
@@ -154,6 +155,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
+
+    disagg = parser.add_argument_group(
+        "prefill/decode disaggregation",
+        "A prefill instance computes prompts and their first token and keeps their KV for a "
+        "decode instance, which fetches it and continues (docs/disaggregation.md). The router "
+        "(slipstream router --prefill/--decode) chains the two.")
+    disagg.add_argument("--role", choices=ROLES, default=None,
+                        help="this instance's part; default: $SLIPSTREAM_ROLE if set, else "
+                             "mixed (prefill and decode here, no KV transfer)")
+    disagg.add_argument("--kv-transport", choices=TRANSPORTS, default="mooncake",
+                        help="how KV moves between instances: mooncake (Mooncake Transfer "
+                             "Engine over TCP, or RDMA on GPU hosts) or zmq (bytes over the "
+                             "ZeroMQ side channel; needs nothing else installed)")
+    disagg.add_argument("--kv-side-channel-port", type=int, default=0, metavar="PORT",
+                        help="prefill role: TCP port of the KV side channel (acknowledgements, "
+                             "and the data with --kv-transport zmq); 0 picks a free one")
+    disagg.add_argument("--kv-hold-timeout-seconds", type=float, default=120.0, metavar="S",
+                        help="prefill role: free KV that no decode instance fetched after this "
+                             "long")
+    disagg.add_argument("--kv-blocks-per-read", type=int, default=8, metavar="BLOCKS",
+                        help="decode role: KV blocks fetched per transfer-engine read")
 
     slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
     slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
@@ -300,7 +322,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
-                                kvp_tokens_per_group=args.kvp_tokens_per_group))
+                                kvp_tokens_per_group=args.kvp_tokens_per_group),
+        disagg=disagg_config_from_args(args))
+
+
+def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
+    return DisaggConfig(
+        role=args.role or os.environ.get("SLIPSTREAM_ROLE") or "mixed",
+        transport=args.kv_transport,
+        host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST,
+        side_channel_port=args.kv_side_channel_port,
+        hold_timeout_s=args.kv_hold_timeout_seconds,
+        blocks_per_read=args.kv_blocks_per_read)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,7 +353,8 @@ def run(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         engine = AsyncEngine(engine_config, engine=build_engine(
             engine_config, scheduler_config_from_args(args)))
-    except (ValueError, FileNotFoundError, EngineDeadError) as error:
+    except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
+        # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
     app = build_app(engine, server_config)
