@@ -87,7 +87,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        self.runner: Runner = runner or _make_runner(config, self.model_config)
+        # The runner sizes its KV cache to hold at least one request of the resolved length.
+        self.runner: Runner = runner or _make_runner(
+            dataclasses.replace(config, max_model_len=self.max_model_len), self.model_config)
         self.pipeline_depth = self.runner.pipeline_depth
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)

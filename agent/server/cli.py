@@ -32,6 +32,8 @@ from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, EngineConfig,
     ShortPrefillBuckets)
 from slipstream.agent.engine.disagg_config import ROLES, TRANSPORTS, DisaggConfig
+from slipstream.agent.engine.kv_memory import (
+    DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
@@ -79,13 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "model's config")
     model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                        help="context length (prompt + output); default: the model's maximum")
+    model.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=None,
+                       metavar="FRACTION|SIZE",
+                       help="paged KV cache size: a share of the memory free once the weights "
+                            "are loaded (0.5) or a size (4GiB, 512MiB). Default: "
+                            f"{DEFAULT_CPU_FRACTION:g} of available RAM on CPU, "
+                            f"{DEFAULT_CUDA_FRACTION:g} of free GPU memory on CUDA, at most what "
+                            "--max-num-seqs requests of --max-model-len tokens can use. It must "
+                            "hold one --max-model-len request, or the server refuses to start")
     model.add_argument("--num-kv-blocks", type=int, default=None, metavar="BLOCKS",
-                       help="paged KV cache size in 16-token blocks; default: sized from "
-                            "--kv-cache-memory-gib")
-    model.add_argument("--kv-cache-memory-gib", type=float, default=None, metavar="GIB",
-                       help="KV cache memory per rank; default: 1 on a GPU, and on CPU 1/32 of "
-                            "the host's available memory split among the ranks (at most 1), "
-                            "since host memory is shared with everything else on the machine")
+                       help="paged KV cache size in 16-token blocks (overrides "
+                            "--kv-cache-memory)")
     model.add_argument("--max-num-seqs", type=int, default=256,
                        help="most requests running at once")
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
@@ -216,6 +222,13 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _kv_cache_memory(text: str) -> KVCacheMemory:
+    try:
+        return KVCacheMemory.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
+
+
 def short_prefill_buckets_from_args(args: argparse.Namespace) -> ShortPrefillBuckets:
     return ShortPrefillBuckets(lengths_tokens=tuple(args.cuda_graph_lengths),
                                batch_sizes=tuple(args.cuda_graph_batch_sizes),
@@ -304,8 +317,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
