@@ -83,6 +83,9 @@ bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgs
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 
+bench-structured: setup  ## decode tokens/s with a JSON-schema grammar on every request vs none (batch 1, 8)
+	$(BIN)/python -m slipstream.agent.bench.structured_bench --out $(RESULTS)/structured
+
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
 
