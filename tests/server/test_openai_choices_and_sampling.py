@@ -109,3 +109,20 @@ def test_user_is_accepted_as_the_fairness_tenant(server):
     result = server.openai_client().chat.completions.create(
         model=server.model, messages=MESSAGES, max_tokens=3, user="alice")
     assert result.choices[0].message.content is not None
+
+
+def test_openapi_document_describes_the_request_fields(server):
+    import httpx
+
+    document = httpx.get(f"{server.base_url}/openapi.json", timeout=30).json()
+    schemas = document["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    for field in ("n", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                  "response_format", "tools", "tool_choice", "parallel_tool_calls",
+                  "repetition_penalty"):
+        assert field in chat, field
+    assert "echo" in schemas["CompletionRequest"]["properties"]
+    body = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletionRequest")
+    assert "ResponseFormat" in schemas and "ToolSpec" in schemas
