@@ -110,6 +110,9 @@ bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.m
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
+bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instance-hours, SLO (docs/autoscaling.md)
+	$(BIN)/python -m slipstream.agent.bench.autoscale_study --out $(RESULTS)/autoscale
+
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live
