@@ -397,7 +397,6 @@ class AutoscalingStatus(StatusModel):
     last_scale_reason: str | None = Field(None, description="The reason of the last decision.")
     last_scale_message: str | None = None
     last_scale_time: str | None = Field(None, description="When the count last changed.")
-    last_decision_time: str | None = None
 
 
 class ServingReplicaStatus(StatusModel):

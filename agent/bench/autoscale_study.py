@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from slipstream.crds.servingreplica import ServingReplicaSpec
 
 LONG_PROMPT_TOKENS = 8192
 PLOT_BIN_S = 60.0
-TAIL_S = 300.0  # after the last arrival, for requests to finish (not billed)
+TAIL_S = 120.0  # after the last arrival, for requests to finish (not billed)
 
 
 def autoscaled_spec(args: argparse.Namespace) -> ServingReplicaSpec:
@@ -68,13 +69,15 @@ def attainment(result: FleetResult, tpot_slo_ms: float) -> float:
 def size_static(trace: list[TraceRequest], qps: float, base: SimConfig, model, args
                 ) -> tuple[int, list[dict]]:
     """The smallest static count reaching ``--size-for`` at a steady ``qps``. It counts down
-    from ``--max-instances`` and stops at the first that falls short: deeply overloaded runs
-    (one instance at the peak) are the slow ones to simulate, and they are never needed."""
+    from a guess above the answer and stops at the first count that falls short: deeply
+    overloaded runs (one instance at the peak) are the slow ones to simulate. If the guess
+    itself falls short the study says so (``tried``), and the guess is used."""
     requests = warp_to_rate(trace, lambda t: np.full_like(t, qps), args.sizing_s)
     config = replace(base, horizon_s=args.sizing_s + TAIL_S)
     tried: list[dict] = []
-    best = args.max_instances
-    for count in range(args.max_instances, 0, -1):
+    start = min(args.max_instances, math.ceil(qps / args.sizing_qps_per_instance) + 1)
+    best = start
+    for count in range(start, 0, -1):
         result = simulate_fleet(requests, config, model, instances=count,
                                 tpot_slo_s=args.tpot_slo_ms / 1000.0)
         reached = attainment(result, args.tpot_slo_ms)
@@ -168,17 +171,20 @@ def table_row(item: dict, peak_hours: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--day-s", type=float, default=3600.0,
-                        help="length of the compressed day (default one hour)")
-    parser.add_argument("--trough-qps", type=float, default=12.0)
-    parser.add_argument("--peak-qps", type=float, default=48.0)
-    parser.add_argument("--step-s", type=float, default=1800.0)
-    parser.add_argument("--step-low-qps", type=float, default=12.0)
-    parser.add_argument("--step-high-qps", type=float, default=40.0)
+    parser.add_argument("--day-s", type=float, default=1800.0,
+                        help="length of the compressed day (default half an hour)")
+    parser.add_argument("--trough-qps", type=float, default=8.0)
+    parser.add_argument("--peak-qps", type=float, default=32.0)
+    parser.add_argument("--step-s", type=float, default=1200.0)
+    parser.add_argument("--step-low-qps", type=float, default=8.0)
+    parser.add_argument("--step-high-qps", type=float, default=28.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
     parser.add_argument("--size-for", type=float, default=0.99,
                         help="SLO attainment a static fleet is sized to reach")
-    parser.add_argument("--sizing-s", type=float, default=300.0)
+    parser.add_argument("--sizing-s", type=float, default=180.0)
+    parser.add_argument("--sizing-qps-per-instance", type=float, default=10.0,
+                        help="sizing counts down from ceil(rate / this) + 1 (a safe guess "
+                        "above the answer; overloaded fleets are slow to simulate)")
     parser.add_argument("--min-instances", type=int, default=1)
     parser.add_argument("--max-instances", type=int, default=8)
     parser.add_argument("--startup-s", type=float, default=60.0,

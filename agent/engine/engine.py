@@ -163,6 +163,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
             slo=slo or RequestSLO(), sampling=params.options()))
+        self.load.record_arrival(now, len(prompt_token_ids))
         self._outputs[request_id] = _OutputState(
             params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop), arrival_s=now)
@@ -192,7 +193,10 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             kvp_active_degree=self._kvp_active_degree(),
             backlog_prompt_tokens=backlog, utilization=load.utilization,
-            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation)
+            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation,
+            first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
+            tpot_met=load.tpot_met,
+            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s)
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""
@@ -376,6 +380,10 @@ class LLMEngine:
         new_tokens = request.output_token_ids[state.emitted_tokens:]
         state.emitted_tokens = request.num_output_tokens
         if reason is not None:
+            outputs = request.num_output_tokens
+            if request.slo.tpot_s is not None and outputs > 1 and state.first_token_s is not None:
+                self.load.record_finish(now, (now - state.first_token_s) / (outputs - 1),
+                                        request.slo.tpot_s)
             self.scheduler.finish(request_id, reason, now)
             del self._outputs[request_id]
             return self._final_output(request, state, new_tokens, text)
