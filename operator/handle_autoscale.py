@@ -3,8 +3,9 @@ scale-down as a drain.
 
     kopf daemon per ServingReplica --run()--> every spec.autoscaling.periodSeconds:
       pods --observe_pods--> draining instances: nothing in flight (after DRAIN_SETTLE_S) or
-        past drainTimeoutSeconds? delete their pods (the agent's SIGTERM drain finishes any
-        stragglers) and Service; Event InstanceDrained / DrainTimedOut
+        past spec.drainTimeoutSeconds? delete their pods and Service (the agent's own SIGTERM
+        drain, agent/server/drain.py, gives stragglers spec.drainTimeoutSeconds more);
+        Event InstanceDrained / DrainTimedOut
       other instances: ready ones --agent_client.read_load--> InstanceLoad, the rest Starting
       --decisions.autoscale.decide_scale--> ScaleDecision
         up: status.autoscaling.desiredInstances; reconcile places the new gangs at once
@@ -119,8 +120,8 @@ def finish_drains(kube: Kube, body: dict, spec: ServingReplicaSpec,
                   observed: dict[str, ObservedInstance], now_s: float, read_load: LoadReader,
                   event: EventSink) -> None:
     """Steps 3 and 4: an instance marked draining is deleted once nothing is in flight, or
-    when spec.autoscaling.drainTimeoutSeconds has passed, or at once if its pods failed."""
-    timeout_s = spec.autoscaling.drain_timeout_seconds if spec.autoscaling else 0
+    when spec.drainTimeoutSeconds has passed, or at once if its pods failed."""
+    timeout_s = spec.drain_timeout_seconds
     namespace = body["metadata"]["namespace"]
     for instance in observed.values():
         since = instance.draining_since_s
@@ -135,10 +136,10 @@ def finish_drains(kube: Kube, body: dict, spec: ServingReplicaSpec,
             outcome, message = "finished", f"nothing in flight after {elapsed_s:.0f} s"
         elif elapsed_s >= timeout_s:
             held = "an unknown number of" if in_flight is None else str(in_flight)
-            outcome, message = "timed_out", (f"drainTimeoutSeconds ({timeout_s}) passed with "
-                                             f"{held} request(s) in flight; deleting the pods "
-                                             "(the agent finishes them on SIGTERM within its "
-                                             "grace period)")
+            outcome, message = "timed_out", (
+                f"spec.drainTimeoutSeconds ({timeout_s}) passed with {held} request(s) in "
+                "flight; deleting the pods (the agent's SIGTERM drain gives them as long "
+                "again)")
         else:
             continue
         for pod in instance.pods:

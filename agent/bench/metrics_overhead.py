@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.model_runner import resolve_device
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.stats import StepStats
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir, write_tiny_model
@@ -70,7 +72,7 @@ def _observer_cost_s(captured: list[StepStats], repeats: int) -> float:
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     engine = LLMEngine(EngineConfig(model_dir=_model_dir(args.preset), device=args.device,
-                                    kv_cache_memory_gib=1.0),
+                                    kv_cache_memory=KVCacheMemory(size_bytes=2**30)),
                        SchedulerConfig(max_num_seqs=args.batch_size, max_batched_tokens=4096))
     total_steps = 2 * args.pairs + 30
     _start_batch(engine, args.batch_size, args.prompt_len, max_tokens=total_steps + 8)
@@ -92,7 +94,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     observer_s = _observer_cost_s(captured, repeats=2000)
     off_median, on_median = statistics.median(off), statistics.median(on)
     return {
-        "preset": args.preset, "device": str(engine.runner.device),
+        "preset": args.preset, "device": str(resolve_device(engine.config.device)),
         "batch_size": args.batch_size, "steps_per_arm": len(off),
         "step_ms_median_metrics_off": 1000 * off_median,
         "step_ms_median_metrics_on": 1000 * on_median,

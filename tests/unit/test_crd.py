@@ -197,8 +197,6 @@ INVALID = [
      "spec.autoscaling.scaleDownStabilizationSeconds"),
     ("autoscaling", {"maxInstances": 8, "scaleUpStabilizationSeconds": -1},
      "spec.autoscaling.scaleUpStabilizationSeconds"),
-    ("autoscaling", {"maxInstances": 8, "drainTimeoutSeconds": 0},
-     "spec.autoscaling.drainTimeoutSeconds"),
     ("autoscaling", {"maxInstances": 8, "targets": {"ttftAttainment": 1.5}},
      "spec.autoscaling.targets.ttftAttainment"),
     ("autoscaling", {"maxInstances": 8, "targets": {"tpotAttainment": 0.0}},
