@@ -119,6 +119,9 @@ bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.m
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
+bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instance-hours, SLO (docs/autoscaling.md)
+	$(BIN)/python -m slipstream.agent.bench.autoscale_study --out $(RESULTS)/autoscale
+
 bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
 	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
 
