@@ -119,3 +119,62 @@ def test_bad_tool_requests_are_400s(server):
                     response_format={"type": "json_object"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "response_format"
+
+
+# A Qwen-2.5-style template (written for this test) on the tiny model's weights: the tools
+# reach the prompt, the server picks the hermes syntax from the template, and a forced call
+# comes back parsed.
+HERMES_TEMPLATE = """{{- bos_token }}
+{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+For each call, return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tiny_model_dir, tmp_path_factory, serve_model):
+    import shutil
+
+    model_dir = tmp_path_factory.mktemp("hermes") / "tiny-hermes"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    return serve_model(model_dir)
+
+
+def test_hermes_template_gets_the_tools_and_calls_parse(hermes_server):
+    client = hermes_server.openai_client(timeout=300)
+    without = client.chat.completions.create(model=hermes_server.model, messages=QUESTION,
+                                             max_tokens=1)
+    with_tools = client.chat.completions.create(model=hermes_server.model, messages=QUESTION,
+                                                tools=TOOLS, tool_choice="none", max_tokens=1)
+    # The tool list (names, descriptions, schemas) was rendered into the prompt.
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 50
+    result = client.chat.completions.create(model=hermes_server.model, messages=QUESTION,
+                                            tools=TOOLS, tool_choice="required",
+                                            max_tokens=300, seed=9)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time")
+        json.loads(call.function.arguments)
