@@ -35,14 +35,15 @@ from dataclasses import dataclass, field
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.errors import REQUEST_FAILED, EngineDeadError
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
+from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.runner import Runner
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.stats import EngineStats, StepStats
-from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.batch import Batch
-from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.block_manager import BlockManager
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -58,28 +59,27 @@ class _OutputState:
     """Per-request output bookkeeping that the scheduler does not need."""
 
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    stop_checker: StopChecker
+    text: TextStream
     arrival_s: float
     first_token_s: float | None = None
     emitted_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
-        """Text that can be shown after this token, and whether a stop string matched."""
-        return self.stop_checker.feed(self.detokenizer.add_token(token_id))
+        return self.text.add_token(token_id)
 
     def flush(self) -> str:
-        """The text still held back when the request ends for a reason other than a stop string."""
-        text, stopped = self.stop_checker.feed(self.detokenizer.flush())
-        return text if stopped else text + self.stop_checker.flush()
+        return self.text.flush()
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, output_text: bool = True) -> None:
         self.config = config
+        # False in an engine-core process: the API process turns tokens into text and checks
+        # stop strings (agent/server/engine_core.py); outputs then carry no text.
+        self.output_text = output_text
         self.clock = clock
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
@@ -136,27 +136,14 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len,
+                             self.block_manager.kv_blocks_total)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
-        prompt_len = len(prompt_token_ids)
-        if prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
-                f"{params.max_tokens} for the completion); shorten the prompt or max_tokens")
-        needed = blocks_for_tokens(prompt_len + params.max_tokens)
-        if needed > self.block_manager.kv_blocks_total:
-            raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
-                             f"{self.block_manager.kv_blocks_total}")
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, app_id: str = "default",
@@ -169,8 +156,8 @@ class LLMEngine:
             max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
             slo=slo or RequestSLO(), sampling=params.options()))
         self._outputs[request_id] = _OutputState(
-            params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            stop_checker=StopChecker(params.stop), arrival_s=now)
+            params=params, text=TextStream(self.tokenizer, prompt_token_ids, params.stop),
+            arrival_s=now)
         return request_id
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
@@ -367,7 +354,14 @@ class LLMEngine:
         reason: FinishReason | None = None
         is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or (
             token in params.stop_token_ids)
-        if is_stop_token:
+        if not self.output_text:
+            text = ""
+            if is_stop_token:
+                reason = FinishReason.STOP
+            elif request.num_output_tokens >= params.max_tokens or \
+                    request.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        elif is_stop_token:
             text, reason = state.flush(), FinishReason.STOP
         else:
             text, hit_stop_string = state.add_token(token)

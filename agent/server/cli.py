@@ -84,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine (scheduler, KV blocks, model or workers) in a "
+                            "process of its own, so HTTP, tokenization and detokenization "
+                            "never stretch its steps; --no-engine-process runs it on a thread "
+                            "of the server process")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -284,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.agent.engine.errors import EngineDeadError
     from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
+    from slipstream.agent.server.engine_core import EngineCoreClient
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -291,8 +297,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, engine=build_engine(
-            engine_config, scheduler_config_from_args(args)))
+        engine: AsyncEngine | EngineCoreClient
+        if args.engine_process:
+            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args))
+        else:
+            engine = AsyncEngine(engine_config, engine=build_engine(
+                engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
@@ -308,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
                                               "--control-port, or 0 to turn it off)", error)
-            engine.engine.close()
+            engine.close()
             return 2
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port,
@@ -322,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
-        engine.engine.close()  # workers go even if uvicorn never started the app
+        engine.close()  # the core and workers go even if uvicorn never started the app
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD
