@@ -14,6 +14,10 @@ server then refuses new requests with 503), fails every request, stops, and call
 ``on_fatal`` so the server can exit non-zero and be restarted. Error outputs carry a code
 from ``errors.py`` and a message meant for clients; exception text stays in the log.
 
+Shutting down (SIGTERM) is a drain: ``drain()`` stops new requests, the ones in flight run on,
+and ``cut_in_flight()`` ends whatever is left when the drain period runs out, each with a
+``drained`` error output, so every stream still ends properly.
+
 When a step runs nothing while requests wait (AWD holds short prefills until their group is
 due), the thread sleeps on the command queue until the engine's wakeup time: a new request
 still wakes it at once, and nothing spins.
@@ -41,6 +45,8 @@ from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
+DRAINED_MESSAGE = ("the instance shut down before this request finished (its drain period "
+                   "ran out); retry the request")
 # With no request left, wake this often to notice a dead worker (nothing else would).
 IDLE_CHECK_S = 0.5
 
@@ -57,11 +63,19 @@ class _Add:
     app_id: str
     priority: int
     slo: RequestSLO | None
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+class _CutInFlight:
+    """Command: fail every request in flight (the drain period is over)."""
+
+
+_CUT = _CutInFlight()
 
 
 class AsyncEngine:
@@ -73,11 +87,12 @@ class AsyncEngine:
         self.fatal_error: str | None = None  # set once the engine died
         self.config = config
         self.tokenizer = self.engine.tokenizer
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.healthy = False
+        self.draining = False  # set by drain(): takes no new requests, finishes the rest
         self._stats = self.engine.stats()
 
     @property
@@ -100,9 +115,19 @@ class AsyncEngine:
         """Stop worker processes, if any."""
         self.engine.close()
 
-    async def start(self) -> None:
+    async def start(self, *, warm_up: bool = False) -> None:
+        """Start the engine thread. With ``warm_up`` first run one real request through every
+        rank (``LLMEngine.warm_up``): ``healthy`` then means the engine has served, not only
+        that it loaded. Raises if the warm-up fails."""
         if self._thread is not None:
             return
+        if warm_up:
+            try:
+                await asyncio.to_thread(self.engine.warm_up)
+            except EngineDeadError as error:
+                self.fatal_error = str(error)
+                raise
+            self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
         # Everything loaded so far (model, tokenizer, tables) lives for the whole process;
         # moving it out of the collector's generations keeps GC pauses out of schedule().
@@ -110,6 +135,21 @@ class AsyncEngine:
         gc.freeze()
         self.healthy = True
         self._thread.start()
+
+    def drain(self) -> None:
+        """Take no new requests (``healthy`` turns false, so /health and new requests say 503)
+        and let the ones in flight finish. Safe to call from any thread."""
+        self.draining = True
+        self.healthy = False
+
+    def cut_in_flight(self) -> None:
+        """End every request still in flight with a ``drained`` error (the drain period ran
+        out); their streams get an error event and ``[DONE]``. Safe to call from any thread."""
+        self._commands.put(_CUT)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
 
     async def shutdown(self) -> None:
         self._stopping.set()
@@ -121,11 +161,14 @@ class AsyncEngine:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
-                 slo: RequestSLO | None = None) -> AsyncIterator[RequestOutput]:
+                 slo: RequestSLO | None = None,
+                 kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         if self.fatal_error is not None:
             raise EngineDeadError("the engine of this instance failed; retry on another "
                                   "instance")
+        if self.draining:
+            raise EngineUnavailable("this instance is shutting down; retry on another instance")
         if not self.healthy:
             raise EngineUnavailable("the engine is not running")
         if request_id in self._streams:
@@ -133,7 +176,8 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)  # reads immutable config only
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
+                                kv_transfer))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
             self._deliver(_error_output(request_id, "the engine of this instance failed; "
                                                     "retry the request", ENGINE_DEAD))
@@ -171,6 +215,8 @@ class AsyncEngine:
                 except EngineDeadError as error:
                     self._die(str(error))
                     return
+                for output in engine.poll_transfers():  # acknowledged KV hand-offs
+                    self._deliver(output)
                 self._stats = engine.stats()  # idle: let the load window decay
                 continue
             try:
@@ -185,8 +231,7 @@ class AsyncEngine:
             self._stats = engine.stats()
             for output in outputs:
                 self._deliver(output)
-        for output in self._fail_all("the server shut down before this request finished",
-                                     DRAINED):
+        for output in self._fail_all(DRAINED_MESSAGE, DRAINED):
             self._deliver(output)
 
     def _die(self, reason: str) -> None:
@@ -217,10 +262,14 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(command.prompt_token_ids, command.params,
                                             command.request_id, app_id=command.app_id,
-                                            priority=command.priority, slo=command.slo)
+                                            priority=command.priority, slo=command.slo,
+                                            kv_transfer=command.kv_transfer)
                 except ValueError as error:
                     self._deliver(_error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))
+            elif isinstance(command, _CutInFlight):
+                for failed in self._fail_all(DRAINED_MESSAGE, DRAINED):
+                    self._deliver(failed)
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:

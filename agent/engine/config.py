@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.engine.disagg_config import DisaggConfig
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -154,8 +156,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    num_kv_blocks: int | None = None  # defaults to kv_cache_memory_gib worth of blocks
-    kv_cache_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None  # fixed; default: sized by kv_cache_memory
+    # A share of the free memory or a size (see kv_memory.py); default: the device's share.
+    kv_cache_memory: KVCacheMemory = field(default_factory=KVCacheMemory)
     max_num_seqs: int = 256
     max_batched_tokens: int = 512
     seed: int = 0
@@ -168,6 +171,8 @@ class EngineConfig:
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     cuda_graphs: bool = False
     short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
+    # Prefill/decode disaggregation: the role and the KV transfer (engine/disagg.py).
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -182,7 +187,11 @@ class EngineConfig:
         if self.cuda_graphs and not self.parallel.is_single_process:
             raise ValueError("cuda_graphs (the bucketed short-prefill path) runs in a single "
                              "process only; it is not wired into tp/spp/kvp workers yet")
+        if self.disagg.enabled and not self.parallel.is_single_process:
+            raise ValueError(f"--role {self.disagg.role} runs in a single process only; KV "
+                             "transfer is not wired into tp/spp/kvp workers yet")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_dir.name
+

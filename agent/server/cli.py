@@ -31,12 +31,16 @@ from typing import Any
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, EngineConfig,
     ShortPrefillBuckets)
+from slipstream.agent.engine.disagg_config import ROLES, TRANSPORTS, DisaggConfig
+from slipstream.agent.engine.kv_memory import (
+    DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
 from slipstream.agent.server.config import (
-    DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
+    ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -77,18 +81,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "model's config")
     model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                        help="context length (prompt + output); default: the model's maximum")
+    model.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=None,
+                       metavar="FRACTION|SIZE",
+                       help="paged KV cache size: a share of the memory free once the weights "
+                            "are loaded (0.5) or a size (4GiB, 512MiB). Default: "
+                            f"{DEFAULT_CPU_FRACTION:g} of available RAM on CPU, "
+                            f"{DEFAULT_CUDA_FRACTION:g} of free GPU memory on CUDA, at most what "
+                            "--max-num-seqs requests of --max-model-len tokens can use. It must "
+                            "hold one --max-model-len request, or the server refuses to start")
     model.add_argument("--num-kv-blocks", type=int, default=None, metavar="BLOCKS",
-                       help="paged KV cache size in 16-token blocks; default: sized from memory")
+                       help="paged KV cache size in 16-token blocks (overrides "
+                            "--kv-cache-memory)")
     model.add_argument("--max-num-seqs", type=int, default=256,
                        help="most requests running at once")
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
-    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                        help="run the engine (scheduler, KV blocks, model or workers) in a "
                             "process of its own, so HTTP, tokenization and detokenization "
-                            "never stretch its steps; --no-engine-process runs it on a thread "
-                            "of the server process")
+                            "never stretch its steps (default: on a thread of the server "
+                            "process)")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -138,10 +151,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="TOKENS",
                       help="cap on max_tokens for requests that leave it out (they otherwise "
                            "get the rest of the context)")
+    http.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                      help="on SIGTERM: stop taking requests (503, not ready), give those in "
+                           "flight this long to finish, end the rest with an error event and "
+                           "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
+                           "be longer (the operator sets it)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
+
+    disagg = parser.add_argument_group(
+        "prefill/decode disaggregation",
+        "A prefill instance computes prompts and their first token and keeps their KV for a "
+        "decode instance, which fetches it and continues (docs/disaggregation.md). The router "
+        "(slipstream router --prefill/--decode) chains the two.")
+    disagg.add_argument("--role", choices=ROLES, default=None,
+                        help="this instance's part; default: $SLIPSTREAM_ROLE if set, else "
+                             "mixed (prefill and decode here, no KV transfer)")
+    disagg.add_argument("--kv-transport", choices=TRANSPORTS, default="mooncake",
+                        help="how KV moves between instances: mooncake (Mooncake Transfer "
+                             "Engine over TCP, or RDMA on GPU hosts) or zmq (bytes over the "
+                             "ZeroMQ side channel; needs nothing else installed)")
+    disagg.add_argument("--kv-side-channel-port", type=int, default=0, metavar="PORT",
+                        help="prefill role: TCP port of the KV side channel (acknowledgements, "
+                             "and the data with --kv-transport zmq); 0 picks a free one")
+    disagg.add_argument("--kv-hold-timeout-seconds", type=float, default=120.0, metavar="S",
+                        help="prefill role: free KV that no decode instance fetched after this "
+                             "long")
+    disagg.add_argument("--kv-blocks-per-read", type=int, default=8, metavar="BLOCKS",
+                        help="decode role: KV blocks fetched per transfer-engine read")
 
     slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
     slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
@@ -188,6 +227,13 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _kv_cache_memory(text: str) -> KVCacheMemory:
+    try:
+        return KVCacheMemory.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
+
+
 def short_prefill_buckets_from_args(args: argparse.Namespace) -> ShortPrefillBuckets:
     return ShortPrefillBuckets(lengths_tokens=tuple(args.cuda_graph_lengths),
                                batch_sizes=tuple(args.cuda_graph_batch_sizes),
@@ -218,6 +264,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "slo.tpotMilliseconds": "slo_tpot_ms",
     "slo.attainmentTarget": "slo_attainment_target",
     "pools.longPrefillThresholdTokens": "long_prompt_threshold_tokens",
+    "server.drainTimeoutSeconds": "drain_timeout_s",
 }
 
 
@@ -257,6 +304,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
         control_port=args.control_port,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 
@@ -274,21 +322,33 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
-                                kvp_tokens_per_group=args.kvp_tokens_per_group))
+                                kvp_tokens_per_group=args.kvp_tokens_per_group),
+        disagg=disagg_config_from_args(args))
+
+
+def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
+    return DisaggConfig(
+        role=args.role or os.environ.get("SLIPSTREAM_ROLE") or "mixed",
+        transport=args.kv_transport,
+        host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST,
+        side_channel_port=args.kv_side_channel_port,
+        hold_timeout_s=args.kv_hold_timeout_seconds,
+        blocks_per_read=args.kv_blocks_per_read)
 
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch via the engine) only once we are really serving.
-    import uvicorn
-
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.errors import EngineDeadError
     from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
+    from slipstream.agent.server.drain import DrainingServer
+    from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
     from slipstream.agent.server.engine_core import EngineCoreClient
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -303,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             engine = AsyncEngine(engine_config, engine=build_engine(
                 engine_config, scheduler_config_from_args(args)))
-    except (ValueError, FileNotFoundError, EngineDeadError) as error:
+    except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
+        # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
     app = build_app(engine, server_config)
@@ -320,15 +381,17 @@ def run(args: argparse.Namespace) -> int:
                                               "--control-port, or 0 to turn it off)", error)
             engine.close()
             return 2
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
-        log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-        timeout_keep_alive=AGENT_KEEPALIVE_S, timeout_graceful_shutdown=5))
-    # A dead worker ends the process (non-zero), after the in-flight requests got their 503s.
+        log_level=server_config.log_level, keepalive_s=AGENT_KEEPALIVE_S,
+        drain_timeout_s=server_config.drain_timeout_s), engine, server_config.drain_timeout_s)
+    # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)
     try:
         server.run()
+    except SystemExit:  # uvicorn's way to report a failed start-up; it logged why
+        pass
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
@@ -336,6 +399,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD
+    if not server.started:  # start-up failed (the port, the warm-up); uvicorn said why
+        return 2
     return 0
 
 

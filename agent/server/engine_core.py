@@ -31,11 +31,12 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import msgspec
 import zmq
 
+from slipstream.agent.engine.async_engine import DRAINED_MESSAGE
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
@@ -67,6 +68,15 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     app_id: str
     priority: int
     slo: RequestSLO | None
+    kv_transfer: dict | None = None
+
+
+class WarmUp(msgspec.Struct, tag="warm_up", array_like=True):
+    pass
+
+
+class CutInFlight(msgspec.Struct, tag="cut", array_like=True):
+    """The drain period is over: fail every request in flight (``drained``)."""
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -93,9 +103,14 @@ class Dead(msgspec.Struct, tag="dead", array_like=True):
     reason: str
 
 
+class WarmedUp(msgspec.Struct, tag="warmed_up", array_like=True):
+    error: str | None
+
+
 _encoder = msgspec.msgpack.Encoder()
-_command_decoder = msgspec.msgpack.Decoder(Add | Abort | Shutdown)
-_core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead)
+Command = Add | Abort | Shutdown | WarmUp | CutInFlight
+_command_decoder = msgspec.msgpack.Decoder(Command)
+_core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp)
 
 
 # -- the engine-core process ------------------------------------------------------------------
@@ -168,8 +183,7 @@ class _CoreLoop:
             if timeout_s > 0:
                 self.poller.poll(int(timeout_s * 1000))
             if not self._drain(outputs):
-                outputs += self._fail_all("the server shut down before this request finished",
-                                          DRAINED)
+                outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
                 self._send(outputs)
                 return 0
             try:
@@ -177,6 +191,7 @@ class _CoreLoop:
                     outputs += engine.step()
                 else:
                     engine.check_alive()  # idle: nothing else would notice a dead worker
+                    outputs += engine.poll_transfers()  # acknowledged KV hand-offs
             except EngineDeadError as error:
                 log.error("the engine is dead: %s", error)
                 self.outputs.send(_encoder.encode(Dead(str(error))))
@@ -204,7 +219,8 @@ class _CoreLoop:
                 try:
                     engine.add_request(command.prompt_token_ids, command.params,
                                        command.request_id, app_id=command.app_id,
-                                       priority=command.priority, slo=command.slo)
+                                       priority=command.priority, slo=command.slo,
+                                       kv_transfer=command.kv_transfer)
                 except ValueError as error:
                     outputs.append(_error_output(command.request_id, str(error),
                                                  INVALID_REQUEST))
@@ -212,8 +228,23 @@ class _CoreLoop:
                 for request_id in command.request_ids:
                     if (output := engine.abort(request_id)) is not None:
                         outputs.append(output)
+            elif isinstance(command, CutInFlight):
+                outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
+            elif isinstance(command, WarmUp):
+                self._warm_up()
             else:
                 return False
+
+    def _warm_up(self) -> None:
+        try:
+            self.engine.warm_up()
+            error = None
+        except EngineDeadError:
+            raise
+        except Exception as failure:  # noqa: BLE001 - the API process reports it
+            error = str(failure) or type(failure).__name__
+        self.steps.clear()
+        self.outputs.send(_encoder.encode(WarmedUp(error)))
 
     def _fail_all(self, message: str, code: str) -> list[RequestOutput]:
         engine = self.engine
@@ -252,6 +283,7 @@ class EngineCoreClient:
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None
         self.healthy = False
+        self.draining = False  # set by drain(): takes no new requests, finishes the rest
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self._observer: Callable[[StepSummary], None] | None = None
         self._streams: dict[str, _Stream] = {}
@@ -281,18 +313,27 @@ class EngineCoreClient:
         self._stats = ready.stats
 
     def _wait_ready(self, timeout_s: float) -> Ready:
+        message = self._wait_for((Ready, Dead), timeout_s)
+        if isinstance(message, Dead):
+            raise EngineDeadError(message.reason)
+        assert isinstance(message, Ready)
+        return message
+
+    def _wait_for(self, kinds: tuple[type, ...], timeout_s: float) -> msgspec.Struct:
+        """The next message of one of ``kinds`` (before the output thread runs); others are
+        dropped (idle stats)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._outputs.poll(200):
                 message = _core_decoder.decode(self._outputs.recv())
-                if isinstance(message, Ready):
-                    return message
                 if isinstance(message, Dead):
                     raise EngineDeadError(message.reason)
+                if isinstance(message, kinds):
+                    return cast(msgspec.Struct, message)
             elif not self._process.is_alive():
                 raise EngineDeadError(f"the engine core exited with code "
                                       f"{self._process.exitcode} while starting")
-        raise EngineDeadError("the engine core did not start within the timeout")
+        raise EngineDeadError("the engine core did not answer within the timeout")
 
     def set_step_observer(self, observer: StepObserver) -> None:
         self._observer = observer.observe_summary
@@ -301,13 +342,38 @@ class EngineCoreClient:
         """The snapshot the core sent with its last step (or, idle, every half second)."""
         return self._stats
 
-    async def start(self) -> None:
+    async def start(self, *, warm_up: bool = False) -> None:
+        """Start taking requests; with ``warm_up`` the core first serves one real request
+        (``LLMEngine.warm_up``), so ``healthy`` means it has served. Raises if that fails."""
         if self._thread is not None:
             return
+        if warm_up:
+            self._send(WarmUp())
+            try:
+                warmed = await asyncio.to_thread(self._wait_for, (WarmedUp,), START_TIMEOUT_S)
+            except EngineDeadError as error:
+                self.fatal_error = str(error)
+                raise
+            assert isinstance(warmed, WarmedUp)
+            if warmed.error is not None:
+                raise RuntimeError(f"the engine failed its warm-up: {warmed.error}")
         self.healthy = True
         self._thread = threading.Thread(target=self._receive, name="slipstream-core-outputs",
                                         daemon=True)
         self._thread.start()
+
+    def drain(self) -> None:
+        """Take no new requests (503) and let the ones in flight finish; any thread."""
+        self.draining = True
+        self.healthy = False
+
+    def cut_in_flight(self) -> None:
+        """End every request still in flight with a ``drained`` error; any thread."""
+        self._send(CutInFlight())
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
 
     async def shutdown(self) -> None:
         """Let the core fail what is left (drained), then stop it."""
@@ -336,11 +402,14 @@ class EngineCoreClient:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
-                 slo: RequestSLO | None = None) -> AsyncIterator[RequestOutput]:
+                 slo: RequestSLO | None = None,
+                 kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         if self.fatal_error is not None:
             raise EngineDeadError("the engine of this instance failed; retry on another "
                                   "instance")
+        if self.draining:
+            raise EngineUnavailable("this instance is shutting down; retry on another instance")
         if not self.healthy:
             raise EngineUnavailable("the engine is not running")
         if request_id in self._streams:
@@ -350,7 +419,8 @@ class EngineCoreClient:
         self._streams[request_id] = _Stream(asyncio.get_running_loop(), queue,
                                             TextStream(self.tokenizer, prompt_token_ids,
                                                        params.stop))
-        self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo))
+        self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
+                       kv_transfer))
         if self.fatal_error is not None:  # died after the check above: answer now
             queue.put_nowait(_error_output(request_id, "the engine of this instance failed; "
                                                        "retry the request", ENGINE_DEAD))
@@ -372,7 +442,7 @@ class EngineCoreClient:
     async def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))
 
-    def _send(self, command: Add | Abort | Shutdown) -> None:
+    def _send(self, command: Command) -> None:
         raw = _encoder.encode(command)
         with self._send_lock:  # the event loop and the output thread both send
             if not self._context.closed:

@@ -1,4 +1,4 @@
-"""The engine in its own process (``--engine-process``, the default): the same answers as the
+"""The engine in its own process (``--engine-process``): the same answers as the
 engine on a thread of the server process (text, stop strings, token counts), and when the
 engine-core process dies the server fails what was in flight, refuses new work with 503 and
 exits non-zero, never hanging."""
@@ -49,17 +49,17 @@ def _answers(base_url: str, model: str) -> list[tuple[str, str, int]]:
 
 
 def test_engine_process_answers_like_the_engine_thread(server, start_server):
-    assert _core_process(server.process.pid) is not None  # the default: a core process
-    split_answers = _answers(server.base_url, server.model)
-    thread = start_server("--no-engine-process")
-    assert not _spawned(thread.process.pid)
-    thread_answers = _answers(thread.base_url, thread.model)
+    assert not _spawned(server.process.pid)  # the default: the engine on a thread
+    thread_answers = _answers(server.base_url, server.model)
+    split = start_server("--engine-process")
+    assert _core_process(split.process.pid) is not None
+    split_answers = _answers(split.base_url, split.model)
     assert split_answers == thread_answers
     assert any(reason == "stop" for _, reason, _ in split_answers), split_answers
 
 
 def test_killed_engine_core_fails_requests_and_exits_nonzero(start_server):
-    server = start_server()
+    server = start_server("--engine-process")
     core = _core_process(server.process.pid)
     body = {"model": server.model, "prompt": "a long answer please", "max_tokens": 1500,
             "temperature": 0, "ignore_eos": True}
