@@ -111,8 +111,8 @@ bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azu
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
 	  --loads 3.4 6 --spp 2 --duration-s 1800 --horizon-s 2400 --long-prompt-tokens 32768 \
 	  --out $(RESULTS)/sim
-	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
-	  --out $(RESULTS)/sim/azure-1h
+	$(BIN)/python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 \
+	  --out $(RESULTS)/sim
 
 bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
