@@ -29,11 +29,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError
+from slipstream.agent.engine.grammar import GrammarCompiler, MaskJob, MaskWorkers
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.load_window import LoadWindow
@@ -42,7 +44,7 @@ from slipstream.agent.engine.runner import Runner
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
-from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BlockManager
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO, RequestStatus
@@ -67,6 +69,7 @@ class _OutputState:
     first_token_s: float | None = None
     emitted_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: Any = None  # llguidance.LLMatcher of a request with a grammar
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         return self.text.add_token(token_id)
@@ -110,6 +113,9 @@ class LLMEngine:
                                    predictor=_load_predictor(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids)
+        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                       self.eos_token_ids)
+        self._mask_workers: MaskWorkers | None = None  # started with the first grammar
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.load = LoadWindow(start_s=self.clock())
@@ -162,6 +168,9 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
         self.limits.validate(prompt_token_ids, params)
+        if params.grammar is not None and not self.config.parallel.is_single_process:
+            raise ValueError("structured outputs and forced tool calls need a single-process "
+                             "engine (tp, spp and kvp all 1) for now")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, app_id: str = "default",
@@ -171,6 +180,7 @@ class LLMEngine:
         ``{"do_remote_decode": true}`` on a prefill instance, or the handle a prefill instance
         returned (with ``"do_remote_prefill": true``) on a decode instance."""
         self.validate(prompt_token_ids, params)
+        matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         now = self.clock()
         request = Request(
@@ -188,7 +198,7 @@ class LLMEngine:
             self.scheduler.add(request)
         self._outputs[request_id] = _OutputState(
             params=params, text=TextStream(self.tokenizer, prompt_token_ids, params.stop),
-            arrival_s=now)
+            arrival_s=now, matcher=matcher)
         return request_id
 
     def _add_remote_prefilled(self, request: Request, kv_transfer: dict) -> None:
@@ -308,6 +318,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop worker processes, if any (the in-process runner has nothing to stop)."""
+        if self._mask_workers is not None:
+            self._mask_workers.close()
         if getattr(self, "disagg", None) is not None:
             self.disagg.close()
             self.disagg = None
@@ -348,7 +360,7 @@ class LLMEngine:
         """Run the batch; if it raises, find the requests that make it fail (isolation.py).
         Returns the sampled tokens and ``{request_id: why}`` for requests to fail alone."""
         try:
-            sampled = self.runner.execute(batch)
+            sampled = self._run(batch)
             failures: dict[str, str] = {}
         except EngineDeadError:
             raise
@@ -356,8 +368,34 @@ class LLMEngine:
             log.warning("an engine step of %d requests failed (%s: %s); looking for the "
                         "request that causes it", len(batch.chunks), type(error).__name__, error)
             sampled, failures = isolate_failures(
-                lambda chunks: self.runner.execute(Batch(chunks=chunks)), batch.chunks, error)
+                lambda chunks: self._run(Batch(chunks=chunks)), batch.chunks, error)
         return sampled, failures
+
+    def _run(self, batch: Batch) -> dict[str, SampledToken]:
+        """Execute one batch; the masks of its guided rows are computed while it runs."""
+        masks = self._mask_job(batch.chunks)
+        if masks is None:
+            return self.runner.execute(batch)
+        return self.runner.execute(batch, masks)
+
+    def _mask_job(self, chunks: Sequence[ScheduledChunk]) -> MaskJob | None:
+        """Start the grammar masks of the chunks that sample under a grammar; their rows
+        are their places among the sampling chunks, as the runner orders them."""
+        rows = []
+        row = 0
+        for chunk in chunks:
+            if not chunk.sample:
+                continue
+            if chunk.sampling.guided:
+                state = self._outputs.get(chunk.request_id)
+                if state is not None and state.matcher is not None:
+                    rows.append((row, state.matcher))
+            row += 1
+        if not rows:
+            return None
+        if self._mask_workers is None:
+            self._mask_workers = MaskWorkers(self.grammar.lltokenizer.vocab_size)
+        return self._mask_workers.start(rows)
 
     def _apply(self, batch: Batch, sampled: dict[str, SampledToken], failures: dict[str, str],
                now: float) -> list[RequestOutput]:
@@ -463,10 +501,16 @@ class LLMEngine:
         reason: FinishReason | None = None
         is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or (
             token in params.stop_token_ids)
+        if not is_stop_token and state.matcher is not None and \
+                not state.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar rejected sampled token {token}: "
+                               f"{state.matcher.get_error()}")
         if not self.output_text:
             text = ""
             if is_stop_token:
                 reason = FinishReason.STOP
+            elif state.matcher is not None and state.matcher.is_stopped():
+                reason = FinishReason.STOP  # the grammar is done
             elif request.num_output_tokens >= params.max_tokens or \
                     request.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
@@ -476,6 +520,8 @@ class LLMEngine:
             text, hit_stop_string = state.add_token(token)
             if hit_stop_string:
                 reason = FinishReason.STOP
+            elif state.matcher is not None and state.matcher.is_stopped():
+                text, reason = text + state.flush(), FinishReason.STOP  # the grammar is done
             elif request.num_output_tokens >= params.max_tokens or \
                     request.num_tokens >= self.max_model_len:
                 text, reason = text + state.flush(), FinishReason.LENGTH
@@ -496,6 +542,7 @@ class LLMEngine:
             del self._outputs[request_id]
             output = self._final_output(request, state, new_tokens, text)
             output.kv_transfer = kv_transfer
+            output.stop_token = is_stop_token
             return output
         logprobs, state.logprobs = state.logprobs, []
         return RequestOutput(request_id=request_id, new_token_ids=new_tokens, new_text=text,

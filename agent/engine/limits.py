@@ -27,6 +27,9 @@ class RequestLimits:
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
+        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad_bias[:5]}")
         prompt_len = len(prompt_token_ids)
         if prompt_len + params.max_tokens > self.max_model_len:
             raise ValueError(

@@ -360,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
         engine: AsyncEngine | EngineCoreClient
+        if args.engine_process and engine_config.disagg.enabled:
+            raise ValueError("--engine-process does not support --role prefill/decode yet")
         if args.engine_process:
             engine = EngineCoreClient(engine_config, scheduler_config_from_args(args))
         else:

@@ -513,12 +513,13 @@ def _add_text(text: TextStream, output: RequestOutput) -> tuple[RequestOutput, b
     tokens = output.new_token_ids
     if not tokens:
         return output, False
-    stop_token = output.finished and output.finish_reason == FinishReason.STOP.value
+    stop_token = output.finished and output.stop_token
     pieces = []
     for index, token in enumerate(tokens):
         if stop_token and index == len(tokens) - 1:
             pieces.append(text.flush())  # a stop token or EOS: not shown
-            break
+            output.new_text = "".join(pieces)
+            return output, False
         piece, hit = text.add_token(token)
         pieces.append(piece)
         if hit:
@@ -532,8 +533,9 @@ def _add_text(text: TextStream, output: RequestOutput) -> tuple[RequestOutput, b
             stopped_here = not output.finished
             output.finished, output.finish_reason = True, FinishReason.STOP.value
             return output, stopped_here
-    if output.finished and output.finish_reason == FinishReason.LENGTH.value:
-        pieces.append(text.flush())
+    if output.finished and output.finish_reason in (FinishReason.LENGTH.value,
+                                                    FinishReason.STOP.value):
+        pieces.append(text.flush())  # the length limit, or a grammar that is complete
     output.new_text = "".join(pieces)
     return output, False
 

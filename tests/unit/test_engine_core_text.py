@@ -21,14 +21,16 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 
 
 def _stream(tokenizer: Tokenizer, token_ids: list[int], stop: tuple[str, ...],
-            per_output: int = 1, final_reason: str = "length") -> list[tuple[RequestOutput, bool]]:
+            per_output: int = 1, final_reason: str = "length",
+            stop_token: bool = False) -> list[tuple[RequestOutput, bool]]:
     text = TextStream(tokenizer, [1, 2, 3], stop)
     results = []
     for start in range(0, len(token_ids), per_output):
         chunk = token_ids[start:start + per_output]
         last = start + per_output >= len(token_ids)
         output = RequestOutput("r", list(chunk), "", 3, start + len(chunk), finished=last,
-                               finish_reason=final_reason if last else None)
+                               finish_reason=final_reason if last else None,
+                               stop_token=stop_token and last)
         output, stopped = _add_text(text, output)
         results.append((output, stopped))
         if output.finished:
@@ -58,6 +60,12 @@ def test_length_finish_flushes_everything(tokenizer):
 def test_a_stop_token_is_not_shown(tokenizer):
     token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
     eos = sorted(tokenizer.eos_token_ids)[0]
-    results = _stream(tokenizer, token_ids + [eos], (), final_reason="stop")
+    results = _stream(tokenizer, token_ids + [eos], (), final_reason="stop", stop_token=True)
     assert "".join(output.new_text for output, _ in results) == TEXT
     assert results[-1][0].finish_reason == "stop" and not results[-1][1]
+
+
+def test_a_finished_grammar_shows_its_last_token(tokenizer):
+    token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    results = _stream(tokenizer, token_ids, (), final_reason="stop")  # no stop token
+    assert "".join(output.new_text for output, _ in results) == TEXT
