@@ -40,6 +40,7 @@ from slipstream.agent.engine.async_engine import DRAINED_MESSAGE
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
+from slipstream.agent.engine.grammar import GrammarCompiler
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.engine.stats import EngineStats, StepStats, StepSummary
@@ -91,6 +92,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_name: str
     limits: RequestLimits
     stats: EngineStats
+    eos_token_ids: list[int]
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -151,7 +153,8 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
                 gc.collect()
                 gc.freeze()
                 outputs.send(_encoder.encode(Ready(engine.model_name, engine.limits,
-                                                   engine.stats())))
+                                                   engine.stats(),
+                                                   sorted(engine.eos_token_ids))))
                 code = _CoreLoop(engine, commands, outputs).run()
             finally:
                 engine.close()
@@ -311,6 +314,9 @@ class EngineCoreClient:
         self.limits = ready.limits
         self.max_model_len = ready.limits.max_model_len
         self._stats = ready.stats
+        # Checks grammars for the API (structured outputs) before they reach the core.
+        self.grammar = GrammarCompiler(self.tokenizer, ready.limits.vocab_size,
+                                       ready.eos_token_ids)
 
     def _wait_ready(self, timeout_s: float) -> Ready:
         message = self._wait_for((Ready, Dead), timeout_s)
