@@ -166,7 +166,9 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
     describe the window's past, do not ask for more)."""
     targets, tolerance = settings.targets, settings.tolerance
     n = load.count
-    breaches, ratios, unsettled = [], [1.0], []
+    breaches: list[str] = []
+    unsettled: list[str] = []
+    ratios = [1.0]
     for name, value, target in (("TTFT", load.ttft_attainment, targets.ttft_attainment),
                                 ("TPOT", load.tpot_attainment, targets.tpot_attainment)):
         if value is not None and 1.0 - value > (1.0 - target) * (1.0 + tolerance):
