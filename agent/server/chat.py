@@ -41,7 +41,8 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request,
         raise bad_request(f"messages could not be formatted with the model's chat template: "
                           f"{error}", param="messages") from None
     # The template already writes any BOS token; adding special tokens would double it.
-    prompt_token_ids = await tokenize(ctx, prompt_text, add_special_tokens=False)
+    prompt_token_ids = await tokenize(ctx, prompt_text, add_special_tokens=False,
+                                      param="messages")
     prepared = prepare(ctx, f"chatcmpl-{uuid.uuid4().hex}", body, prompt_token_ids,
                        max_tokens=body.requested_max_tokens, logprobs=body.num_logprobs,
                        prompt_param="messages",

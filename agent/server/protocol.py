@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator)
 
 from slipstream.agent.engine.sampling_params import MAX_LOGPROBS
 
@@ -28,7 +29,9 @@ MAX_STOP_SEQUENCES = 16
 
 
 class _StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Types are strict, as OpenAI's are: "10" or true is not a max_tokens, "yes" is not a
+    # stream flag (an integer still passes for a float).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class SloSpec(_StrictModel):
@@ -65,6 +68,20 @@ class _GenerationRequest(_StrictModel):
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     app_id: str | None = Field(default=None, min_length=1, max_length=256)
     slo: SloSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_absent(cls, data: Any) -> Any:
+        # OpenAI reads a null field as one left out ("stream": null is a plain request).
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     @field_validator("n")
     @classmethod
