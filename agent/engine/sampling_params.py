@@ -83,3 +83,5 @@ class RequestOutput:
     finished_s: float | None = None
     error: str | None = None  # for the client: never an exception's text
     error_code: str | None = None  # one of the codes in engine/errors.py
+    # Prefill role: where a decode instance fetches this request's KV (KVHandle.to_json()).
+    kv_transfer: dict | None = None

@@ -73,6 +73,8 @@ class Scheduler:
             kv_capacity_tokens=max(1, block_manager.kv_blocks_total * block_manager.block_size),
             decode_step_s=config.target_batch_time_ms / 1000.0,
             srpt_preemptible_fraction=config.srpt_preemptible_fraction,
+            short_lane_work_s=config.lars_short_lane_ms / 1000.0,
+            late_reserve_fraction=config.lars_late_reserve_fraction,
         ))
         self.queue = PrefillQueue(self.policy)
         self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")
@@ -104,6 +106,26 @@ class Scheduler:
             self.short_prefills.hold(request)  # queued when AWD releases its group
         else:
             self.queue.add_waiting(request, request.arrival_s)
+
+    def add_running(self, request: Request, now_s: float) -> None:
+        """Admit a request whose prompt KV already sits in ``request.block_ids`` (received
+        from a prefill instance, see engine/disagg.py). It must be one token short of its
+        next sample, with that token already in ``output_token_ids``; it joins the running
+        decodes, and from then on it is scheduled (and may be preempted) like any other."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_uncomputed_tokens != 1:
+            raise ValueError("a request admitted with its KV must be exactly one token short")
+        needed = blocks_for_tokens(request.num_computed_tokens, self.block_manager.block_size)
+        if len(request.block_ids) < needed:
+            raise ValueError(f"request {request.request_id!r} holds {len(request.block_ids)} "
+                             f"blocks for {request.num_computed_tokens} tokens")
+        self.requests[request.request_id] = request
+        self.urgency.assign(request)
+        self.policy.on_add(request, now_s)
+        request.status = RUNNING
+        request.first_scheduled_s = now_s
+        self.running.append(request)
 
     def finish(self, request_id: str, reason: FinishReason, now_s: float | None = None) -> Request | None:
         """Remove a request and free its blocks at once. Unknown ids are ignored."""
@@ -303,7 +325,12 @@ class Scheduler:
         return preempted
 
     def _pack_prefills(self, now_s: float, budget: PrefillBudget) -> list[tuple[Request, int]]:
-        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full."""
+        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full.
+
+        A policy may reserve part of the batch for one request (LARS: its oldest late long
+        prefill): everyone else packs against the reduced budget, then that request fills
+        the rest, so the reserve is a floor and the batch stays full.
+        """
         config, manager, policy = self.config, self.block_manager, self.policy
         block_size = manager.block_size
         seats = config.max_num_seqs - len(self.running)
@@ -311,33 +338,54 @@ class Scheduler:
         watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
         waiting_blocked = False
         grants: list[tuple[Request, int]] = []
-        misses = 0
         # Swapped requests resume before anything new is admitted.
         include_waiting = seats > 0 and not self.swapped
-        for request in self.queue.candidates(now_s, include_waiting):
-            if budget.exhausted:
-                break
-            if request.in_flight:
-                continue  # SPP: the token of its last chunk is not back yet
+
+        def grant(request: Request) -> bool:
+            nonlocal seats, free_blocks, waiting_blocked
             is_new = request.status is WAITING
             size = 0
             if not (is_new and (seats <= 0 or waiting_blocked)):
                 kv_before = request.num_computed_tokens
                 room = free_blocks - (watermark if is_new else 0)
                 fit_tokens = (len(request.block_ids) + room) * block_size - kv_before
-                slack = self.urgency.relative_slack(request, now_s) if budget.is_long(kv_before) else 0.0
+                slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_uncomputed_tokens, slack, fit_tokens)
             if size <= 0:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
-                misses += 1
-                if misses >= config.max_prefill_candidates:
-                    break
-                continue
+                return False
             budget.add_prefill(kv_before, size)
             free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
             seats -= is_new
             grants.append((request, size))
+            return True
+
+        reserved: Request | None = None
+        reservation = self._reserved_prefill(now_s, include_waiting)
+        if reservation is not None:
+            reserved, fraction = reservation
+            budget.reserve(fraction, long_slot=budget.is_long(reserved.num_computed_tokens))
+        misses = 0
+        for request in self.queue.candidates(now_s, include_waiting):
+            if budget.exhausted:
+                break
+            if request.in_flight or request is reserved:
+                continue  # SPP: the token of its last chunk is not back yet; or packed last
+            if not grant(request):
+                misses += 1
+                if misses >= config.max_prefill_candidates:
+                    break
+        if reserved is not None:
+            budget.release_reserve()
+            grant(reserved)
         return grants
+
+    def _reserved_prefill(self, now_s: float, include_waiting: bool
+                          ) -> tuple[Request, float] | None:
+        """The request the policy keeps a share of this batch for, if any, and the share."""
+        prefilling, waiting = self.queue.prefilling.members, self.queue.waiting.members
+        return self.policy.reserved_request(now_s, lambda r: not r.in_flight and (
+            r in prefilling or (include_waiting and r in waiting)))
 
     # -- state changes ----------------------------------------------------------------------
 
