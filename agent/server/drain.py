@@ -32,7 +32,7 @@ import uvicorn
 from slipstream.agent.server.limits import timed_protocol
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine, drain_timeout_s: float
                  ) -> None:
         super().__init__(config)
         self._engine = engine
