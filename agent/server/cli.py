@@ -97,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                       help="run the engine (scheduler, KV blocks, model or workers) in a "
+                            "process of its own, so HTTP, tokenization and detokenization "
+                            "never stretch its steps (default: on a thread of the server "
+                            "process)")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -351,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.agent.server.api import build_app
     from slipstream.agent.server.drain import DrainingServer
     from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
+    from slipstream.agent.server.engine_core import EngineCoreClient
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -358,8 +364,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, engine=build_engine(
-            engine_config, scheduler_config_from_args(args)))
+        engine: AsyncEngine | EngineCoreClient
+        if args.engine_process and engine_config.disagg.enabled:
+            raise ValueError("--engine-process does not support --role prefill/decode yet")
+        if args.engine_process:
+            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args))
+        else:
+            engine = AsyncEngine(engine_config, engine=build_engine(
+                engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
@@ -376,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
                                               "--control-port, or 0 to turn it off)", error)
-            engine.engine.close()
+            engine.close()
             return 2
     server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
@@ -392,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
-        engine.engine.close()  # workers go even if uvicorn never started the app
+        engine.close()  # the core and workers go even if uvicorn never started the app
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD
