@@ -212,6 +212,8 @@ class LLMEngine:
                                      "instance (slipstream serve --role prefill)")
                 self._exporting.add(request_id)
             self.scheduler.add(request)
+            # Prefill work arriving here (a remote-prefilled request brings its KV instead).
+            self.load.record_arrival(now, len(prompt_token_ids))
         self._outputs[request_id] = _OutputState(
             params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop), arrival_s=now, matcher=matcher)
@@ -308,7 +310,10 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             kvp_active_degree=self._kvp_active_degree(),
             backlog_prompt_tokens=backlog, utilization=load.utilization,
-            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation)
+            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation,
+            first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
+            tpot_met=load.tpot_met,
+            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s)
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""
@@ -543,6 +548,10 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
                 kv_transfer = self.disagg.export(request, now).to_json()
         if reason is not None:
+            outputs = request.num_output_tokens
+            if request.slo.tpot_s is not None and outputs > 1 and state.first_token_s is not None:
+                self.load.record_finish(now, (now - state.first_token_s) / (outputs - 1),
+                                        request.slo.tpot_s)
             self.scheduler.finish(request_id, reason, now)
             self.runner.release((request_id,))
             del self._outputs[request_id]

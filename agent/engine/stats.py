@@ -32,12 +32,25 @@ class EngineStats:
     utilization: float = 0.0
     prefill_tokens_per_s: float = 0.0
     slo_deviation: float = 0.0
+    # For the autoscaler: SLO attainment counts over the window, and the prompt tokens
+    # arriving per second (over the prefill rate: the prefill load).
+    first_tokens: int = 0
+    ttft_met: int = 0
+    finished: int = 0
+    tpot_met: int = 0
+    arrival_prompt_tokens_per_s: float = 0.0
 
     @property
     def queue_backlog_s(self) -> float:
         """Seconds to prefill the backlog at the recent prefill rate."""
         rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
         return self.backlog_prompt_tokens / rate
+
+    @property
+    def prefill_load(self) -> float:
+        """Seconds of prefill work arriving per second, at the recent prefill rate."""
+        rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
+        return self.arrival_prompt_tokens_per_s / rate
 
 
 @dataclass(frozen=True, slots=True)
