@@ -80,6 +80,10 @@ bench-engine: setup  ## engine throughput vs transformers, and the engine's own 
 bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgspec/pickle)
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
+bench-server: setup  ## one process vs engine in its own process: tok/s, TTFT, TPOT at 1..1000 streams
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny 100m \
+	  --concurrency 1 64 256 1000 --out $(RESULTS)/server
+
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 

@@ -49,6 +49,11 @@ from slipstream.decisions.pools import LONG, SHORT, InstanceSignals, instance_pr
 
 # Attainment over fewer first tokens (or finished requests) than this is noise, not a signal.
 MIN_ATTAINMENT_SAMPLES = 20
+# The agents' load window: attainment and queue delay describe its past, so for this long
+# after the set of reporting instances changed they still show the shortage that the new
+# instances have just ended (the backlog left on the old ones). They do not add instances
+# then; the proportional signals, averaged over the instances now reporting, still do.
+SETTLE_S = 30.0
 
 # Outcomes: the status's lastScaleReason and the Event's reason.
 SCALE_UP, SCALE_DOWN = "ScaleUp", "ScaleDown"
@@ -103,6 +108,8 @@ class ScaleHistory:
     since_s: float
     recommendations: tuple[tuple[float, int], ...] = ()
     last_scale_s: float | None = None
+    reporting: int = 0  # how many instances reported at the last step
+    reporting_since_s: float | None = None  # since when that many have
 
 
 @dataclass(frozen=True)
@@ -152,15 +159,21 @@ def _aggregate(loads: tuple[InstanceLoad, ...]) -> _Load:
         prefill_load=sum(x.prefill_load for x in loads) / count)
 
 
-def recommend(load: _Load, settings: Autoscaling, current: int) -> tuple[int, str]:
-    """Stage 1: the count these signals ask for, and why."""
+def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = True
+              ) -> tuple[int, str]:
+    """Stage 1: the count these signals ask for, and why. ``settled``: the reporting
+    instances have been the same for SETTLE_S (else attainment and queue delay, which
+    describe the window's past, do not ask for more)."""
     targets, tolerance = settings.targets, settings.tolerance
     n = load.count
-    breaches, ratios = [], [1.0]
+    breaches: list[str] = []
+    unsettled: list[str] = []
+    ratios = [1.0]
     for name, value, target in (("TTFT", load.ttft_attainment, targets.ttft_attainment),
                                 ("TPOT", load.tpot_attainment, targets.tpot_attainment)):
         if value is not None and 1.0 - value > (1.0 - target) * (1.0 + tolerance):
-            breaches.append(f"{name} attainment {value:.3f} < {target}")
+            (breaches if settled else unsettled).append(
+                f"{name} attainment {value:.3f} < {target}")
     for name, value, target, proportional in (
             ("queue delay", load.queue_delay_s, targets.queue_delay_seconds, False),
             ("KV utilisation", load.kv_utilization, targets.kv_utilization, True),
@@ -168,7 +181,11 @@ def recommend(load: _Load, settings: Autoscaling, current: int) -> tuple[int, st
         if proportional:
             ratios.append(value / target)
         if value > target * (1.0 + tolerance):
-            breaches.append(f"{name} {value:.3f} > {target}")
+            (breaches if settled or proportional else unsettled).append(
+                f"{name} {value:.3f} > {target}")
+    if unsettled and not breaches:
+        return current, (f"{'; '.join(unsettled)}, but {n} instance(s) have reported for "
+                         f"less than {SETTLE_S:.0f} s: waiting for the window to catch up")
     if breaches:
         # Instances still starting already count against the shortage: never below current.
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))
@@ -223,10 +240,18 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     keep_s = max(settings.scale_up_stabilization_seconds,
                  settings.scale_down_stabilization_seconds)
     load = _aggregate(signals.loads) if signals.loads else None
+    reporting = len(signals.loads)
+    if history.reporting_since_s is None:  # a fresh history: stable as far as it knows
+        reporting_since_s = history.since_s
+    elif reporting != history.reporting:
+        reporting_since_s = now_s
+    else:
+        reporting_since_s = history.reporting_since_s
+    settled = now_s - reporting_since_s >= SETTLE_S
     if load is None:
         recommendation, why = current, "no ready instance reported its load"
     else:
-        recommendation, why = recommend(load, settings, current)
+        recommendation, why = recommend(load, settings, current, settled)
     recorded = tuple((t, r) for t, r in history.recommendations if t >= now_s - keep_s) + \
         ((now_s, recommendation),)
     stabilised, window_note = stabilise(recommendation, current, settings, history, now_s)
@@ -263,7 +288,8 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     if not low <= current <= high:
         message += f"; bounds are [{low}, {high}]"
     next_history = replace(history, recommendations=recorded,
-                           last_scale_s=now_s if desired != current else history.last_scale_s)
+                           last_scale_s=now_s if desired != current else history.last_scale_s,
+                           reporting=reporting, reporting_since_s=reporting_since_s)
     return ScaleDecision(
         current=current, desired=desired, recommendation=recommendation, reason=reason,
         message=message, history=next_history, add_pools=add_pools, remove=remove,

@@ -45,7 +45,8 @@ def autoscaled_spec(args: argparse.Namespace) -> ServingReplicaSpec:
     return ServingReplicaSpec.model_validate({
         "model": {"name": "llama-3-8b", "source": {"hostPath": {"path": "/models"}}},
         "image": "agent", "slo": {"tpotMilliseconds": args.tpot_slo_ms},
-        "autoscaling": {"minInstances": args.min_instances, "maxInstances": args.max_instances}})
+        "autoscaling": {"minInstances": args.min_instances, "maxInstances": args.max_instances,
+                        "scaleDownStabilizationSeconds": args.scale_down_window_s}})
 
 
 def workloads(args: argparse.Namespace, trace: list[TraceRequest]
@@ -173,16 +174,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--day-s", type=float, default=1800.0,
                         help="length of the compressed day (default half an hour)")
-    parser.add_argument("--trough-qps", type=float, default=8.0)
-    parser.add_argument("--peak-qps", type=float, default=32.0)
-    parser.add_argument("--step-s", type=float, default=1200.0)
-    parser.add_argument("--step-low-qps", type=float, default=8.0)
-    parser.add_argument("--step-high-qps", type=float, default=28.0)
+    parser.add_argument("--trough-qps", type=float, default=16.0)
+    parser.add_argument("--peak-qps", type=float, default=64.0)
+    parser.add_argument("--step-s", type=float, default=900.0)
+    parser.add_argument("--step-low-qps", type=float, default=16.0)
+    parser.add_argument("--step-high-qps", type=float, default=56.0)
+    parser.add_argument("--scale-down-window-s", type=int, default=120,
+                        help="spec.autoscaling.scaleDownStabilizationSeconds (the CRD default "
+                        "is 300 s; the day here is 48 times shorter than a real one)")
     parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
     parser.add_argument("--size-for", type=float, default=0.99,
                         help="SLO attainment a static fleet is sized to reach")
     parser.add_argument("--sizing-s", type=float, default=180.0)
-    parser.add_argument("--sizing-qps-per-instance", type=float, default=10.0,
+    parser.add_argument("--sizing-qps-per-instance", type=float, default=18.0,
                         help="sizing counts down from ceil(rate / this) + 1 (a safe guess "
                         "above the answer; overloaded fleets are slow to simulate)")
     parser.add_argument("--min-instances", type=int, default=1)

@@ -68,3 +68,27 @@ class StepStats:
     @property
     def execute_s(self) -> float:
         return self.execute_end_s - self.execute_start_s
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """What the step metrics need of a ``StepStats``, small enough to cross from an engine-core
+    process to the API process every step (no block tables, no token ids)."""
+
+    prefill_chunk_tokens: tuple[int, ...]
+    num_decode_tokens: int
+    schedule_s: float
+    execute_s: float
+    predicted_time_s: float | None
+
+    @staticmethod
+    def of(step: StepStats) -> StepSummary:
+        prefill: list[int] = []
+        decodes = 0
+        for chunk in step.batch.chunks:
+            if chunk.is_decode:
+                decodes += 1
+            else:
+                prefill.append(len(chunk.token_ids))
+        return StepSummary(tuple(prefill), decodes, step.schedule_s, step.execute_s,
+                           step.batch.predicted_time_s)

@@ -100,6 +100,21 @@ def test_instances_still_starting_count_against_the_shortage():
     assert decision.desired == 4 and decision.reason == WITHIN_TARGETS
 
 
+def test_attainment_and_queue_wait_for_the_window_after_new_instances_report():
+    # Two instances; a third was added and has just started reporting. The window still
+    # shows the misses and the backlog of before: no fourth for that, until it settles.
+    history = ScaleHistory(since_s=-1000.0, reporting=2, reporting_since_s=-500.0)
+    just_grown = fleet(3, ttft=(50, 100), queue_s=1.0, busy=0.3)
+    decision = decide_scale(just_grown, SPEC, history, 0.0)
+    assert (decision.reason, decision.desired) == (WITHIN_TARGETS, 3)
+    assert "waiting for the window" in decision.message
+    later = decide_scale(just_grown, SPEC, decision.history, 30.0)
+    assert (later.reason, later.desired) == (SCALE_UP, 4)
+    # The proportional signals do not wait: they average over the instances reporting now.
+    loaded = decide_scale(fleet(3, busy=0.9), SPEC, history, 0.0)
+    assert loaded.reason == SCALE_UP
+
+
 # -- hysteresis -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("queue_s", "outcome"), [

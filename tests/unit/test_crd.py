@@ -268,8 +268,22 @@ def test_examples_parse_into_the_models(example):
     assert manifest["apiVersion"] == "slipstream.dev/v1alpha1"
     assert manifest["kind"] == "ServingReplica"
     spec = ServingReplicaSpec.model_validate(manifest["spec"])
-    assert spec.instances >= 2
+    assert spec.instances >= 2 or (spec.autoscaling is not None
+                                   and spec.autoscaling.max_instances >= 2)
     assert spec.to_api()["model"]["name"] == manifest["spec"]["model"]["name"]
+
+
+@pytest.mark.parametrize("name", ["hpa-servingreplica.yaml", "keda-scaledobject.yaml"])
+def test_hpa_and_keda_examples_drive_the_scale_subresource(name):
+    manifest = yaml.safe_load((REPO / "charts" / "slipstream" / "examples" / name).read_text())
+    target = manifest["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("slipstream.dev/v1alpha1", "ServingReplica")
+    scale = generate.crd_manifest()["spec"]["versions"][0]["subresources"]["scale"]
+    assert scale["specReplicasPath"] == ".spec.instances"
+    basic = yaml.safe_load((REPO / "charts" / "slipstream" / "examples" /
+                            "servingreplica-basic.yaml").read_text())
+    assert target["name"] == basic["metadata"]["name"]
+    assert "autoscaling" not in basic["spec"], "HPA/KEDA and the built-in autoscaler fight"
 
 
 def test_wire_names_are_camel_case_and_python_names_snake_case():
