@@ -71,7 +71,6 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
                   lifespan=lifespan)
     app.state.serving = ctx
     _add_error_handlers(app)
-    _describe_request_bodies(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -159,31 +158,6 @@ async def _parse_body(request: Request, model_type: type[M], config: ServerConfi
         raise from_validation_error(error) from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
-
-
-def _describe_request_bodies(app: FastAPI) -> None:
-    """Put the request models in the OpenAPI document. The handlers parse their bodies
-    themselves (OpenAI's error shape, unknown fields named), so FastAPI cannot see them."""
-    bodies: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
-                                          "/v1/chat/completions": ChatCompletionRequest}
-    build = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        document = build()
-        schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        for path, model in bodies.items():
-            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schema.pop("$defs", {}))
-            schemas[model.__name__] = schema
-            document["paths"][path]["post"]["requestBody"] = {
-                "required": True, "content": {"application/json": {
-                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-        app.openapi_schema = document
-        return document
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_error_handlers(app: FastAPI) -> None:
