@@ -83,3 +83,5 @@ class RequestOutput:
     finished_s: float | None = None
     error: str | None = None  # for the client: never an exception's text
     error_code: str | None = None  # one of the codes in engine/errors.py
+    # Prompt tokens whose KV came from the prefix cache (the API's cached_tokens).
+    num_cached_tokens: int = 0

@@ -62,7 +62,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request,
                         logprobs=logprobs, finish_reason=final.finish_reason)
     response = ChatCompletionResponse(
         id=prepared.request_id, model=model, choices=[choice],
-        usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+        usage=Usage.of_output(final))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -82,7 +82,7 @@ async def _stream(ctx: ServingContext, generation: Generation, request_id: str, 
                                       else None)])
 
     def usage(final: RequestOutput) -> bytes:
-        return chunk([], Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+        return chunk([], Usage.of_output(final))
 
     yield chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
     async for event in stream_events(generation, render, usage if include_usage else None):

@@ -165,6 +165,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="TOKENS", help="processed KV at which a prefill counts as long")
     sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                        help="how decodes are preempted under KV pressure")
+    sched.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV of prompt prefixes computed before (content-addressed "
+                            "blocks, kept until memory is needed); --no-prefix-caching "
+                            "recomputes every prompt from its first token")
     add_short_prefill_arguments(parser)
 
 
@@ -205,6 +209,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "scheduler.maxSpaceShareFraction": "max_space_share_fraction",
     "scheduler.longRequestThresholdTokens": "long_request_threshold_tokens",
     "scheduler.preemption": "preemption",
+    "scheduler.prefixCaching": "prefix_caching",
     "scheduler.shortPrefillBatching": "short_prefill_batching",
     "scheduler.shortPrefillMaxPromptTokens": "awd_max_prompt_tokens",
     "scheduler.shortPrefillMaxWaitMs": "awd_max_wait_ms",
@@ -262,7 +267,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, target_batch_time_ms=target_ms,
         max_space_share_fraction=args.max_space_share_fraction,
         long_request_threshold_tokens=args.long_request_threshold_tokens,
-        preemption=args.preemption, **short_prefill_settings(args))
+        preemption=args.preemption, prefix_caching=args.prefix_caching,
+        **short_prefill_settings(args))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -57,7 +57,7 @@ def _response(ctx: ServingContext, request_id: str, model: str, outputs: list[Re
     choice = CompletionChoice(text="".join(out.new_text for out in outputs), logprobs=logprobs,
                               finish_reason=final.finish_reason)
     return CompletionResponse(id=request_id, model=model, choices=[choice],
-                              usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+                              usage=Usage.of_output(final))
 
 
 def _stream(ctx: ServingContext, generation: Generation, request_id: str, model: str,
@@ -78,7 +78,7 @@ def _stream(ctx: ServingContext, generation: Generation, request_id: str, model:
     def usage(final: RequestOutput) -> bytes:
         return sse_event(CompletionResponse(
             id=request_id, created=created, model=model, choices=[],
-            usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens)).model_dump_json())
+            usage=Usage.of_output(final)).model_dump_json())
 
     return stream_events(generation, render, usage if include_usage else None)
 

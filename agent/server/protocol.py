@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from slipstream.agent.engine.sampling_params import MAX_LOGPROBS
+from slipstream.agent.engine.sampling_params import MAX_LOGPROBS, RequestOutput
 
 MAX_STOP_SEQUENCES = 16
 
@@ -225,15 +225,26 @@ def unix_time_s() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache already held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+    @classmethod
+    def of_output(cls, final: RequestOutput) -> Usage:
+        """The usage of a finished request."""
+        return cls.of(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens)
 
 
 class CompletionLogprobs(BaseModel):
