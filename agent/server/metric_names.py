@@ -74,12 +74,12 @@ PREEMPTIONS = _spec("slipstream_preemptions_total", "counter", (),
                     "Requests preempted (recompute or swap) since start.")
 KVP_ACTIVE_DEGREE = _spec("slipstream_kvp_active_degree", "gauge", (),
                           "KV-parallel groups spanned by the widest running request.")
-PREFIX_CACHE_QUERIES = _spec("slipstream_prefix_cache_queries_total", "counter", (),
+PREFIX_CACHE_QUERIES = _spec("slipstream_prefix_cache_query_tokens_total", "counter", (),
                              "Prompt tokens looked up in the prefix cache (at admission).")
-PREFIX_CACHE_HITS = _spec("slipstream_prefix_cache_hits_total", "counter", (),
+PREFIX_CACHE_HITS = _spec("slipstream_prefix_cache_hit_tokens_total", "counter", (),
                           "Prompt tokens whose KV the prefix cache already held; hit rate = "
                           "rate(hits) / rate(queries).")
-PREFIX_CACHE_EVICTIONS = _spec("slipstream_prefix_cache_evictions_total", "counter", (),
+PREFIX_CACHE_EVICTIONS = _spec("slipstream_prefix_cache_evicted_blocks_total", "counter", (),
                                "Cached prefix blocks evicted to make room for new KV.")
 KV_BLOCKS_CACHED = _spec("slipstream_kv_cache_blocks_cached", "gauge", (),
                          "Paged KV blocks holding a reusable prefix block (in use or free).")

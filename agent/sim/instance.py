@@ -37,6 +37,7 @@ from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
+from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS
 
 BYTES_PER_VALUE = 2  # bf16 activations
 STALLED_RETRY_S = 1e-3  # nothing ran and no wakeup is known: look again after this long
@@ -115,10 +116,11 @@ class RequestRecord:
 
     __slots__ = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "source",
                  "instance", "ttft_deadline_s", "first_token_s", "finished_s",
-                 "num_preemptions")
+                 "num_preemptions", "hash_ids", "cached_tokens", "serial")
 
     def __init__(self, request_id: str, arrival_s: float, prompt_tokens: int,
-                 output_tokens: int, source: str) -> None:
+                 output_tokens: int, source: str, hash_ids: tuple[int, ...] = (),
+                 serial: int = 0) -> None:
         self.request_id = request_id
         self.arrival_s = arrival_s
         self.prompt_tokens = prompt_tokens
@@ -129,6 +131,22 @@ class RequestRecord:
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
         self.num_preemptions = 0
+        self.hash_ids = hash_ids
+        self.serial = serial  # unique per run: seeds the tokens no other prompt shares
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+
+    def prompt_token_ids(self) -> list[int]:
+        """Stand-in token ids with the trace's sharing: block ``j`` of a hash id ``h`` is
+        ``HASH_BLOCK_TOKENS`` copies of ``h``, so equal hash ids give equal tokens (the block
+        manager's hash chain adds the position); the rest is unique to this request."""
+        tokens: list[int] = []
+        for hash_id in self.hash_ids:
+            if len(tokens) >= self.prompt_tokens:
+                break
+            tokens.extend([hash_id] * HASH_BLOCK_TOKENS)
+        del tokens[self.prompt_tokens:]
+        tokens.extend([-1 - self.serial] * (self.prompt_tokens - len(tokens)))
+        return tokens
 
 
 class SimInstance:
@@ -150,7 +168,7 @@ class SimInstance:
 
     def add(self, record: RequestRecord, ttft_slo_s: float | None) -> None:
         request = Request(request_id=record.request_id,
-                          prompt_token_ids=[0] * record.prompt_tokens,
+                          prompt_token_ids=record.prompt_token_ids(),
                           max_tokens=record.output_tokens, arrival_s=record.arrival_s,
                           slo=RequestSLO(ttft_s=ttft_slo_s))
         self.scheduler.add(request)
@@ -233,6 +251,7 @@ class SimInstance:
             record = records[request_id]
             if record.first_token_s is None:
                 record.first_token_s = exit_s
+                record.cached_tokens = request.num_cached_tokens
                 # Every simulated request has a deadline (explicit or the scheduler's
                 # default), so all first tokens feed the SLO deviation signal.
                 if record.ttft_deadline_s:

@@ -74,13 +74,16 @@ def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
         kvp_tokens_per_group=instance.kvp_tokens_per_group if instance.kvp > 1 else None)
     if instance.kvp > 1:
         model = KvpTimeModel(model, instance, config.num_layers)
-    return Scheduler(scheduler_config, BlockManager(config.num_kv_blocks, 0, BLOCK_SIZE),
+    return Scheduler(scheduler_config,
+                     BlockManager(config.num_kv_blocks, 0, BLOCK_SIZE,
+                                  prefix_caching=scheduler_config.prefix_caching),
                      predictor=model)
 
 
 def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeModel) -> SimResult:
     started = time.perf_counter()
-    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source)
+    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source,
+                             r.hash_ids, serial=i)
                for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
     by_id = {record.request_id: record for record in records}
     instances = [SimInstance(i, make_scheduler(config, model), config.instance, by_id)
