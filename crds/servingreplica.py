@@ -208,19 +208,111 @@ class Slo(ApiModel):
         "self > 0.0 && self < 1.0", "spec.slo.attainmentTarget must be within (0, 1)")))
 
 
+class AutoscalingTargets(ApiModel):
+    """What the autoscaler holds the replica to. Scale-up when any is breached beyond the
+    tolerance; scale-down only when all hold with room to spare on fewer instances."""
+
+    ttft_attainment: float = Field(
+        0.95, description="Fraction of first tokens within spec.slo.ttftSeconds over the "
+        "agents' load window (30 s) below which to scale up.",
+        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
+                                     "spec.autoscaling.targets.ttftAttainment must be within "
+                                     "(0, 1]")))
+    tpot_attainment: float = Field(
+        0.95, description="Fraction of finished requests within spec.slo.tpotMilliseconds "
+        "over the load window below which to scale up.",
+        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
+                                     "spec.autoscaling.targets.tpotAttainment must be within "
+                                     "(0, 1]")))
+    queue_delay_seconds: float = Field(
+        0.5, description="Mean seconds of queued prefill work per instance to hold below.",
+        json_schema_extra=rules(positive("spec.autoscaling.targets.queueDelaySeconds",
+                                         "seconds", number=True)))
+    kv_utilization: float = Field(
+        0.8, description="Mean fraction of KV-cache blocks in use to hold below.",
+        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
+                                     "spec.autoscaling.targets.kvUtilization must be within "
+                                     "(0, 1]")))
+    busy_fraction: float = Field(
+        0.9, description="Fraction of time the engines are busy to hold below on the smaller "
+        "count before scaling down (a guard for scale-down only).",
+        json_schema_extra=rules(Rule("self > 0.0 && self < 1.0",
+                                     "spec.autoscaling.targets.busyFraction must be within "
+                                     "(0, 1)")))
+
+
+class Autoscaling(ApiModel):
+    """The built-in autoscaler. While enabled it owns the instance count and spec.instances
+    is ignored (HPA or KEDA through the scale subresource are the alternative: leave this
+    disabled for them)."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        Rule("self.minInstances <= self.maxInstances",
+             "spec.autoscaling.minInstances must not exceed spec.autoscaling.maxInstances",
+             field_path=".minInstances"),
+        Rule("self.scaleDownStabilizationSeconds >= self.periodSeconds",
+             "spec.autoscaling.scaleDownStabilizationSeconds must be at least "
+             "spec.autoscaling.periodSeconds", field_path=".scaleDownStabilizationSeconds")))
+
+    enabled: bool = True
+    min_instances: int = Field(1, json_schema_extra=rules(Rule(
+        "self >= 1", "spec.autoscaling.minInstances must be at least 1")))
+    max_instances: int = Field(json_schema_extra=rules(Rule(
+        "self >= 1", "spec.autoscaling.maxInstances must be at least 1")))
+    period_seconds: int = Field(15, description="How often the autoscaler decides.",
+                                json_schema_extra=rules(
+                                    positive("spec.autoscaling.periodSeconds", "seconds")))
+    scale_up_stabilization_seconds: int = Field(
+        30, description="Scale up only to the lowest count recommended over this window.",
+        json_schema_extra=rules(Rule(
+            "self >= 0", "spec.autoscaling.scaleUpStabilizationSeconds must not be negative")))
+    scale_down_stabilization_seconds: int = Field(
+        300, description="Scale down only to the highest count recommended over this window.",
+        json_schema_extra=rules(Rule(
+            "self >= 0", "spec.autoscaling.scaleDownStabilizationSeconds must not be negative")))
+    max_step: int = Field(2, description="Most instances added or removed in one decision.",
+                          json_schema_extra=rules(positive("spec.autoscaling.maxStep")))
+    tolerance: float = Field(0.1, description="Relative band around each target inside which "
+                             "nothing changes (hysteresis).", json_schema_extra=rules(Rule(
+                                 "self >= 0.0 && self < 1.0",
+                                 "spec.autoscaling.tolerance must be within [0, 1)")))
+    drain_timeout_seconds: int = Field(
+        120, description="Longest a removed instance may finish its in-flight requests "
+        "before it is deleted.", json_schema_extra=rules(
+            positive("spec.autoscaling.drainTimeoutSeconds", "seconds")))
+    targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
+
+
+# spec.instances is ignored while autoscaling (the rules on it hold against minInstances).
+_AUTOSCALED = "(has(self.autoscaling) && self.autoscaling.enabled)"
+
 _SPEC_RULES = rules(
     Rule("self.parallelism.tp <= self.placement.gpusPerNode",
          "spec.parallelism.tp must not exceed spec.placement.gpusPerNode: a TP group never "
          "spans nodes", field_path=".parallelism.tp"),
-    Rule("!has(self.pools) || self.pools.short <= self.instances",
+    Rule("!has(self.pools) || " + _AUTOSCALED + " || "
+         "self.pools.short <= self.instances",
          "spec.pools.short must not exceed spec.instances (the long pool gets instances - "
          "short)", field_path=".pools.short"),
     Rule("!has(self.pools) || !self.pools.rebalance.enabled || "
          "(self.pools.short >= self.pools.rebalance.minPerPool && "
-         "self.instances - self.pools.short >= self.pools.rebalance.minPerPool)",
+         "(" + _AUTOSCALED + " || "
+         "self.instances - self.pools.short >= self.pools.rebalance.minPerPool))",
          "spec.pools.short and the long pool (spec.instances - short) must each hold at least "
          "spec.pools.rebalance.minPerPool instances when rebalancing is enabled",
          field_path=".pools.short"),
+    # While autoscaling, spec.instances is ignored and the count starts at minInstances, so
+    # the pool rules above are checked against minInstances too.
+    Rule("!has(self.autoscaling) || !self.autoscaling.enabled || !has(self.pools) || "
+         "self.pools.short <= self.autoscaling.minInstances",
+         "spec.pools.short must not exceed spec.autoscaling.minInstances while autoscaling",
+         field_path=".pools.short"),
+    Rule("!has(self.autoscaling) || !self.autoscaling.enabled || !has(self.pools) || "
+         "!self.pools.rebalance.enabled || "
+         "self.autoscaling.minInstances - self.pools.short >= self.pools.rebalance.minPerPool",
+         "spec.autoscaling.minInstances must leave the long pool (minInstances - "
+         "spec.pools.short) at least spec.pools.rebalance.minPerPool instances",
+         field_path=".autoscaling.minInstances"),
     Rule("!has(self.pools) || self.scheduler.shortPrefillBatching == 'off' || "
          "self.scheduler.shortPrefillMaxPromptTokens < self.pools.longPrefillThresholdTokens",
          "spec.scheduler.shortPrefillMaxPromptTokens must be below "
@@ -235,17 +327,24 @@ class ServingReplicaSpec(ApiModel):
     model: ModelSpec
     image: str = Field(min_length=1, description="Agent container image.")
     instances: int = Field(1, ge=0, description="Serving instances (scale subresource); each "
-                           "is tp x spp x kvp GPUs.")
+                           "is tp x spp x kvp GPUs. Ignored while spec.autoscaling is "
+                           "enabled.")
     parallelism: Parallelism = Field(default_factory=Parallelism)
     placement: Placement = Field(default_factory=Placement)
     pools: Pools | None = Field(None, description="Optional short/long prefill pools "
                                 "(PLA-Serve); absent means every instance serves all lengths.")
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     slo: Slo = Field(default_factory=Slo)
+    autoscaling: Autoscaling | None = Field(None, description="The built-in SLO autoscaler; "
+                                            "absent or disabled: spec.instances holds.")
 
     @property
     def initial_short_instances(self) -> int:
         return self.pools.short if self.pools else 0
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.autoscaling is not None and self.autoscaling.enabled
 
 
 # -- status -------------------------------------------------------------------------------------
@@ -292,6 +391,16 @@ class PoolsStatus(StatusModel):
     last_rebalance_time: str | None = None
 
 
+class AutoscalingStatus(StatusModel):
+    desired_instances: int = Field(description="The count the autoscaler last decided.")
+    current_instances: int = Field(description="Instances serving or starting when it "
+                                   "decided (draining ones not counted).")
+    last_scale_reason: str | None = Field(None, description="The reason of the last decision.")
+    last_scale_message: str | None = None
+    last_scale_time: str | None = Field(None, description="When the count last changed.")
+    last_decision_time: str | None = None
+
+
 class ServingReplicaStatus(StatusModel):
     phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = None
     observed_generation: int | None = None
@@ -303,4 +412,5 @@ class ServingReplicaStatus(StatusModel):
                                  "subresource).")
     instances: list[InstanceStatus] = Field(default_factory=list)
     pools: PoolsStatus | None = None
+    autoscaling: AutoscalingStatus | None = None
     endpoint: str | None = None

@@ -1,7 +1,8 @@
 """Recent load of one engine, for the control API and the operator's pool rebalancer.
 
     LLMEngine.step() --record_step--> LoadWindow <--record_first_token-- first output token
-    LLMEngine.stats() --snapshot(now)--> utilization, prefill rate, SLO deviation
+                                                 <--record_finish-- a request's last token
+    LLMEngine.stats() --snapshot(now)--> utilization, prefill rate, SLO deviation, attainment
 
 Everything is over a trailing window (30 s by default), so the numbers say how the instance
 is doing now, not since it started. Pure Python, driven by the engine's clock.
@@ -20,6 +21,12 @@ class LoadSnapshot:
     utilization: float  # busy fraction of the window, 0..1
     prefill_tokens_per_s: float  # prompt tokens prefilled per busy second (0: no data yet)
     slo_deviation: float  # mean(max(0, ttft / target - 1)) over recent first tokens
+    # SLO attainment counts for the autoscaler (counts, not fractions, so that instances
+    # add up): first tokens within their TTFT target, finished requests within their TPOT one.
+    first_tokens: int = 0
+    ttft_met: int = 0
+    finished: int = 0
+    tpot_met: int = 0
 
 
 class LoadWindow:
@@ -34,11 +41,14 @@ class LoadWindow:
         self._start_s = start_s
         self._steps: deque[tuple[float, float, int]] = deque()  # (start_s, end_s, prefill tokens)
         self._ttft: deque[tuple[float, float]] = deque()  # (time_s, relative overshoot)
+        self._tpot: deque[tuple[float, bool]] = deque()  # (time_s, within its target)
         # Sums over the entries in the deques, kept as entries come and go.
         self._busy_s = 0.0
         self._prefill_busy_s = 0.0
         self._prefill_tokens = 0
         self._deviation_sum = 0.0
+        self._ttft_met = 0
+        self._tpot_met = 0
         # Kept past the window: the last known prefill rate still prices a backlog that
         # arrives after a quiet spell.
         self._last_rate_tokens_per_s = 0.0
@@ -52,6 +62,15 @@ class LoadWindow:
         deviation = max(0.0, ttft_s / target_s - 1.0)
         self._ttft.append((now_s, deviation))
         self._deviation_sum += deviation
+        self._ttft_met += deviation == 0.0
+        self._trim(now_s)
+
+    def record_finish(self, now_s: float, tpot_s: float, target_s: float) -> None:
+        """A request with a TPOT target finished; ``tpot_s`` is its mean time per output
+        token after the first."""
+        met = tpot_s <= target_s
+        self._tpot.append((now_s, met))
+        self._tpot_met += met
         self._trim(now_s)
 
     def snapshot(self, now_s: float) -> LoadSnapshot:
@@ -71,7 +90,9 @@ class LoadWindow:
         slo_deviation = self._deviation_sum / len(self._ttft) if self._ttft else 0.0
         return LoadSnapshot(utilization=utilization,
                             prefill_tokens_per_s=self._last_rate_tokens_per_s,
-                            slo_deviation=slo_deviation)
+                            slo_deviation=slo_deviation, first_tokens=len(self._ttft),
+                            ttft_met=self._ttft_met, finished=len(self._tpot),
+                            tpot_met=self._tpot_met)
 
     def _add_step(self, start_s: float, end_s: float, prefill_tokens: int, sign: int) -> None:
         self._busy_s += sign * (end_s - start_s)
@@ -85,10 +106,16 @@ class LoadWindow:
         while steps and steps[0][1] < horizon:
             self._add_step(*steps.popleft(), sign=-1)
         while ttft and ttft[0][0] < horizon:
-            self._deviation_sum -= ttft.popleft()[1]
+            deviation = ttft.popleft()[1]
+            self._deviation_sum -= deviation
+            self._ttft_met -= deviation == 0.0
+        tpot = self._tpot
+        while tpot and tpot[0][0] < horizon:
+            self._tpot_met -= tpot.popleft()[1]
         # Running sums drift by rounding; an empty window resets them exactly.
         if not steps:
             self._busy_s = self._prefill_busy_s = 0.0
             self._prefill_tokens = 0
         if not ttft:
             self._deviation_sum = 0.0
+            self._ttft_met = 0

@@ -37,6 +37,22 @@ def test_slo_deviation_is_the_mean_relative_overshoot():
     assert window.snapshot(20.0).slo_deviation == 0.0
 
 
+def test_attainment_counts_cover_the_window_only():
+    window = LoadWindow(start_s=0.0, window_s=10.0)
+    window.record_first_token(1.0, ttft_s=0.5, target_s=1.0)  # met
+    window.record_first_token(2.0, ttft_s=1.0, target_s=1.0)  # met, exactly on time
+    window.record_first_token(8.0, ttft_s=1.5, target_s=1.0)  # missed
+    window.record_finish(3.0, tpot_s=0.05, target_s=0.04)  # missed
+    window.record_finish(9.0, tpot_s=0.03, target_s=0.04)  # met
+    snapshot = window.snapshot(9.0)
+    assert (snapshot.first_tokens, snapshot.ttft_met) == (3, 2)
+    assert (snapshot.finished, snapshot.tpot_met) == (2, 1)
+    later = window.snapshot(14.0)  # the first two first tokens and the first finish aged out
+    assert (later.first_tokens, later.ttft_met, later.finished, later.tpot_met) == (1, 0, 1, 1)
+    empty = window.snapshot(100.0)
+    assert (empty.first_tokens, empty.ttft_met, empty.finished, empty.tpot_met) == (0, 0, 0, 0)
+
+
 def test_running_sums_agree_with_a_recount_over_a_long_busy_run():
     window = LoadWindow(start_s=0.0, window_s=5.0)
     steps = [(i * 0.004, i * 0.004 + 0.003, 64 if i % 7 == 0 else 0) for i in range(20_000)]

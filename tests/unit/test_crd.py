@@ -188,6 +188,30 @@ INVALID = [
     ("scheduler", {"shortPrefillMaxWaitMs": 80.0}, "spec.scheduler.shortPrefillMaxHeadWaitMs"),
     ("scheduler", {"shortPrefillBatching": "awd", "shortPrefillMaxPromptTokens": 8192},
      "spec.pools.longPrefillThresholdTokens"),  # AWD would hold long-pool prompts
+    ("autoscaling", {"minInstances": 5, "maxInstances": 4}, "spec.autoscaling.minInstances"),
+    ("autoscaling", {"minInstances": 0, "maxInstances": 4}, "spec.autoscaling.minInstances"),
+    ("autoscaling", {"maxInstances": 8, "maxStep": 0}, "spec.autoscaling.maxStep"),
+    ("autoscaling", {"maxInstances": 8, "tolerance": 1.0}, "spec.autoscaling.tolerance"),
+    ("autoscaling", {"maxInstances": 8, "periodSeconds": 30,
+                     "scaleDownStabilizationSeconds": 10},
+     "spec.autoscaling.scaleDownStabilizationSeconds"),
+    ("autoscaling", {"maxInstances": 8, "scaleUpStabilizationSeconds": -1},
+     "spec.autoscaling.scaleUpStabilizationSeconds"),
+    ("autoscaling", {"maxInstances": 8, "drainTimeoutSeconds": 0},
+     "spec.autoscaling.drainTimeoutSeconds"),
+    ("autoscaling", {"maxInstances": 8, "targets": {"ttftAttainment": 1.5}},
+     "spec.autoscaling.targets.ttftAttainment"),
+    ("autoscaling", {"maxInstances": 8, "targets": {"tpotAttainment": 0.0}},
+     "spec.autoscaling.targets.tpotAttainment"),
+    ("autoscaling", {"maxInstances": 8, "targets": {"queueDelaySeconds": 0.0}},
+     "spec.autoscaling.targets.queueDelaySeconds"),
+    ("autoscaling", {"maxInstances": 8, "targets": {"kvUtilization": 1.2}},
+     "spec.autoscaling.targets.kvUtilization"),
+    ("autoscaling", {"maxInstances": 8, "targets": {"busyFraction": 1.0}},
+     "spec.autoscaling.targets.busyFraction"),
+    # With pools (short: 2, minPerPool 1), minInstances must hold both pools.
+    ("autoscaling", {"minInstances": 1, "maxInstances": 8}, "spec.pools.short"),
+    ("autoscaling", {"minInstances": 2, "maxInstances": 8}, "spec.autoscaling.minInstances"),
 ]
 
 
@@ -210,6 +234,32 @@ def test_short_prefill_batching_settings_pass_when_consistent():
 def test_pool_split_is_free_without_rebalancing():
     spec = with_change("pools", {"short": 4, "rebalance": {"enabled": False}})
     assert validate(spec) == []
+
+
+def test_autoscaling_ignores_instances_and_checks_pools_against_min_instances():
+    autoscaled = with_change("autoscaling", {"minInstances": 3, "maxInstances": 12})
+    assert validate(autoscaled) == []
+    # spec.instances is ignored while autoscaling: its pool rules no longer bind ...
+    autoscaled["instances"] = 1
+    assert validate(autoscaled) == []
+    # ... and hold again when autoscaling is switched off.
+    autoscaled["autoscaling"]["enabled"] = False
+    assert any("spec.pools.short" in error for error in validate(autoscaled))
+
+
+def test_autoscaling_defaults_are_documented_values():
+    schema = openapi_schema()["properties"]["spec"]
+    spec = apply_defaults(schema, with_change("autoscaling", {"maxInstances": 6}))
+    autoscaling = spec["autoscaling"]
+    assert autoscaling["minInstances"] == 1 and autoscaling["maxStep"] == 2
+    assert autoscaling["scaleUpStabilizationSeconds"] == 30
+    assert autoscaling["scaleDownStabilizationSeconds"] == 300
+    assert autoscaling["targets"] == {"ttftAttainment": 0.95, "tpotAttainment": 0.95,
+                                      "queueDelaySeconds": 0.5, "kvUtilization": 0.8,
+                                      "busyFraction": 0.9}
+    parsed = ServingReplicaSpec.model_validate(spec)
+    assert parsed.autoscaled and parsed.autoscaling is not None
+    assert parsed.autoscaling.targets.queue_delay_seconds == 0.5
 
 
 # -- the models ---------------------------------------------------------------------------------

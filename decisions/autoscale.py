@@ -1,0 +1,324 @@
+"""The SLO autoscaler: how many instances a ServingReplica should run now.
+
+    every spec.autoscaling.periodSeconds: agent Stats of each ready instance --> InstanceLoad
+      --decide_scale(signals, spec, history, now_s)--> ScaleDecision (+ the next history)
+      --> operator/handle_autoscale.py: place new instances as gangs, or drain the chosen one;
+          an Event per decision; status.autoscaling
+      (or, simulated, agent/sim/autoscale.py: start or drain a simulated instance)
+
+One step, in three stages:
+
+1. **Recommend** from the instances that report (starting ones have no signals yet):
+   - *up* when any target is breached beyond the tolerance: TTFT or TPOT attainment (the
+     miss rate above ``(1 - target) * (1 + tolerance)``), queueing delay or KV utilisation
+     (mean above ``target * (1 + tolerance)``). The count is the reporting instances scaled
+     by the worst of the delay and KV ratios, and at least one more than report, so that
+     instances already starting count against the shortage instead of being added again;
+   - *down* when every target holds with room to spare (the same bands below the target)
+     on fewer instances: KV use projected onto ``m`` instances grows as ``n / m``; the busy
+     fraction ``u`` grows as ``1 - (1 - u) ** (n / m)`` (with Poisson arrivals an engine is
+     idle with probability ``exp(-offered load)``, and the load per instance grows as
+     ``n / m``). Queue delay and attainment only veto: they do not project;
+   - otherwise the current count.
+2. **Stabilise** as the Kubernetes HPA does: scale up only to the lowest count recommended
+   over ``scaleUpStabilizationSeconds``, down only to the highest over
+   ``scaleDownStabilizationSeconds``, and never down before the history covers that window
+   (after an operator restart the history is empty: it waits rather than guesses).
+3. **Limit**: at most ``maxStep`` instances per step, never outside
+   ``[minInstances, maxInstances]``.
+
+With pools, new instances join the pool under the higher P90 pressure (PLA-Serve's pressure
+from ``pools.py``) and removed ones leave the less pressured pool, never below minPerPool.
+Scaling runs before rebalancing and restarts its cooldown (docs/autoscaling.md says why).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from slipstream.crds.servingreplica import UNIFIED_POOL, Autoscaling, ServingReplicaSpec
+from slipstream.decisions.pools import LONG, SHORT, InstanceSignals, instance_pressure, pool_pressures
+
+# Attainment over fewer first tokens (or finished requests) than this is noise, not a signal.
+MIN_ATTAINMENT_SAMPLES = 20
+
+# Outcomes: the status's lastScaleReason and the Event's reason.
+SCALE_UP, SCALE_DOWN = "ScaleUp", "ScaleDown"
+WITHIN_TARGETS, STABILIZING, AT_MAX, AT_MIN, NO_SIGNALS = (
+    "WithinTargets", "Stabilizing", "AtMaxInstances", "AtMinInstances", "NoSignals")
+OUTCOMES = (SCALE_UP, SCALE_DOWN, WITHIN_TARGETS, STABILIZING, AT_MAX, AT_MIN, NO_SIGNALS)
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One ready instance's load window, as its agent reports it."""
+
+    instance: str
+    pool: str = UNIFIED_POOL
+    first_tokens: int = 0  # first tokens with a TTFT target in the window
+    ttft_met: int = 0
+    finished: int = 0  # finished requests with a TPOT target in the window
+    tpot_met: int = 0
+    queue_delay_s: float = 0.0  # seconds of queued prefill work
+    kv_utilization: float = 0.0  # fraction of KV blocks in use
+    busy_fraction: float = 0.0  # fraction of the window the engine ran steps
+    slo_deviation: float = 0.0  # for the pools' pressure
+
+
+@dataclass(frozen=True)
+class Starting:
+    """A placed instance that does not report yet (starting, or not answering)."""
+
+    instance: str
+    pool: str = UNIFIED_POOL
+
+
+@dataclass(frozen=True)
+class ScaleSignals:
+    loads: tuple[InstanceLoad, ...]  # ready instances that answered
+    starting: tuple[Starting, ...] = ()
+
+    @property
+    def current(self) -> int:
+        return len(self.loads) + len(self.starting)
+
+    def size(self, pool: str) -> int:
+        return sum(1 for x in self.loads + self.starting if x.pool == pool)
+
+
+@dataclass(frozen=True)
+class ScaleHistory:
+    """What the decisions before this one leave for it: (time, recommendation) pairs within
+    the longer stabilisation window, and since when they have been kept."""
+
+    since_s: float
+    recommendations: tuple[tuple[float, int], ...] = ()
+    last_scale_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    current: int
+    desired: int
+    recommendation: int
+    reason: str  # one of OUTCOMES
+    message: str
+    history: ScaleHistory  # hand it to the next step
+    add_pools: tuple[str, ...] = ()  # the pool of each instance to add
+    remove: tuple[str, ...] = ()  # the instances to drain, least loaded first
+    ttft_attainment: float | None = None
+    tpot_attainment: float | None = None
+
+    @property
+    def delta(self) -> int:
+        return self.desired - self.current
+
+
+@dataclass(frozen=True)
+class _Load:
+    """The replica-wide view of the reporting instances."""
+
+    count: int
+    ttft_attainment: float | None
+    tpot_attainment: float | None
+    queue_delay_s: float
+    kv_utilization: float
+    busy_fraction: float
+
+
+def attainment(met: int, total: int) -> float | None:
+    return met / total if total >= MIN_ATTAINMENT_SAMPLES else None
+
+
+def _aggregate(loads: tuple[InstanceLoad, ...]) -> _Load:
+    count = len(loads)
+    return _Load(
+        count=count,
+        ttft_attainment=attainment(sum(x.ttft_met for x in loads),
+                                   sum(x.first_tokens for x in loads)),
+        tpot_attainment=attainment(sum(x.tpot_met for x in loads),
+                                   sum(x.finished for x in loads)),
+        queue_delay_s=sum(x.queue_delay_s for x in loads) / count,
+        kv_utilization=sum(x.kv_utilization for x in loads) / count,
+        busy_fraction=sum(x.busy_fraction for x in loads) / count)
+
+
+def projected_busy(busy: float, ratio: float) -> float:
+    """Busy fraction when each instance takes ``ratio`` times its load (see the docstring)."""
+    if busy >= 1.0:
+        return 1.0
+    return 1.0 - (1.0 - max(busy, 0.0)) ** ratio
+
+
+def recommend(load: _Load, settings: Autoscaling, current: int) -> tuple[int, str]:
+    """Stage 1: the count these signals ask for, and why."""
+    targets, tolerance = settings.targets, settings.tolerance
+    n = load.count
+    breaches, ratios = [], [1.0]
+    for name, value, target in (("TTFT", load.ttft_attainment, targets.ttft_attainment),
+                                ("TPOT", load.tpot_attainment, targets.tpot_attainment)):
+        if value is not None and 1.0 - value > (1.0 - target) * (1.0 + tolerance):
+            breaches.append(f"{name} attainment {value:.3f} < {target}")
+    for name, value, target, unit in (
+            ("queue delay", load.queue_delay_s, targets.queue_delay_seconds, " s"),
+            ("KV utilisation", load.kv_utilization, targets.kv_utilization, "")):
+        ratios.append(value / target)
+        if value > target * (1.0 + tolerance):
+            breaches.append(f"{name} {value:.3f}{unit} > {target}{unit}")
+    if breaches:
+        # Instances still starting already count against the shortage: never below current.
+        wanted = max(current, n + 1, math.ceil(n * max(ratios)))
+        return wanted, "; ".join(breaches)
+
+    def holds(m: int) -> bool:
+        ratio = n / m
+        band = 1.0 - tolerance
+        return (load.kv_utilization * ratio <= targets.kv_utilization * band
+                and projected_busy(load.busy_fraction, ratio) <= targets.busy_fraction * band)
+
+    comfortable = all((
+        load.queue_delay_s <= targets.queue_delay_seconds * (1.0 - tolerance),
+        load.ttft_attainment is None
+        or 1.0 - load.ttft_attainment <= (1.0 - targets.ttft_attainment) * (1.0 - tolerance),
+        load.tpot_attainment is None
+        or 1.0 - load.tpot_attainment <= (1.0 - targets.tpot_attainment) * (1.0 - tolerance)))
+    smallest = next((m for m in range(1, n) if holds(m)), n) if comfortable else n
+    summary = (f"KV {load.kv_utilization:.2f}, busy {load.busy_fraction:.2f}, "
+               f"queue {load.queue_delay_s:.3f} s")
+    if smallest < n:
+        return smallest, f"{summary}: {smallest} instance(s) would hold every target"
+    return current, f"{summary}: within targets"
+
+
+def stabilise(recommendation: int, current: int, settings: Autoscaling, history: ScaleHistory,
+              now_s: float) -> tuple[int, str]:
+    """Stage 2: HPA's stabilisation windows over (this and) the recorded recommendations."""
+    if recommendation > current:
+        window = [r for t, r in history.recommendations
+                  if t >= now_s - settings.scale_up_stabilization_seconds] + [recommendation]
+        return max(current, min(window)), f"lowest over {settings.scale_up_stabilization_seconds} s"
+    if recommendation < current:
+        if now_s - history.since_s < settings.scale_down_stabilization_seconds:
+            return current, (f"history covers {now_s - history.since_s:.0f} of "
+                             f"{settings.scale_down_stabilization_seconds} s")
+        window = [r for t, r in history.recommendations
+                  if t >= now_s - settings.scale_down_stabilization_seconds] + [recommendation]
+        return min(current, max(window)), \
+            f"highest over {settings.scale_down_stabilization_seconds} s"
+    return current, ""
+
+
+def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: ScaleHistory,
+                 now_s: float) -> ScaleDecision:
+    """One autoscaler step (see the module docstring). ``spec.autoscaling`` must be set."""
+    settings = spec.autoscaling
+    if settings is None:
+        raise ValueError("decide_scale needs spec.autoscaling")
+    current = signals.current
+    low, high = settings.min_instances, settings.max_instances
+    keep_s = max(settings.scale_up_stabilization_seconds,
+                 settings.scale_down_stabilization_seconds)
+    load = _aggregate(signals.loads) if signals.loads else None
+    if load is None:
+        recommendation, why = current, "no ready instance reported its load"
+    else:
+        recommendation, why = recommend(load, settings, current)
+    recorded = tuple((t, r) for t, r in history.recommendations if t >= now_s - keep_s) + \
+        ((now_s, recommendation),)
+    stabilised, window_note = stabilise(recommendation, current, settings, history, now_s)
+    step = max(-settings.max_step, min(settings.max_step, stabilised - current))
+    desired = min(high, max(low, current + step))
+    if not low <= current <= high:
+        desired = min(high, max(low, current))  # the bounds changed: they come first
+
+    if desired > current:
+        reason = SCALE_UP
+    elif desired < current:
+        reason = SCALE_DOWN
+    elif load is None:
+        reason = NO_SIGNALS
+    elif recommendation > current:
+        reason = AT_MAX if current >= high else STABILIZING
+    elif recommendation < current:
+        reason = AT_MIN if current <= low else STABILIZING
+    else:
+        reason = WITHIN_TARGETS
+
+    add_pools: tuple[str, ...] = ()
+    remove: tuple[str, ...] = ()
+    if desired > current:
+        add_pools = pools_for_new(signals, spec, desired - current)
+    elif desired < current:
+        remove = pick_drains(signals, spec, current - desired)
+        desired = current - len(remove)
+        if not remove:
+            reason = AT_MIN
+    message = f"{current} -> {desired} instance(s) (recommended {recommendation}"
+    message += f", {window_note})" if window_note and recommendation != current else ")"
+    message += f": {why}"
+    if not low <= current <= high:
+        message += f"; bounds are [{low}, {high}]"
+    next_history = replace(history, recommendations=recorded,
+                           last_scale_s=now_s if desired != current else history.last_scale_s)
+    return ScaleDecision(
+        current=current, desired=desired, recommendation=recommendation, reason=reason,
+        message=message, history=next_history, add_pools=add_pools, remove=remove,
+        ttft_attainment=load.ttft_attainment if load else None,
+        tpot_attainment=load.tpot_attainment if load else None)
+
+
+def _as_pool_signals(load: InstanceLoad) -> InstanceSignals:
+    return InstanceSignals(instance=load.instance, pool=load.pool,
+                           queue_backlog_s=load.queue_delay_s,
+                           slo_deviation=load.slo_deviation, utilization=load.busy_fraction)
+
+
+def pools_for_new(signals: ScaleSignals, spec: ServingReplicaSpec, count: int) -> tuple[str, ...]:
+    """Without pools, every instance is unified. With pools, new instances go to the pool
+    under the higher P90 pressure (the one the rebalancer would feed); an empty or unknown
+    pool comes first."""
+    if spec.pools is None:
+        return (UNIFIED_POOL,) * count
+    pressures = pool_pressures([_as_pool_signals(x) for x in signals.loads],
+                               spec.pools.rebalance.weights)
+    sizes = {pool: signals.size(pool) for pool in (SHORT, LONG)}
+    chosen = []
+    for _ in range(count):
+        pool = max((SHORT, LONG), key=lambda p: (
+            sizes[p] == 0, -math.inf if pressures[p] is None else pressures[p], p == SHORT))
+        chosen.append(pool)
+        sizes[pool] += 1
+    return tuple(chosen)
+
+
+def pick_drains(signals: ScaleSignals, spec: ServingReplicaSpec, count: int) -> tuple[str, ...]:
+    """The ``count`` instances to drain: those still starting first (they serve nothing),
+    then the least loaded; with pools, from the less pressured pool while it keeps more than
+    minPerPool (else from the other pool)."""
+    loads = list(signals.loads)
+    floor = 0
+    if spec.pools is not None and spec.pools.rebalance.enabled:
+        floor = spec.pools.rebalance.min_per_pool
+    sizes = {pool: signals.size(pool) for pool in (SHORT, LONG, UNIFIED_POOL)}
+    chosen: list[str] = []
+    for starting in sorted(signals.starting, key=lambda x: x.instance, reverse=True):
+        if len(chosen) < count and sizes[starting.pool] > floor:
+            chosen.append(starting.instance)
+            sizes[starting.pool] -= 1
+    if spec.pools is None:
+        ordered = sorted(loads, key=lambda x: (x.queue_delay_s + x.kv_utilization,
+                                               x.busy_fraction, x.instance))
+        return tuple(chosen + [x.instance for x in ordered[:count - len(chosen)]])
+    weights = spec.pools.rebalance.weights
+    pressures = pool_pressures([_as_pool_signals(x) for x in loads], weights)
+    while len(chosen) < count:
+        left = [x for x in loads if x.instance not in chosen and sizes[x.pool] > floor]
+        if not left:
+            break
+        colder = min({x.pool for x in left}, key=lambda p: (pressures.get(p) or 0.0, p))
+        victim = min((x for x in left if x.pool == colder),
+                     key=lambda x: (instance_pressure(_as_pool_signals(x), weights), x.instance))
+        chosen.append(victim.instance)
+        sizes[victim.pool] -= 1
+    return tuple(chosen)
