@@ -104,6 +104,9 @@ bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azu
 	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
 	  --out $(RESULTS)/sim/azure-1h
 
+bench-prefix: setup  ## prefix caching: Mooncake sim (4 systems, 4 instances) and the live CPU engine (docs/prefix-caching.md)
+	$(BIN)/python -m slipstream.agent.bench.prefix_bench --out $(RESULTS)/prefix
+
 bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools

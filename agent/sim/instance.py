@@ -175,7 +175,9 @@ class SimInstance:
         record.instance = self.index
         assert request.ttft_deadline_s is not None, "the scheduler sets it on add()"
         record.ttft_deadline_s = request.ttft_deadline_s - record.arrival_s
-        self.backlog_tokens += record.prompt_tokens + record.output_tokens
+        # The cached part of the prompt is never computed, so it is no backlog.
+        self.backlog_tokens += (record.prompt_tokens - request.prefix_hit_tokens
+                                + record.output_tokens)
 
     @property
     def idle(self) -> bool:
