@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field
 
 from slipstream.crds.servingreplica import (
-    ApiModel, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, ApiModel, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
 
 
 class AgentModel(ApiModel):
@@ -32,12 +32,17 @@ class AgentPools(ApiModel):
     long_prefill_threshold_tokens: int = Field(8192, gt=0)
 
 
+class AgentServer(ApiModel):
+    drain_timeout_seconds: float = Field(DEFAULT_DRAIN_TIMEOUT_SECONDS, ge=0, le=3600)
+
+
 class AgentConfig(ApiModel):
     model: AgentModel
     parallelism: Parallelism = Field(default_factory=Parallelism)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     slo: Slo = Field(default_factory=Slo)
     pools: AgentPools | None = None
+    server: AgentServer = Field(default_factory=AgentServer)
 
     @classmethod
     def from_spec(cls, spec: ServingReplicaSpec, model_path: str) -> AgentConfig:
@@ -49,7 +54,8 @@ class AgentConfig(ApiModel):
                                     dtype=spec.model.dtype,
                                     max_model_len=spec.model.max_model_len),
                    parallelism=spec.parallelism, scheduler=spec.scheduler, slo=spec.slo,
-                   pools=pools)
+                   pools=pools,
+                   server=AgentServer(drain_timeout_seconds=spec.drain_timeout_seconds))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_api(), sort_keys=True)

@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOL_NAMES = ("short", "long")
 # AWD's longest length bucket: a power of two from the shortest bucket up to 8192 tokens.
 SHORT_PREFILL_PROMPT_LIMITS = tuple(AWD_SHORTEST_BUCKET_TOKENS << i for i in range(11))
+DEFAULT_DRAIN_TIMEOUT_SECONDS = 30  # as `slipstream serve --drain-timeout-s`
 UNIFIED_POOL = "unified"  # the pool label of every instance when spec.pools is absent
 
 
@@ -335,6 +336,11 @@ class ServingReplicaSpec(ApiModel):
                                 "(PLA-Serve); absent means every instance serves all lengths.")
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     slo: Slo = Field(default_factory=Slo)
+    drain_timeout_seconds: int = Field(
+        DEFAULT_DRAIN_TIMEOUT_SECONDS, ge=0, le=3600,
+        description="On shutdown (rollout, scale-down, rebalance) an instance stops taking "
+                    "requests and gives those in flight this long to finish; the rest end with "
+                    "an error. The pods' terminationGracePeriodSeconds is set above it.")
     autoscaling: Autoscaling | None = Field(None, description="The built-in SLO autoscaler; "
                                             "absent or disabled: spec.instances holds.")
 

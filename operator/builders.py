@@ -118,7 +118,7 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
         # An NCCL group does not survive a member: the operator recreates the whole instance
         # when any pod fails, so the kubelet must not restart containers in place.
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 15,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "hostname": f"rank-{rank}",
         "subdomain": instance,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -139,6 +139,18 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
                      "labels": labels, "annotations": annotations},
         "spec": pod_spec,
     }
+
+
+# Before SIGTERM the kubelet runs the preStop hook: a pause that lets the endpoint controllers
+# and the router take the pod out of rotation, so that the drain sees few new requests.
+PRE_STOP_SLEEP_SECONDS = 5
+# After the drain period: the cut streams' last events, the engine's and workers' exit.
+DRAIN_MARGIN_SECONDS = 10
+
+
+def termination_grace_seconds(spec: ServingReplicaSpec) -> int:
+    """Time from deletion to SIGKILL: the preStop pause, the agent's drain, a margin."""
+    return PRE_STOP_SLEEP_SECONDS + spec.drain_timeout_seconds + DRAIN_MARGIN_SECONDS
 
 
 def agent_command(*, rank: int) -> list[str]:
@@ -199,6 +211,7 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
         "resources": {"requests": {gpu_resource: str(share.gpus)},
                       "limits": {gpu_resource: str(share.gpus)}},
         "volumeMounts": _volume_mounts(spec),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
     }
     if rank == 0:
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"},

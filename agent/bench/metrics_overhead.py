@@ -25,6 +25,7 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.model_runner import resolve_device
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.stats import StepStats
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir, write_tiny_model
@@ -92,7 +93,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     observer_s = _observer_cost_s(captured, repeats=2000)
     off_median, on_median = statistics.median(off), statistics.median(on)
     return {
-        "preset": args.preset, "device": str(engine.runner.device),
+        "preset": args.preset, "device": str(resolve_device(engine.config.device)),
         "batch_size": args.batch_size, "steps_per_arm": len(off),
         "step_ms_median_metrics_off": 1000 * off_median,
         "step_ms_median_metrics_on": 1000 * on_median,

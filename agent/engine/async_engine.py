@@ -14,6 +14,10 @@ server then refuses new requests with 503), fails every request, stops, and call
 ``on_fatal`` so the server can exit non-zero and be restarted. Error outputs carry a code
 from ``errors.py`` and a message meant for clients; exception text stays in the log.
 
+Shutting down (SIGTERM) is a drain: ``drain()`` stops new requests, the ones in flight run on,
+and ``cut_in_flight()`` ends whatever is left when the drain period runs out, each with a
+``drained`` error output, so every stream still ends properly.
+
 When a step runs nothing while requests wait (AWD holds short prefills until their group is
 due), the thread sleeps on the command queue until the engine's wakeup time: a new request
 still wakes it at once, and nothing spins.
@@ -39,6 +43,8 @@ from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
+DRAINED_MESSAGE = ("the instance shut down before this request finished (its drain period "
+                   "ran out); retry the request")
 # With no request left, wake this often to notice a dead worker (nothing else would).
 IDLE_CHECK_S = 0.5
 
@@ -58,6 +64,13 @@ class _Abort:
     request_id: str
 
 
+class _CutInFlight:
+    """Command: fail every request in flight (the drain period is over)."""
+
+
+_CUT = _CutInFlight()
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  engine: LLMEngine | None = None,
@@ -67,11 +80,12 @@ class AsyncEngine:
         self.fatal_error: str | None = None  # set once the engine died
         self.config = config
         self.tokenizer = self.engine.tokenizer
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.healthy = False
+        self.draining = False  # set by drain(): takes no new requests, finishes the rest
         self._stats = self.engine.stats()
 
     @property
@@ -86,9 +100,19 @@ class AsyncEngine:
         """A snapshot taken by the engine thread after its last step (no locking needed)."""
         return self._stats
 
-    async def start(self) -> None:
+    async def start(self, *, warm_up: bool = False) -> None:
+        """Start the engine thread. With ``warm_up`` first run one real request through every
+        rank (``LLMEngine.warm_up``): ``healthy`` then means the engine has served, not only
+        that it loaded. Raises if the warm-up fails."""
         if self._thread is not None:
             return
+        if warm_up:
+            try:
+                await asyncio.to_thread(self.engine.warm_up)
+            except EngineDeadError as error:
+                self.fatal_error = str(error)
+                raise
+            self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
         # Everything loaded so far (model, tokenizer, tables) lives for the whole process;
         # moving it out of the collector's generations keeps GC pauses out of schedule().
@@ -96,6 +120,21 @@ class AsyncEngine:
         gc.freeze()
         self.healthy = True
         self._thread.start()
+
+    def drain(self) -> None:
+        """Take no new requests (``healthy`` turns false, so /health and new requests say 503)
+        and let the ones in flight finish. Safe to call from any thread."""
+        self.draining = True
+        self.healthy = False
+
+    def cut_in_flight(self) -> None:
+        """End every request still in flight with a ``drained`` error (the drain period ran
+        out); their streams get an error event and ``[DONE]``. Safe to call from any thread."""
+        self._commands.put(_CUT)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
 
     async def shutdown(self) -> None:
         self._stopping.set()
@@ -112,6 +151,8 @@ class AsyncEngine:
         if self.fatal_error is not None:
             raise EngineDeadError("the engine of this instance failed; retry on another "
                                   "instance")
+        if self.draining:
+            raise EngineUnavailable("this instance is shutting down; retry on another instance")
         if not self.healthy:
             raise EngineUnavailable("the engine is not running")
         if request_id in self._streams:
@@ -171,8 +212,7 @@ class AsyncEngine:
             self._stats = engine.stats()
             for output in outputs:
                 self._deliver(output)
-        for output in self._fail_all("the server shut down before this request finished",
-                                     DRAINED):
+        for output in self._fail_all(DRAINED_MESSAGE, DRAINED):
             self._deliver(output)
 
     def _die(self, reason: str) -> None:
@@ -207,6 +247,9 @@ class AsyncEngine:
                 except ValueError as error:
                     self._deliver(_error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))
+            elif isinstance(command, _CutInFlight):
+                for failed in self._fail_all(DRAINED_MESSAGE, DRAINED):
+                    self._deliver(failed)
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:

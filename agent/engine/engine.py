@@ -12,8 +12,11 @@ scheduler holds new short prompts until their group is due. ``idle_wait_s`` then
 the caller may wait for a new request before stepping again (until the scheduler's wakeup),
 so neither loop spins.
 
-With ``tp x spp x kvp > 1`` the runner is a ``ParallelExecutor`` (worker processes behind
-ZeroMQ); with one process it is the in-process ``ModelRunner``, untouched. Under SPP the loop
+The engine talks to its model runner through the ``Runner`` protocol (runner.py). With one
+process it builds the in-process ``ModelRunner`` itself; with ``tp x spp x kvp > 1`` the
+caller passes a ``ParallelExecutor`` (worker processes behind ZeroMQ), which
+``slipstream.agent.parallel.compose.build_engine`` does, so this module never imports
+``agent/parallel``. Requests that leave are ``release``d to the runner. Under SPP the loop
 keeps several batches in flight (``_step_pipelined``): a prefill chunk that samples nothing
 is marked computed as soon as it is sent, so its next chunk can enter stage 1 right behind
 it, while a chunk that samples (the last prefill chunk, a decode) marks its request
@@ -34,6 +37,7 @@ from slipstream.agent.engine.errors import REQUEST_FAILED, EngineDeadError
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
+from slipstream.agent.engine.runner import Runner
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -47,6 +51,9 @@ log = logging.getLogger(__name__)
 # After a step that ran nothing while no wakeup time is known (nothing held, nothing runnable,
 # e.g. a request waiting for KV blocks), retry after this long rather than at once.
 STALLED_RETRY_S = 0.001
+# The warm-up request (``warm_up``); a generous bound, for a loaded machine or a first CUDA call.
+WARM_UP_REQUEST_ID = "slipstream-warm-up"
+WARM_UP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -73,14 +80,15 @@ class _OutputState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 runner: Runner | None = None) -> None:
         self.config = config
         self.clock = clock
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        self.runner = _make_runner(config, self.model_config)
-        self.pipeline_depth: int = getattr(self.runner, "pipeline_depth", 1)
+        self.runner: Runner = runner or _make_runner(config, self.model_config)
+        self.pipeline_depth = self.runner.pipeline_depth
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
         if config.parallel.kvp > 1 and scheduler_config.kvp_tokens_per_group is None:
@@ -89,12 +97,12 @@ class LLMEngine:
         # Swap preemption needs somewhere to put the blocks: a host pool as large as the
         # device one, so that any preempted request fits.
         num_host_blocks = self.runner.num_kv_blocks if scheduler_config.preemption == "swap" else 0
-        if num_host_blocks and not config.parallel.is_single_process:
-            self.close()
-            raise ValueError("swap preemption is not supported with parallel workers yet; "
-                             "use --preemption recompute")
         if num_host_blocks:
-            self.runner.allocate_host_cache(num_host_blocks)
+            try:
+                self.runner.allocate_host_cache(num_host_blocks)
+            except ValueError:
+                self.close()
+                raise
         self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
                                           prefix_caching=scheduler_config.prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
@@ -173,6 +181,8 @@ class LLMEngine:
               error: str | None = None, error_code: str | None = None) -> RequestOutput | None:
         request = self.scheduler.finish(request_id, reason, self.clock())
         state = self._outputs.pop(request_id, None)
+        if request is not None:
+            self.runner.release((request_id,))
         if request is None or state is None:
             return None
         output = self._final_output(request, state, [], "", error=error)
@@ -223,15 +233,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop worker processes, if any (the in-process runner has nothing to stop)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def check_alive(self) -> None:
         """Raise ``EngineDeadError`` if a worker process is gone (cheap; call when idle)."""
-        check = getattr(self.runner, "check_alive", None)
-        if check is not None:
-            check()
+        self.runner.check_alive()
 
     def step(self) -> list[RequestOutput]:
         if self.pipeline_depth > 1:
@@ -382,6 +388,7 @@ class LLMEngine:
         state.emitted_tokens = request.num_output_tokens
         if reason is not None:
             self.scheduler.finish(request_id, reason, now)
+            self.runner.release((request_id,))
             del self._outputs[request_id]
             return self._final_output(request, state, new_tokens, text)
         logprobs, state.logprobs = state.logprobs, []
@@ -400,6 +407,33 @@ class LLMEngine:
             arrival_s=state.arrival_s, first_token_s=state.first_token_s,
             finished_s=request.finished_s, error=error)
 
+    def warm_up(self, timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+        """Run one real one-token request through every rank and wait for its token, so that
+        an instance says it is ready only once it has served. Raises ``EngineDeadError`` if a
+        worker is gone, ``RuntimeError`` if the step fails or takes longer than
+        ``timeout_s``. Leaves no trace: step observers are not told, and the load window
+        starts afresh."""
+        on_step, self.on_step = self.on_step, None
+        try:
+            request_id = self.add_request([0], SamplingParams(max_tokens=1, temperature=0.0,
+                                                              ignore_eos=True),
+                                          WARM_UP_REQUEST_ID)
+            deadline = self.clock() + timeout_s
+            final: RequestOutput | None = None
+            while final is None:
+                if self.clock() > deadline:
+                    self.abort(request_id)
+                    raise RuntimeError(f"the engine did not complete a one-token request in "
+                                       f"{timeout_s:.0f} s")
+                final = next((out for out in self.step() if out.finished), None)
+                if final is None and (wait_s := self.idle_wait_s()) > 0:
+                    time.sleep(wait_s)
+            if final.finish_reason == FinishReason.ERROR.value:
+                raise RuntimeError(f"the engine failed its warm-up request: {final.error}")
+        finally:
+            self.on_step = on_step
+        self.load = LoadWindow(start_s=self.clock())
+
     # -- offline use ------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -414,13 +448,13 @@ class LLMEngine:
         return [tokens[rid] for rid in ids]
 
 
-def _make_runner(config: EngineConfig, model_config: ModelConfig):
-    """The in-process runner, or, for more than one rank, the controller of worker processes."""
-    if config.parallel.is_single_process:
-        return ModelRunner(config, model_config)
-    from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
-
-    return ParallelExecutor(config)
+def _make_runner(config: EngineConfig, model_config: ModelConfig) -> Runner:
+    """The in-process runner; a parallel config needs its runner passed in."""
+    if not config.parallel.is_single_process:
+        raise ValueError(
+            f"tp x spp x kvp = {config.parallel.world_size} needs worker processes: build the "
+            "engine with slipstream.agent.parallel.compose.build_engine")
+    return ModelRunner(config, model_config)
 
 
 def _load_predictor(config: EngineConfig) -> RuntimePredictor | None:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
-from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.config import EngineConfig, ModelConfig, kv_cache_budget_gib
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.llama import KVCache
 from slipstream.agent.engine.sampler import SampleResult, Sampler
@@ -54,7 +56,48 @@ def sampled_tokens(chunks: list[ScheduledChunk], result: SampleResult) -> dict[s
                                                               result.logprobs))}
 
 
+@dataclass(frozen=True)
+class FlatInputs:
+    """A batch flattened into one token row per scheduled token (shared by ``ModelRunner``
+    and the parallel ``StageRunner``): ids, positions, and for each chunk that samples,
+    ``(chunk index, row of its last token)``."""
+
+    token_ids: list[int]
+    positions: list[int]
+    sample_rows: list[tuple[int, int]]
+
+    @staticmethod
+    def of(chunks: tuple[ScheduledChunk, ...]) -> FlatInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        for index, chunk in enumerate(chunks):
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.end_pos))
+            if chunk.sample:
+                sample_rows.append((index, len(token_ids) - 1))
+        return FlatInputs(token_ids, positions, sample_rows)
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor(self.token_ids, dtype=torch.int64, device=device),
+                torch.tensor(self.positions, dtype=torch.int64, device=device))
+
+
+def sample_batch(sampler: Sampler, batch: Batch, sample_rows: list[tuple[int, int]],
+                 logits: torch.Tensor) -> dict[str, SampledToken]:
+    """Sample the next token of every chunk in ``sample_rows`` from its row of ``logits``."""
+    if not sample_rows:
+        return {}
+    chunks = [batch.chunks[index] for index, _ in sample_rows]
+    return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
+                                          [c.num_generated for c in chunks]))
+
+
 class ModelRunner:
+    """The in-process ``Runner`` (``runner.py``): no pipeline, so ``submit`` runs the batch."""
+
+    pipeline_depth = 1
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.config = config
         self.model_config = model_config
@@ -74,6 +117,8 @@ class ModelRunner:
         # an engine step is scheduling, tensor preparation, sampling and output handling.
         self.last_forward_s = 0.0
         self.short_prefill = self._make_short_prefill() if config.cuda_graphs else None
+        self._next_seq = 0
+        self._done: deque[tuple[int, dict[str, SampledToken]]] = deque()
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention backend %s",
                  config.model_name, self.device, self.dtype, self.num_kv_blocks, BLOCK_SIZE,
                  self.backend.name)
@@ -92,7 +137,8 @@ class ModelRunner:
     def _default_num_blocks(self) -> int:
         element_bytes = torch.finfo(self.dtype).bits // 8
         bytes_per_token = self.model_config.kv_bytes_per_token // 4 * element_bytes
-        return max(1, int(self.config.kv_cache_memory_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
+        budget_gib = kv_cache_budget_gib(self.config, self.device.type)
+        return max(1, int(budget_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         """Host-memory KV blocks that swap preemption copies device blocks into."""
@@ -104,6 +150,32 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=device))
                 for _ in range(self.model_config.num_layers)]
 
+    # -- the Runner protocol ----------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._done)
+
+    def submit(self, batch: Batch) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        self._done.append((seq, self.execute(batch)))
+        return seq
+
+    def collect(self, block: bool) -> list[tuple[int, dict[str, SampledToken]]]:
+        done = list(self._done)
+        self._done.clear()
+        return done
+
+    def release(self, request_ids: Collection[str]) -> None:
+        """Nothing to drop: this runner keeps no per-request state."""
+
+    def check_alive(self) -> None:
+        """In-process: alive as long as the engine is."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampledToken]:
         for copy in batch.swap_out:
@@ -112,11 +184,8 @@ class ModelRunner:
             self._copy_blocks(self.host_kv_caches, self.kv_caches, copy)
         if not batch.chunks:
             return {}
-        logits, chunks = self._forward_sampling(batch)
-        if not chunks:
-            return {}
-        return sampled_tokens(chunks, self.sampler(logits, [c.sampling for c in chunks],
-                                                   [c.num_generated for c in chunks]))
+        logits, sample_rows = self._forward_sampling(batch)
+        return sample_batch(self.sampler, batch, sample_rows, logits)
 
     @torch.inference_mode()
     def sample_logits(self, batch: Batch) -> torch.Tensor:
@@ -125,18 +194,18 @@ class ModelRunner:
         return self._forward_sampling(batch)[0]
 
     def _forward_sampling(self, batch: Batch):
-        """The forward of one batch: logits of the chunks that sample, and those chunks.
-        Times the forward alone into ``last_forward_s`` (input preparation excluded)."""
+        """The forward of one batch: logits of the chunks that sample, and their
+        ``(chunk index, row)``. Times the forward alone into ``last_forward_s``."""
         short_prefill = self.short_prefill
         bucket = short_prefill.select(batch.chunks) if short_prefill is not None else None
         if short_prefill is not None and bucket is not None:
             chunks = list(batch.chunks)
+            sample_rows = [(index, index) for index in range(len(chunks))]
             short_prefill.load_inputs(chunks, bucket)
             started = time.perf_counter()
             logits = short_prefill.forward(bucket, len(chunks))
         else:
             input_ids, positions, metadata, sample_rows = self._prepare(batch)
-            chunks = [batch.chunks[i] for i, _ in sample_rows]
             started = time.perf_counter()
             self.backend.plan(metadata)
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
@@ -144,7 +213,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - started
-        return logits, chunks
+        return logits, sample_rows
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor:
@@ -156,27 +225,20 @@ class ModelRunner:
             self.model(input_ids, positions, self.kv_caches, self.backend))
 
     def _prepare(self, batch: Batch):
-        token_ids: list[int] = []
-        positions: list[int] = []
+        flat = FlatInputs.of(batch.chunks)
         slots: list[int] = []
-        sample_rows: list[tuple[int, int]] = []  # (chunk index, flat token row)
-        for index, chunk in enumerate(batch.chunks):
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.end_pos))
+        for chunk in batch.chunks:
             table = chunk.block_ids
             slots.extend(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
                          for pos in range(chunk.start_pos, chunk.end_pos))
-            if chunk.sample:
-                sample_rows.append((index, len(token_ids) - 1))
         metadata = AttentionMetadata.build(
             query_lens=[c.num_tokens for c in batch.chunks],
             kv_lens=[c.end_pos for c in batch.chunks],
             query_start_pos=[c.start_pos for c in batch.chunks],
             block_tables=[list(c.block_ids) for c in batch.chunks],
             slot_mapping=slots, block_size=BLOCK_SIZE, device=self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return input_ids, position_tensor, metadata, sample_rows
+        input_ids, position_tensor = flat.tensors(self.device)
+        return input_ids, position_tensor, metadata, flat.sample_rows
 
     @staticmethod
     def _copy_blocks(source, destination, copy: BlockCopy) -> None:

@@ -4,7 +4,11 @@
                    <--collect()------ RESULT from the sampler rank, in batch order
 
 ``execute(batch)`` (submit, then wait) serves the plain engine loop. With SPP the engine keeps
-up to ``pipeline_depth`` batches in flight through ``submit``/``collect``.
+up to ``pipeline_depth`` batches in flight through ``submit``/``collect``. This is the
+``Runner`` of ``agent/engine/runner.py``.
+
+What goes to the workers is a diff (``wire.py``): new requests in full, running ones only
+their new tokens and new block ids; ``release`` tells the workers which requests left.
 
 Failure handling: every wait polls in short slices and checks, between them, for a worker's
 ERROR message, a dropped connection (socket monitor, heartbeats) and, for workers started
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Collection
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
@@ -24,6 +29,7 @@ from slipstream.agent.engine.model_runner import SampledToken
 from slipstream.agent.parallel.env import NodeEnv
 from slipstream.agent.parallel.launch import LocalWorkers, free_port
 from slipstream.agent.parallel.stage_runner import StageSpan
+from slipstream.agent.parallel.wire import BatchDiffer
 from slipstream.agent.parallel.transport import (
     BATCH, ERROR, HELLO, INIT, READY, RESULT, STOP, TRACE, TRACE_REPLY, ControllerSocket,
     PeerLost, decode_object, decode_sampled, encode_batch, encode_object)
@@ -60,6 +66,8 @@ class ParallelExecutor:
         self.last_forward_s = 0.0  # not measurable from here; kept for the runner interface
         self._next_seq = 0
         self._in_flight: deque[int] = deque()
+        self._differ = BatchDiffer()
+        self.last_batch_bytes = 0  # what the last submit sent to each worker
         self._closed = False
         # Workers first: they are forked, and the socket below starts ZeroMQ's I/O threads.
         # They keep retrying the connection until the socket is bound.
@@ -125,8 +133,10 @@ class ParallelExecutor:
     def submit(self, batch: Batch) -> int:
         seq = self._next_seq
         self._next_seq += 1
+        frames = encode_batch(seq, self._differ.diff(batch))
+        self.last_batch_bytes = sum(len(frame) for frame in frames)
         try:
-            self.socket.broadcast(BATCH, *encode_batch(seq, batch))
+            self.socket.broadcast(BATCH, *frames)
         except PeerLost as error:
             raise WorkerLost(str(error)) from None
         self._in_flight.append(seq)
@@ -147,6 +157,13 @@ class ParallelExecutor:
             self._in_flight.remove(seq)
             results.append((seq, sampled))
         return results
+
+    def release(self, request_ids: Collection[str]) -> None:
+        self._differ.release(request_ids)
+
+    def allocate_host_cache(self, num_blocks: int) -> None:
+        raise ValueError("swap preemption is not supported with parallel workers yet; "
+                         "use --preemption recompute")
 
     def check_alive(self) -> None:
         """Raise ``WorkerLost`` if a worker is gone. Only while idle: ``collect`` watches

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.config import EngineConfig, ModelConfig, kv_cache_budget_gib
 from slipstream.agent.engine.loader import load_model, resolve_dtype
-from slipstream.agent.engine.model_runner import SampledToken, sampled_tokens
+from slipstream.agent.engine.model_runner import FlatInputs, SampledToken, sample_batch
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
 from slipstream.agent.engine.sampler import Sampler
 from slipstream.agent.parallel.groups import ProcessGroups
@@ -74,7 +74,7 @@ class StageRunner:
         local_kv_heads = layers.local_count(model_config.num_kv_heads)
         num_layers = len(self.stage.layer_indices)
         self.num_kv_blocks = config.num_kv_blocks or _blocks_in_memory(
-            config.kv_cache_memory_gib, num_layers * local_kv_heads * model_config.head_dim,
+            kv_cache_budget_gib(config, device.type), num_layers * local_kv_heads * model_config.head_dim,
             self.dtype)
         shape = (self.num_kv_blocks, BLOCK_SIZE, local_kv_heads, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
@@ -117,7 +117,7 @@ class StageRunner:
         if logits is None:
             raise RuntimeError(f"rank {coords.rank} samples but computed no logits (sampler_rank "
                                "must be a last-stage rank of KVP group 0)")
-        return self._sample(self.sampler, batch, sample_rows, logits)
+        return sample_batch(self.sampler, batch, sample_rows, logits)
 
     def finish_sends(self) -> None:
         if self._pending_send is not None:
@@ -133,29 +133,13 @@ class StageRunner:
         hidden = hidden.contiguous()
         self._pending_send = (dist.isend(hidden, dst=self.groups.next_rank), hidden)
 
-    @staticmethod
-    def _sample(sampler: Sampler, batch: Batch, sample_rows: list[tuple[int, int]],
-                logits: torch.Tensor) -> dict[str, SampledToken]:
-        if not sample_rows:
-            return {}
-        chunks = [batch.chunks[i] for i, _ in sample_rows]
-        return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
-                                              [c.num_generated for c in chunks]))
-
     def _prepare(self, batch: Batch):
-        token_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
-        for index, chunk in enumerate(batch.chunks):
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.end_pos))
-            if chunk.sample:
-                sample_rows.append((index, len(token_ids) - 1))
+        flat = FlatInputs.of(batch.chunks)
         metadata = group_metadata(batch.chunks, self.kv_group, self.tokens_per_group, BLOCK_SIZE,
                                   self.device)
         self.backend.plan(metadata)
-        return (torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device), sample_rows)
+        input_ids, positions = flat.tensors(self.device)
+        return input_ids, positions, flat.sample_rows
 
     def _copy_blocks(self, copy: BlockCopy) -> None:
         # Swap to host memory is not wired for parallel workers yet: the engine gives them no

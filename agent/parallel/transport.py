@@ -2,14 +2,14 @@
 
     controller ROUTER  <---- one DEALER per worker (identity = its rank)
       HELLO (worker joined) -> INIT (engine config) -> READY (KV blocks it can hold)
-      BATCH seq, Batch        controller -> every worker, once per iteration
+      BATCH seq, WireBatch    controller -> every worker, once per iteration (a diff: wire.py)
       RESULT seq, sampled     sampler rank -> controller, once per batch
       TRACE / TRACE_REPLY     compute spans, on request
       ERROR text              a worker failed; STOP: shut down
 
-The per-iteration messages (Batch, sampled tokens) are msgpack via msgspec: on a batch of 32
-decodes it encodes and decodes about 6x faster than pickle (see ``agent/bench``). Rare control
-messages are pickled.
+The per-iteration messages (the batch diff, sampled tokens) are msgpack via msgspec: on a
+batch of 32 decodes it encodes and decodes about 6x faster than pickle (see ``agent/bench``).
+Rare control messages are pickled.
 
 Liveness: both ends watch their socket's monitor for disconnects, and ZMTP heartbeats turn a
 silent peer (a dead node, a cut network) into a disconnect within ``HEARTBEAT_TIMEOUT_MS``.
@@ -28,7 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from slipstream.agent.engine.model_runner import SampledToken
-from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.parallel.wire import WireBatch
 
 HELLO, INIT, READY, BATCH, RESULT, TRACE, TRACE_REPLY, ERROR, STOP = (
     b"H", b"I", b"R", b"B", b"S", b"T", b"t", b"E", b"Q")
@@ -36,7 +36,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(Batch)
+_batch_decoder = msgspec.msgpack.Decoder(WireBatch)
 _sampled_decoder = msgspec.msgpack.Decoder(dict[str, SampledToken])
 
 
@@ -44,11 +44,11 @@ class PeerLost(RuntimeError):
     """A ZeroMQ peer disconnected (its process died, or heartbeats stopped)."""
 
 
-def encode_batch(batch_seq: int, batch: Batch) -> list[bytes]:
+def encode_batch(batch_seq: int, batch: WireBatch) -> list[bytes]:
     return [batch_seq.to_bytes(8, "little"), _encoder.encode(batch)]
 
 
-def decode_batch(frames: list[bytes]) -> tuple[int, Batch]:
+def decode_batch(frames: list[bytes]) -> tuple[int, WireBatch]:
     return int.from_bytes(frames[0], "little"), _batch_decoder.decode(frames[1])
 
 

@@ -3,7 +3,8 @@
     node launcher (launch.py) -> run_worker(WorkerEnv)   or, by hand,
     python -m slipstream.agent.parallel.worker            (rank etc. in the environment)
       -> connect to the controller -> HELLO -> INIT (engine config) -> process groups, model shard
-      -> READY -> loop: BATCH -> StageRunner.run -> (sampler rank) RESULT
+      -> READY -> loop: BATCH (a diff) -> WorkerTables.apply -> StageRunner.run
+                        -> (sampler rank) RESULT
 
 Batches are handled strictly in arrival order on every rank. That order is what makes the
 pipeline safe: a stage always writes a chunk's KV before it reads the next chunk, and
@@ -55,6 +56,7 @@ def worker_device(requested: str, local_rank: int) -> torch.device:
 def serve_forever(env: WorkerEnv) -> int:
     from slipstream.agent.parallel.groups import destroy_process_groups, init_process_groups
     from slipstream.agent.parallel.stage_runner import StageRunner
+    from slipstream.agent.parallel.wire import WorkerTables
 
     sock = WorkerSocket(env.controller_addr, env.rank)
     sock.watch_controller(lambda: os._exit(EXIT_CONTROLLER_LOST))
@@ -74,11 +76,12 @@ def serve_forever(env: WorkerEnv) -> int:
         groups = init_process_groups(config.parallel, env, device)
         runner = StageRunner(config, ModelConfig.from_dir(config.model_dir), groups, device)
         sock.send(READY, encode_object(runner.num_kv_blocks))
+        tables = WorkerTables()
         while True:
             kind, frames = sock.recv()
             if kind == BATCH:
-                batch_seq, batch = decode_batch(frames)
-                sampled = runner.run(batch_seq, batch)
+                batch_seq, wire = decode_batch(frames)
+                sampled = runner.run(batch_seq, tables.apply(wire))
                 if sampled is not None:
                     sock.send(RESULT, *encode_sampled(batch_seq, sampled))
             elif kind == TRACE:

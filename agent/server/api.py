@@ -60,7 +60,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
-            await engine.start()
+            # Ready means serving: the engine answers a real one-token request through every
+            # rank before uvicorn opens the port and /health says ok.
+            await engine.start(warm_up=True)
         try:
             yield
         finally:
@@ -74,9 +76,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
 
     @app.get("/health")
     async def health() -> Response:
+        # Ready means serving: true only after the engine ran a real request through every
+        # rank (the warm-up at start-up), and false again once it drains or loses a worker.
         if engine.healthy:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy"}, status_code=503)
+        status = "draining" if engine.draining else "unhealthy"
+        return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -110,6 +115,9 @@ async def _answer(handler: Awaitable[Response]) -> Response:
 
 
 def _require_healthy(ctx: ServingContext) -> None:
+    if ctx.engine.draining:
+        raise APIError(503, "this instance is shutting down; retry on another instance",
+                       code="draining")
     if not ctx.engine.healthy:
         raise APIError(503, "the engine is not healthy; retry on another instance",
                        code="engine_unavailable")

@@ -36,7 +36,8 @@ from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, Sc
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
 from slipstream.agent.server.config import (
-    DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP, ServerConfig)
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
+    ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -78,7 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                        help="context length (prompt + output); default: the model's maximum")
     model.add_argument("--num-kv-blocks", type=int, default=None, metavar="BLOCKS",
-                       help="paged KV cache size in 16-token blocks; default: sized from memory")
+                       help="paged KV cache size in 16-token blocks; default: sized from "
+                            "--kv-cache-memory-gib")
+    model.add_argument("--kv-cache-memory-gib", type=float, default=None, metavar="GIB",
+                       help="KV cache memory per rank; default: 1 on a GPU, and on CPU 1/32 of "
+                            "the host's available memory split among the ranks (at most 1), "
+                            "since host memory is shared with everything else on the machine")
     model.add_argument("--max-num-seqs", type=int, default=256,
                        help="most requests running at once")
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
@@ -133,6 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="TOKENS",
                       help="cap on max_tokens for requests that leave it out (they otherwise "
                            "get the rest of the context)")
+    http.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="S",
+                      help="on SIGTERM: stop taking requests (503, not ready), give those in "
+                           "flight this long to finish, end the rest with an error event and "
+                           "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
+                           "be longer (the operator sets it)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
@@ -218,6 +229,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "slo.tpotMilliseconds": "slo_tpot_ms",
     "slo.attainmentTarget": "slo_attainment_target",
     "pools.longPrefillThresholdTokens": "long_prompt_threshold_tokens",
+    "server.drainTimeoutSeconds": "drain_timeout_s",
 }
 
 
@@ -257,6 +269,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         slo_attainment_target=args.slo_attainment_target,
         log_level=args.log_level,
         control_port=args.control_port,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 
@@ -275,7 +288,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
+        max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
@@ -284,11 +298,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def run(args: argparse.Namespace) -> int:
     # Heavy imports (torch via the engine) only once we are really serving.
-    import uvicorn
-
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
+    from slipstream.agent.server.drain import DrainingServer
+    from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -296,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, scheduler_config_from_args(args))
+        engine = AsyncEngine(engine_config, engine=build_engine(
+            engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError) as error:
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
@@ -314,15 +330,17 @@ def run(args: argparse.Namespace) -> int:
                                               "--control-port, or 0 to turn it off)", error)
             engine.engine.close()
             return 2
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
-        log_level=server_config.log_level, access_log=server_config.log_level == "debug",
-        timeout_keep_alive=AGENT_KEEPALIVE_S, timeout_graceful_shutdown=5))
-    # A dead worker ends the process (non-zero), after the in-flight requests got their 503s.
+        log_level=server_config.log_level, keepalive_s=AGENT_KEEPALIVE_S,
+        drain_timeout_s=server_config.drain_timeout_s), engine, server_config.drain_timeout_s)
+    # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)
     try:
         server.run()
+    except SystemExit:  # uvicorn's way to report a failed start-up; it logged why
+        pass
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
@@ -330,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD
+    if not server.started:  # start-up failed (the port, the warm-up); uvicorn said why
+        return 2
     return 0
 
 

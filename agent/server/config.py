@@ -13,6 +13,9 @@ DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS = 8192
 # A request without max_tokens may use the rest of the context (as vLLM does), but no more
 # than this: an unbounded default lets one careless client hold a long-context model's KV.
 DEFAULT_MAX_TOKENS_CAP = 16_384
+# On SIGTERM, requests in flight get this long to finish (server/drain.py). Long enough for
+# most streams; the operator gives the pod this plus a margin before SIGKILL.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,8 @@ class ServerConfig:
     slo_attainment_target: float = 0.99
     log_level: str = "info"
     control_port: int = 50051  # gRPC control API; 0 turns it off
+    # On SIGTERM, how long requests in flight may run on before they are ended (drain.py).
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -45,5 +50,7 @@ class ServerConfig:
                              f"{self.slo_attainment_target}")
         if not self.pool:
             raise ValueError("pool must be a non-empty label")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise ValueError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
         if not 0 <= self.control_port <= 65535:
             raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")

@@ -9,6 +9,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.parallel.compose import build_engine
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 NUM_KV_BLOCKS = 128
@@ -19,9 +20,9 @@ PROMPTS = [[(31 * i + 7 * j + 5) % 4000 for j in range(20 + 42 * i)] for i in ra
 
 
 def make_engine(model_dir, parallel: ParallelConfig) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=NUM_KV_BLOCKS,
-                                  parallel=parallel),
-                     SchedulerConfig(max_batched_tokens=CHUNK_TOKENS))
+    return build_engine(EngineConfig(model_dir=model_dir, device="cpu",
+                                     num_kv_blocks=NUM_KV_BLOCKS, parallel=parallel),
+                        SchedulerConfig(max_batched_tokens=CHUNK_TOKENS))
 
 
 def generate(model_dir, parallel: ParallelConfig, prompts=PROMPTS) -> list[list[int]]:

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 from slipstream.agent.engine.config import EngineConfig
-from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.parallel.compose import build_engine
 from slipstream.agent.parallel.launch import free_port
 
 PROMPTS = [[(13 * i + 5 * j + 1) % 4000 for j in range(30 + 25 * i)] for i in range(3)]
@@ -20,8 +20,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _generate(model_dir, parallel: ParallelConfig) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=64,
-                                    parallel=parallel))
+    engine = build_engine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=64,
+                                       parallel=parallel))
     try:
         return engine.generate(PROMPTS, GREEDY)
     finally:

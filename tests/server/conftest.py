@@ -95,6 +95,14 @@ def serve(model_dir: Path, log_dir: Path, *extra_args: str,
 
 
 @pytest.fixture(scope="session")
+def serve_process(tiny_model_dir: Path):
+    """``with serve_process(log_dir, *flags) as handle:`` a server of the test's own (one it
+    may signal or stop), stopped when the block ends."""
+    return lambda log_dir, *extra_args, **kwargs: serve(tiny_model_dir, log_dir, *extra_args,
+                                                        **kwargs)
+
+
+@pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerHandle]:
     with serve(tiny_model_dir, tmp_path_factory.mktemp("server")) as handle:

@@ -1,0 +1,29 @@
+"""Builds an engine with the runner its parallel layout needs.
+
+One process: the engine's own in-process ``ModelRunner``. ``tp x spp x kvp > 1``: a
+``ParallelExecutor`` that starts (or waits for) the worker processes. The CLI and the
+benchmarks build engines here, so ``agent/engine`` never imports ``agent/parallel``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.scheduler.scheduler import SchedulerConfig
+
+
+def build_engine(config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> LLMEngine:
+    if config.parallel.is_single_process:
+        return LLMEngine(config, scheduler_config, clock)
+    from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
+
+    executor = ParallelExecutor(config)
+    try:
+        return LLMEngine(config, scheduler_config, clock, runner=executor)
+    except BaseException:
+        executor.close()
+        raise
