@@ -5,14 +5,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-EXTRAS ?= agent,operator,router,dev
+EXTRAS ?= agent,operator,router,dev,kv-transfer
 PORT ?= 8000
 RESULTS ?= results
 
 BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
 
 .PHONY: setup serve test test-unit test-e2e lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
-	clean prometheus-tools dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
+	clean prometheus-tools transfer-engine-libs dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
 
@@ -38,7 +38,13 @@ prometheus-tools:
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; }
 
-test: setup lint-imports typecheck prometheus-tools
+# libibverbs (Debian package), which the Mooncake Transfer Engine wheel links even for TCP.
+transfer-engine-libs:
+	@/sbin/ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; }
+
+test: setup lint-imports typecheck prometheus-tools transfer-engine-libs
 	$(BIN)/pytest
 
 test-unit: setup

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir, write_tiny_model
@@ -35,7 +36,8 @@ def prompts_for(batch: int, length: int, vocab: int, salt: int = 0) -> list[list
 
 
 def make_engine(model_dir: Path, max_batched_tokens: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", kv_cache_memory_gib=2.0),
+    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu",
+                                  kv_cache_memory=KVCacheMemory(size_bytes=2 * 2**30)),
                      SchedulerConfig(max_batched_tokens=max_batched_tokens, max_num_seqs=256))
 
 

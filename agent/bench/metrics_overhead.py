@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.model_runner import resolve_device
 from slipstream.agent.engine.sampling_params import SamplingParams
@@ -71,7 +72,7 @@ def _observer_cost_s(captured: list[StepStats], repeats: int) -> float:
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     engine = LLMEngine(EngineConfig(model_dir=_model_dir(args.preset), device=args.device,
-                                    kv_cache_memory_gib=1.0),
+                                    kv_cache_memory=KVCacheMemory(size_bytes=2**30)),
                        SchedulerConfig(max_num_seqs=args.batch_size, max_batched_tokens=4096))
     total_steps = 2 * args.pairs + 30
     _start_batch(engine, args.batch_size, args.prompt_len, max_tokens=total_steps + 8)

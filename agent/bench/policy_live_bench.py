@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profiler import profile
 from slipstream.agent.engine.sampling_params import SamplingParams
@@ -90,7 +91,7 @@ def make_engine(model_dir: Path, profile_dir: Path, system: str,
                 long_threshold_tokens: int) -> LLMEngine:
     policy, space_share = SYSTEMS[system]
     return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", profile_dir=profile_dir,
-                                  kv_cache_memory_gib=1.0),
+                                  kv_cache_memory=KVCacheMemory(size_bytes=2**30)),
                      SchedulerConfig(policy=policy, target_batch_time_ms=50.0,
                                      max_space_share_fraction=space_share,
                                      long_request_threshold_tokens=long_threshold_tokens))

@@ -57,6 +57,7 @@ class _Add:
     app_id: str
     priority: int
     slo: RequestSLO | None
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ class AsyncEngine:
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
-                 slo: RequestSLO | None = None) -> AsyncIterator[RequestOutput]:
+                 slo: RequestSLO | None = None,
+                 kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         if self.fatal_error is not None:
             raise EngineDeadError("the engine of this instance failed; retry on another "
@@ -160,7 +162,8 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)  # reads immutable config only
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
+                                kv_transfer))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
             self._deliver(_error_output(request_id, "the engine of this instance failed; "
                                                     "retry the request", ENGINE_DEAD))
@@ -198,6 +201,8 @@ class AsyncEngine:
                 except EngineDeadError as error:
                     self._die(str(error))
                     return
+                for output in engine.poll_transfers():  # acknowledged KV hand-offs
+                    self._deliver(output)
                 self._stats = engine.stats()  # idle: let the load window decay
                 continue
             try:
@@ -243,7 +248,8 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(command.prompt_token_ids, command.params,
                                             command.request_id, app_id=command.app_id,
-                                            priority=command.priority, slo=command.slo)
+                                            priority=command.priority, slo=command.slo,
+                                            kv_transfer=command.kv_transfer)
                 except ValueError as error:
                     self._deliver(_error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))

@@ -6,11 +6,12 @@ explicitly to everything that needs them.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.engine.disagg_config import DisaggConfig
+from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -155,10 +156,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    num_kv_blocks: int | None = None  # defaults to kv_cache_memory_gib worth of blocks
-    # None: 1 GiB per rank on a GPU; on CPU a share of the host's available memory (see
-    # ``kv_cache_budget_gib``).
-    kv_cache_memory_gib: float | None = None
+    num_kv_blocks: int | None = None  # fixed; default: sized by kv_cache_memory
+    # A share of the free memory or a size (see kv_memory.py); default: the device's share.
+    kv_cache_memory: KVCacheMemory = field(default_factory=KVCacheMemory)
     max_num_seqs: int = 256
     max_batched_tokens: int = 512
     seed: int = 0
@@ -171,6 +171,8 @@ class EngineConfig:
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     cuda_graphs: bool = False
     short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
+    # Prefill/decode disaggregation: the role and the KV transfer (engine/disagg.py).
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -180,48 +182,16 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
-        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib must be positive, got "
-                             f"{self.kv_cache_memory_gib}")
         if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
         if self.cuda_graphs and not self.parallel.is_single_process:
             raise ValueError("cuda_graphs (the bucketed short-prefill path) runs in a single "
                              "process only; it is not wired into tp/spp/kvp workers yet")
+        if self.disagg.enabled and not self.parallel.is_single_process:
+            raise ValueError(f"--role {self.disagg.role} runs in a single process only; KV "
+                             "transfer is not wired into tp/spp/kvp workers yet")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_dir.name
 
-
-# The default KV budget of one rank. On a GPU the cache owns device memory. On CPU it is
-# ordinary host memory, committed in full when allocated, and shared with everything else on
-# the machine (several instances, other processes): take a small share of what is available,
-# split among the ranks, so that starting an instance cannot exhaust the host.
-GPU_KV_CACHE_GIB = 1.0
-CPU_KV_CACHE_MAX_GIB = 1.0
-CPU_KV_CACHE_AVAILABLE_SHARE = 1 / 32
-CPU_KV_CACHE_MIN_GIB = 1 / 64
-
-
-def kv_cache_budget_gib(config: EngineConfig, device_type: str) -> float:
-    """The KV cache memory of one rank: the configured value, else the device's default."""
-    if config.kv_cache_memory_gib is not None:
-        return config.kv_cache_memory_gib
-    if device_type != "cpu":
-        return GPU_KV_CACHE_GIB
-    share = available_memory_bytes() * CPU_KV_CACHE_AVAILABLE_SHARE / 2**30
-    per_rank = share / config.parallel.world_size
-    return max(CPU_KV_CACHE_MIN_GIB, min(CPU_KV_CACHE_MAX_GIB, per_rank))
-
-
-def available_memory_bytes() -> int:
-    """Memory the host can still give out (Linux MemAvailable; free pages elsewhere)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.errors import REQUEST_FAILED, EngineDeadError
+from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
@@ -44,7 +44,7 @@ from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecke
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.predictor import RuntimePredictor
-from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
+from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO, RequestStatus
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        self.runner: Runner = runner or _make_runner(config, self.model_config)
+        # The runner sizes its KV cache to hold at least one request of the resolved length.
+        self.runner: Runner = runner or _make_runner(
+            dataclasses.replace(config, max_model_len=self.max_model_len), self.model_config)
         self.pipeline_depth = self.runner.pipeline_depth
         scheduler_config = scheduler_config or SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
@@ -120,10 +122,23 @@ class LLMEngine:
         self._dispatched: dict[int, tuple[Batch, dict[str, int], float, float]] = {}
         self._sampling_seq: dict[str, int] = {}
         self.last_step_ran_nothing = False  # nothing sent and nothing in flight
+        # Prefill/decode disaggregation (engine/disagg.py): None in the mixed role.
+        self.disagg = self._make_disagg(config)
+        self._exporting: set[str] = set()  # prefill role: requests whose KV goes elsewhere
 
     @property
     def model_name(self) -> str:
         return self.config.model_name
+
+    def _make_disagg(self, config: EngineConfig):
+        if not config.disagg.enabled:
+            return None
+        from slipstream.agent.engine.disagg import Disaggregation  # zmq, transfer engines
+
+        kv_caches = getattr(self.runner, "kv_caches", None)
+        if kv_caches is None:
+            raise ValueError(f"--role {config.disagg.role} needs the in-process model runner")
+        return Disaggregation(config.disagg, kv_caches, self.block_manager, self.clock)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -164,21 +179,98 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, app_id: str = "default",
-                    priority: int = 0, slo: RequestSLO | None = None) -> str:
+                    priority: int = 0, slo: RequestSLO | None = None,
+                    kv_transfer: dict | None = None) -> str:
+        """Queue a request. ``kv_transfer`` (disaggregation, see disagg.py) is
+        ``{"do_remote_decode": true}`` on a prefill instance, or the handle a prefill instance
+        returned (with ``"do_remote_prefill": true``) on a decode instance."""
         self.validate(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         now = self.clock()
-        self.scheduler.add(Request(
+        request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
-            slo=slo or RequestSLO(), sampling=params.options()))
+            slo=slo or RequestSLO(), sampling=params.options())
+        if kv_transfer and kv_transfer.get("do_remote_prefill"):
+            self._add_remote_prefilled(request, kv_transfer)
+        else:
+            if kv_transfer and kv_transfer.get("do_remote_decode"):
+                if self.disagg is None or self.disagg.exports is None:
+                    raise ValueError("kv_transfer_params.do_remote_decode needs a prefill "
+                                     "instance (slipstream serve --role prefill)")
+                self._exporting.add(request_id)
+            self.scheduler.add(request)
         self._outputs[request_id] = _OutputState(
             params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             stop_checker=StopChecker(params.stop), arrival_s=now)
         return request_id
 
+    def _add_remote_prefilled(self, request: Request, kv_transfer: dict) -> None:
+        """Decode role: fetch the prompt's KV from the prefill instance named in the handle;
+        the request joins the scheduler once it has arrived (``_poll_disagg``)."""
+        from slipstream.agent.engine.disagg import KVImport
+        from slipstream.agent.engine.kv_transfer.transport import KVHandle
+
+        if self.disagg is None or self.disagg.imports is None:
+            raise ValueError("kv_transfer_params.do_remote_prefill needs a decode instance "
+                             "(slipstream serve --role decode)")
+        handle = KVHandle.from_json(kv_transfer)
+        self.disagg.check_handle(handle, request.prompt_token_ids)
+        if handle.first_token_id >= self.model_config.vocab_size:
+            raise ValueError("kv_transfer_params.first_token_id is outside the vocabulary")
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.output_token_ids.append(handle.first_token_id)
+        request.num_computed_tokens = request.prompt_len
+        self.disagg.imports.add(KVImport(request, handle))
+
+    def _poll_disagg(self) -> list[RequestOutput]:
+        """Free acknowledged exports; admit requests whose KV has arrived (their first
+        token is the first output here) and fail those whose transfer failed."""
+        disagg = self.disagg
+        if disagg is None:
+            return []
+        now = self.clock()
+        outputs: list[RequestOutput] = []
+        for item in disagg.poll(now):
+            request = item.request
+            request_id = request.request_id
+            request.block_ids = item.block_ids
+            if item.cancelled or request_id not in self._outputs:
+                self.block_manager.release(request.block_ids)
+                continue
+            if item.error is not None:
+                log.error("request %s: KV transfer failed: %s", request_id, item.error)
+                self.block_manager.release(request.block_ids)
+                state = self._outputs.pop(request_id)
+                request.status = RequestStatus.FINISHED
+                request.finish_reason = FinishReason.ERROR
+                output = self._final_output(request, state, [], "",
+                                            error="the KV cache of this request could not be "
+                                                  "fetched from its prefill instance")
+                output.error_code = KV_TRANSFER_FAILED
+                outputs.append(output)
+                continue
+            self.scheduler.add_running(request, now)
+            first = self._process(request_id, SampledToken(request.output_token_ids[-1]), now)
+            if first is not None:
+                outputs.append(first)
+        return outputs
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None, error_code: str | None = None) -> RequestOutput | None:
+        if self.disagg is not None and self.disagg.imports is not None:
+            item = self.disagg.imports.cancel(request_id)
+            if item is not None:  # its blocks are freed when its transfer ends
+                state = self._outputs.pop(request_id, None)
+                if state is None:
+                    return None
+                item.request.status = RequestStatus.FINISHED
+                item.request.finish_reason = reason
+                output = self._final_output(item.request, state, [], "", error=error)
+                output.error_code = error_code
+                return output
+        self._exporting.discard(request_id)
         request = self.scheduler.finish(request_id, reason, self.clock())
         state = self._outputs.pop(request_id, None)
         if request is not None:
@@ -190,7 +282,8 @@ class LLMEngine:
         return output
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (
+            self.disagg is not None and self.disagg.num_pending > 0)
 
     def stats(self) -> EngineStats:
         load = self.load.snapshot(self.clock())
@@ -233,6 +326,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop worker processes, if any (the in-process runner has nothing to stop)."""
+        if getattr(self, "disagg", None) is not None:
+            self.disagg.close()
+            self.disagg = None
         self.runner.close()
 
     def check_alive(self) -> None:
@@ -240,6 +336,16 @@ class LLMEngine:
         self.runner.check_alive()
 
     def step(self) -> list[RequestOutput]:
+        if self.disagg is not None:
+            arrived = self._poll_disagg()
+            return arrived + self._step()
+        return self._step()
+
+    def poll_transfers(self) -> list[RequestOutput]:
+        """While idle: free KV that decode instances acknowledged (prefill role)."""
+        return self._poll_disagg()
+
+    def _step(self) -> list[RequestOutput]:
         if self.pipeline_depth > 1:
             return self._step_pipelined()
         schedule_start_s = self.clock()
@@ -386,11 +492,22 @@ class LLMEngine:
                 text, reason = text + state.flush(), FinishReason.LENGTH
         new_tokens = request.output_token_ids[state.emitted_tokens:]
         state.emitted_tokens = request.num_output_tokens
+        kv_transfer = None
+        if request_id in self._exporting:
+            # Prefill role: the first token ends the request here. Unless it already ended
+            # the request, its KV goes to a decode instance, which continues from it.
+            self._exporting.discard(request_id)
+            if reason is None:
+                assert self.disagg is not None
+                reason = FinishReason.LENGTH
+                kv_transfer = self.disagg.export(request, now).to_json()
         if reason is not None:
             self.scheduler.finish(request_id, reason, now)
             self.runner.release((request_id,))
             del self._outputs[request_id]
-            return self._final_output(request, state, new_tokens, text)
+            output = self._final_output(request, state, new_tokens, text)
+            output.kv_transfer = kv_transfer
+            return output
         logprobs, state.logprobs = state.logprobs, []
         return RequestOutput(request_id=request_id, new_token_ids=new_tokens, new_text=text,
                              num_prompt_tokens=request.prompt_len,

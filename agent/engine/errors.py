@@ -17,6 +17,7 @@ ENGINE_ERROR = "engine_error"  # a step failed for a reason no single request ex
 ENGINE_DEAD = "engine_dead"  # a worker died while the request was in flight
 DRAINED = "drained"  # the instance is shutting down and its drain period ran out
 SHUTTING_DOWN = "shutting_down"  # the engine stopped before the request could start
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # decode role: the prompt's KV could not be fetched
 
 
 class EngineUnavailable(RuntimeError):

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.agent.engine.config import EngineConfig, ModelConfig, kv_cache_budget_gib
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.kv_memory import (
+    KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.llama import KVCache
 from slipstream.agent.engine.sampler import SampleResult, Sampler
@@ -54,6 +56,30 @@ def sampled_tokens(chunks: list[ScheduledChunk], result: SampleResult) -> dict[s
     return {chunk.request_id: SampledToken(token, logprob, result.errors.get(row))
             for row, (chunk, token, logprob) in enumerate(zip(chunks, result.tokens,
                                                               result.logprobs))}
+
+
+def plan_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                   dtype: torch.dtype, kv_heads_all_layers: int,
+                   ranks_sharing_memory: int = 1) -> KVCachePlan:
+    """The KV cache of one rank holding ``kv_heads_all_layers`` KV heads summed over its
+    layers: ``config.num_kv_blocks`` when given, else sized from the free memory (call it
+    after the weights are loaded), split evenly between ``ranks_sharing_memory`` ranks that
+    draw on the same memory (CPU ranks of one machine). Logs what it chose; raises
+    KVCacheSizeError."""
+    bytes_per_block = 2 * kv_heads_all_layers * model_config.head_dim * BLOCK_SIZE * (
+        torch.finfo(dtype).bits // 8)
+    if config.num_kv_blocks is not None:
+        return KVCachePlan(config.num_kv_blocks, bytes_per_block, None,
+                           f"KV cache: {config.num_kv_blocks:,} blocks (--num-kv-blocks)")
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    requested = config.kv_cache_memory
+    available = available_memory_bytes(device) // ranks_sharing_memory
+    plan = plan_kv_cache(requested=requested, device_type=device.type,
+                         available_bytes=available, bytes_per_block=bytes_per_block,
+                         block_size=BLOCK_SIZE, max_model_len=max_model_len,
+                         max_num_seqs=config.max_num_seqs)
+    log.info("%s", plan.reason)
+    return plan
 
 
 @dataclass(frozen=True)
@@ -106,7 +132,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model_dir, self.device, self.dtype, model_config)
         self.backend = select_backend(self.device, config.attention_backend)
-        self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.kv_plan = plan_kv_blocks(config, model_config, self.device, self.dtype,
+                                      model_config.num_layers * model_config.num_kv_heads)
+        self.num_kv_blocks = self.kv_plan.num_blocks
         # The padded short-prefill path needs one block the block manager never hands out,
         # for the KV writes of its padding: block ``num_kv_blocks``, past the managed range.
         scratch_blocks = 1 if config.cuda_graphs else 0
@@ -134,20 +162,14 @@ class ModelRunner:
                      "(no graph capture)", self.device.type)
         return executor
 
-    def _default_num_blocks(self) -> int:
-        element_bytes = torch.finfo(self.dtype).bits // 8
-        bytes_per_token = self.model_config.kv_bytes_per_token // 4 * element_bytes
-        budget_gib = kv_cache_budget_gib(self.config, self.device.type)
-        return max(1, int(budget_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))
-
     def allocate_host_cache(self, num_blocks: int) -> None:
         """Host-memory KV blocks that swap preemption copies device blocks into."""
         self.host_kv_caches = self._allocate(num_blocks, torch.device("cpu"))
 
     def _allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
         shape = (num_blocks, BLOCK_SIZE, self.model_config.num_kv_heads, self.model_config.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=device),
-                 torch.zeros(shape, dtype=self.dtype, device=device))
+        return [(allocate_kv_tensor(shape, self.dtype, device),
+                 allocate_kv_tensor(shape, self.dtype, device))
                 for _ in range(self.model_config.num_layers)]
 
     # -- the Runner protocol ----------------------------------------------------------------

@@ -85,3 +85,5 @@ class RequestOutput:
     error_code: str | None = None  # one of the codes in engine/errors.py
     # Prompt tokens whose KV came from the prefix cache (the API's cached_tokens).
     num_cached_tokens: int = 0
+    # Prefill role: where a decode instance fetches this request's KV (KVHandle.to_json()).
+    kv_transfer: dict | None = None

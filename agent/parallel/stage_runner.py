@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slipstream.agent.engine.config import EngineConfig, ModelConfig, kv_cache_budget_gib
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import load_model, resolve_dtype
-from slipstream.agent.engine.model_runner import FlatInputs, SampledToken, sample_batch
+from slipstream.agent.engine.kv_memory import allocate_kv_tensor
+from slipstream.agent.engine.model_runner import (
+    FlatInputs, SampledToken, plan_kv_blocks, sample_batch)
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
 from slipstream.agent.engine.sampler import Sampler
 from slipstream.agent.parallel.groups import ProcessGroups
@@ -73,12 +75,12 @@ class StageRunner:
         self.kv_group = coords.kvp_group
         local_kv_heads = layers.local_count(model_config.num_kv_heads)
         num_layers = len(self.stage.layer_indices)
-        self.num_kv_blocks = config.num_kv_blocks or _blocks_in_memory(
-            kv_cache_budget_gib(config, device.type), num_layers * local_kv_heads * model_config.head_dim,
-            self.dtype)
+        self.num_kv_blocks = plan_kv_blocks(
+            config, model_config, device, self.dtype, num_layers * local_kv_heads,
+            ranks_sharing_memory=parallel.world_size if device.type == "cpu" else 1).num_blocks
         shape = (self.num_kv_blocks, BLOCK_SIZE, local_kv_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=device),
-                           torch.zeros(shape, dtype=self.dtype, device=device))
+        self.kv_caches = [(allocate_kv_tensor(shape, self.dtype, device),
+                           allocate_kv_tensor(shape, self.dtype, device))
                           for _ in range(num_layers)]
         self.computes_logits = self.stage.is_last and coords.kvp_group == 0
         self.is_sampler = coords.rank == parallel.sampler_rank
@@ -146,7 +148,3 @@ class StageRunner:
         # host pool, so the scheduler never emits swaps. Fail loudly if that changes.
         raise NotImplementedError("swap preemption is not supported with parallel workers")
 
-
-def _blocks_in_memory(memory_gib: float, elements_per_token: int, dtype: torch.dtype) -> int:
-    bytes_per_token = 2 * elements_per_token * (torch.finfo(dtype).bits // 8)
-    return max(1, int(memory_gib * 2**30) // (bytes_per_token * BLOCK_SIZE))

@@ -116,6 +116,26 @@ class Scheduler:
         else:
             self.queue.add_waiting(request, request.arrival_s)
 
+    def add_running(self, request: Request, now_s: float) -> None:
+        """Admit a request whose prompt KV already sits in ``request.block_ids`` (received
+        from a prefill instance, see engine/disagg.py). It must be one token short of its
+        next sample, with that token already in ``output_token_ids``; it joins the running
+        decodes, and from then on it is scheduled (and may be preempted) like any other."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_uncomputed_tokens != 1:
+            raise ValueError("a request admitted with its KV must be exactly one token short")
+        needed = blocks_for_tokens(request.num_computed_tokens, self.block_manager.block_size)
+        if len(request.block_ids) < needed:
+            raise ValueError(f"request {request.request_id!r} holds {len(request.block_ids)} "
+                             f"blocks for {request.num_computed_tokens} tokens")
+        self.requests[request.request_id] = request
+        self.urgency.assign(request)
+        self.policy.on_add(request, now_s)
+        request.status = RUNNING
+        request.first_scheduled_s = now_s
+        self.running.append(request)
+
     def finish(self, request_id: str, reason: FinishReason, now_s: float | None = None) -> Request | None:
         """Remove a request and free its blocks at once. Unknown ids are ignored."""
         request = self.requests.pop(request_id, None)

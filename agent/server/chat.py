@@ -19,6 +19,7 @@ from starlette.requests import Request
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
+    with_kv_transfer,
     SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs, prepare, sse_event,
     start_generation, stream_events, tokenize)
 from slipstream.agent.server.protocol import (
@@ -63,7 +64,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request,
     response = ChatCompletionResponse(
         id=prepared.request_id, model=model, choices=[choice],
         usage=Usage.of_output(final))
-    return JSONResponse(response.model_dump(mode="json"))
+    return JSONResponse(with_kv_transfer(response.model_dump(mode="json"), final))
 
 
 async def _stream(ctx: ServingContext, generation: Generation, request_id: str, model: str,

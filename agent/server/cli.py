@@ -31,6 +31,9 @@ from typing import Any
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, EngineConfig,
     ShortPrefillBuckets)
+from slipstream.agent.engine.disagg_config import ROLES, TRANSPORTS, DisaggConfig
+from slipstream.agent.engine.kv_memory import (
+    DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, SchedulerConfig
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
@@ -78,13 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "model's config")
     model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                        help="context length (prompt + output); default: the model's maximum")
+    model.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=None,
+                       metavar="FRACTION|SIZE",
+                       help="paged KV cache size: a share of the memory free once the weights "
+                            "are loaded (0.5) or a size (4GiB, 512MiB). Default: "
+                            f"{DEFAULT_CPU_FRACTION:g} of available RAM on CPU, "
+                            f"{DEFAULT_CUDA_FRACTION:g} of free GPU memory on CUDA, at most what "
+                            "--max-num-seqs requests of --max-model-len tokens can use. It must "
+                            "hold one --max-model-len request, or the server refuses to start")
     model.add_argument("--num-kv-blocks", type=int, default=None, metavar="BLOCKS",
-                       help="paged KV cache size in 16-token blocks; default: sized from "
-                            "--kv-cache-memory-gib")
-    model.add_argument("--kv-cache-memory-gib", type=float, default=None, metavar="GIB",
-                       help="KV cache memory per rank; default: 1 on a GPU, and on CPU 1/32 of "
-                            "the host's available memory split among the ranks (at most 1), "
-                            "since host memory is shared with everything else on the machine")
+                       help="paged KV cache size in 16-token blocks (overrides "
+                            "--kv-cache-memory)")
     model.add_argument("--max-num-seqs", type=int, default=256,
                        help="most requests running at once")
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
@@ -149,6 +156,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
 
+    disagg = parser.add_argument_group(
+        "prefill/decode disaggregation",
+        "A prefill instance computes prompts and their first token and keeps their KV for a "
+        "decode instance, which fetches it and continues (docs/disaggregation.md). The router "
+        "(slipstream router --prefill/--decode) chains the two.")
+    disagg.add_argument("--role", choices=ROLES, default=None,
+                        help="this instance's part; default: $SLIPSTREAM_ROLE if set, else "
+                             "mixed (prefill and decode here, no KV transfer)")
+    disagg.add_argument("--kv-transport", choices=TRANSPORTS, default="mooncake",
+                        help="how KV moves between instances: mooncake (Mooncake Transfer "
+                             "Engine over TCP, or RDMA on GPU hosts) or zmq (bytes over the "
+                             "ZeroMQ side channel; needs nothing else installed)")
+    disagg.add_argument("--kv-side-channel-port", type=int, default=0, metavar="PORT",
+                        help="prefill role: TCP port of the KV side channel (acknowledgements, "
+                             "and the data with --kv-transport zmq); 0 picks a free one")
+    disagg.add_argument("--kv-hold-timeout-seconds", type=float, default=120.0, metavar="S",
+                        help="prefill role: free KV that no decode instance fetched after this "
+                             "long")
+    disagg.add_argument("--kv-blocks-per-read", type=int, default=8, metavar="BLOCKS",
+                        help="decode role: KV blocks fetched per transfer-engine read")
+
     slo = parser.add_argument_group("service-level objectives (metrics and alerts)")
     slo.add_argument("--slo-ttft-seconds", type=float, default=None, metavar="S",
                      help="TTFT objective for requests that bring no slo of their own; counted "
@@ -196,6 +224,13 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _kv_cache_memory(text: str) -> KVCacheMemory:
+    try:
+        return KVCacheMemory.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))
 
 
 def short_prefill_buckets_from_args(args: argparse.Namespace) -> ShortPrefillBuckets:
@@ -288,12 +323,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
-        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
-                                kvp_tokens_per_group=args.kvp_tokens_per_group))
+                                kvp_tokens_per_group=args.kvp_tokens_per_group),
+        disagg=disagg_config_from_args(args))
+
+
+def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
+    return DisaggConfig(
+        role=args.role or os.environ.get("SLIPSTREAM_ROLE") or "mixed",
+        transport=args.kv_transport,
+        host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST,
+        side_channel_port=args.kv_side_channel_port,
+        hold_timeout_s=args.kv_hold_timeout_seconds,
+        blocks_per_read=args.kv_blocks_per_read)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -313,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         engine = AsyncEngine(engine_config, engine=build_engine(
             engine_config, scheduler_config_from_args(args)))
-    except (ValueError, FileNotFoundError, EngineDeadError) as error:
+    except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
+        # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
         return 2
     app = build_app(engine, server_config)

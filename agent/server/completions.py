@@ -16,7 +16,7 @@ from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
     SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs, prepare, sse_event,
-    start_generation, stream_events, tokenize)
+    start_generation, stream_events, tokenize, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)
@@ -44,8 +44,9 @@ async def create_completion(ctx: ServingContext, http_request: Request,
                     prepared.include_usage_in_stream),
             media_type="text/event-stream", headers=SSE_HEADERS)
     outputs = await collect_outputs(http_request, generation)
-    return JSONResponse(_response(ctx, prepared.request_id, model, outputs,
-                                  body.logprobs is not None).model_dump(mode="json"))
+    return JSONResponse(with_kv_transfer(
+        _response(ctx, prepared.request_id, model, outputs,
+                  body.logprobs is not None).model_dump(mode="json"), outputs[-1]))
 
 
 def _response(ctx: ServingContext, request_id: str, model: str, outputs: list[RequestOutput],

@@ -64,6 +64,7 @@ class PreparedRequest:
     priority: int
     slo: RequestSLO | None
     include_usage_in_stream: bool
+    kv_transfer: dict | None = None  # disaggregation (engine/disagg.py)
 
 
 def check_model(ctx: ServingContext, requested: str | None) -> str:
@@ -86,12 +87,17 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     """Check the request against the model's limits and build what the engine takes."""
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
+    kv_transfer = body.kv_transfer_params
+    if kv_transfer and kv_transfer.get("do_remote_decode") and body.stream:
+        raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the KV "
+                          "handle comes back in the response body", param="stream")
     params = build_sampling_params(body, resolved_max_tokens, logprobs)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
         app_id=body.app_id or "default", priority=body.priority,
         slo=build_slo(body.slo, ctx.config),
-        include_usage_in_stream=body.include_usage_in_stream)
+        include_usage_in_stream=body.include_usage_in_stream,
+        kv_transfer=kv_transfer)
 
 
 def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None,
@@ -230,7 +236,8 @@ async def start_generation(ctx: ServingContext, http_request: Request,
     try:
         outputs = ctx.engine.generate(prepared.request_id, prepared.prompt_token_ids,
                                       prepared.params, app_id=prepared.app_id,
-                                      priority=prepared.priority, slo=prepared.slo)
+                                      priority=prepared.priority, slo=prepared.slo,
+                                      kv_transfer=prepared.kv_transfer)
     except ValueError as error:
         raise bad_request(str(error)) from None
     except EngineUnavailable as error:
@@ -254,6 +261,14 @@ async def start_generation(ctx: ServingContext, http_request: Request,
         timer.finish(first, "error")
         raise engine_failure(first)
     return Generation(ctx, prepared, outputs, first, timer)
+
+
+def with_kv_transfer(body: dict[str, Any], final: RequestOutput) -> dict[str, Any]:
+    """A prefill instance's answer carries the handle of the KV it holds for a decode
+    instance, as a top-level ``kv_transfer_params`` field (vLLM's name for it)."""
+    if final.kv_transfer is not None:
+        body["kv_transfer_params"] = final.kv_transfer
+    return body
 
 
 async def collect_outputs(http_request: Request, generation: Generation) -> list[RequestOutput]:
@@ -305,6 +320,7 @@ _STATUS_BY_ERROR_CODE = {
     errors.ENGINE_DEAD: 500,
     errors.DRAINED: 503,
     errors.SHUTTING_DOWN: 503,
+    errors.KV_TRANSFER_FAILED: 503,  # nothing was sent: the router may retry the pair
 }
 
 

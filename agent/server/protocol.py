@@ -65,6 +65,10 @@ class _GenerationRequest(_StrictModel):
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     app_id: str | None = Field(default=None, min_length=1, max_length=256)
     slo: SloSpec | None = None
+    # Prefill/decode disaggregation, as vLLM names it: {"do_remote_decode": true} asks a
+    # prefill instance to keep the KV for a decode instance; the handle it answers with
+    # (plus "do_remote_prefill": true) makes a decode instance fetch that KV and continue.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("n")
     @classmethod

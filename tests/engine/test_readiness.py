@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.engine import config as engine_config
-from slipstream.agent.engine.config import EngineConfig, kv_cache_budget_gib
+from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
@@ -40,20 +39,32 @@ def test_warm_up_fails_loudly_when_the_step_fails(tiny_model_dir):
         engine.warm_up()
 
 
-def test_the_cpu_kv_budget_is_a_share_of_available_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 8 * 2**30)
-    single = EngineConfig(model_dir=tmp_path)
-    eight_ranks = EngineConfig(model_dir=tmp_path, parallel=ParallelConfig(tp=2, spp=2, kvp=2))
-    assert kv_cache_budget_gib(single, "cpu") == pytest.approx(8 / 32)
-    assert kv_cache_budget_gib(eight_ranks, "cpu") == pytest.approx(8 / 32 / 8)
-    assert kv_cache_budget_gib(single, "cuda") == 1.0
-    assert kv_cache_budget_gib(EngineConfig(model_dir=tmp_path, kv_cache_memory_gib=3.0),
-                               "cpu") == 3.0
-    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 1 << 20)
-    assert kv_cache_budget_gib(eight_ranks, "cpu") == engine_config.CPU_KV_CACHE_MIN_GIB
-    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 1 << 50)
-    assert kv_cache_budget_gib(single, "cpu") == engine_config.CPU_KV_CACHE_MAX_GIB
+def test_the_cpu_kv_budget_is_a_share_of_available_memory(tiny_model_dir, monkeypatch):
+    import torch
+
+    from slipstream.agent.engine import model_runner
+    from slipstream.agent.engine.config import ModelConfig
+    from slipstream.agent.engine.kv_memory import DEFAULT_CPU_FRACTION
+
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 8 * 2**30)
+    model = ModelConfig.from_dir(tiny_model_dir)
+    single = EngineConfig(model_dir=tiny_model_dir)
+    eight_ranks = EngineConfig(model_dir=tiny_model_dir,
+                               parallel=ParallelConfig(tp=2, spp=2, kvp=2))
+    heads = model.num_layers * model.num_kv_heads
+    cpu = torch.device("cpu")
+    block_bytes = 2 * heads * model.head_dim * 16 * 4
+    plan = model_runner.plan_kv_blocks(single, model, cpu, torch.float32, heads)
+    assert plan.num_blocks == int(DEFAULT_CPU_FRACTION * 8 * 2**30) // block_bytes
+    # Ranks of one machine split the host's memory between them.
+    split = model_runner.plan_kv_blocks(eight_ranks, model, cpu, torch.float32, heads,
+                                        ranks_sharing_memory=8)
+    assert split.num_blocks == int(DEFAULT_CPU_FRACTION * 2**30) // block_bytes
 
 
 def test_available_memory_is_read():
-    assert engine_config.available_memory_bytes() > 0
+    import torch
+
+    from slipstream.agent.engine.kv_memory import available_memory_bytes
+
+    assert available_memory_bytes(torch.device("cpu")) > 0

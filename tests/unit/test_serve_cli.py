@@ -69,3 +69,50 @@ def test_invalid_short_prefill_settings_are_rejected():
         _parse(["--short-prefill-batching", "always"])
     with pytest.raises(ValueError, match="awd_max_prompt_tokens"):
         cli.scheduler_config_from_args(_parse(["--awd-max-prompt-tokens", "300"]))
+
+
+def test_kv_cache_memory_flag_parses_a_fraction_or_a_size():
+    from slipstream.agent.engine.kv_memory import KVCacheMemory
+
+    assert _parse([]).kv_cache_memory is None
+    assert _parse(["--kv-cache-memory", "0.5"]).kv_cache_memory == KVCacheMemory(fraction=0.5)
+    assert _parse(["--kv-cache-memory", "2GiB"]).kv_cache_memory == KVCacheMemory(
+        size_bytes=2 * 2**30)
+    with pytest.raises(SystemExit):
+        _parse(["--kv-cache-memory", "7"])
+
+
+def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line(tiny_model_dir, caplog,
+                                                              monkeypatch):
+    import uvicorn
+
+    def must_not_serve(self):
+        raise AssertionError("the server started instead of refusing")
+
+    monkeypatch.setattr(uvicorn.Server, "run", must_not_serve)
+    args = _parse(["--model", str(tiny_model_dir), "--device", "cpu", "--control-port", "0",
+                   "--kv-cache-memory", "64TiB"])
+    with caplog.at_level("ERROR"):
+        assert cli.run(args) == 2
+    [line] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert line.startswith("cannot start: --kv-cache-memory 65536.00 GiB does not fit: only ")
+    assert "\n" not in line
+
+
+def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir, caplog):
+    from slipstream.agent.engine.engine import LLMEngine
+    from slipstream.agent.engine.kv_memory import DEFAULT_CPU_FRACTION, available_memory_bytes
+
+    import torch
+
+    with caplog.at_level("INFO"):
+        engine = LLMEngine(cli.engine_config_from_args(_parse(
+            ["--model", str(tiny_model_dir), "--device", "cpu"])))
+    plan = engine.runner.kv_plan
+    # Read again after the engine started: other processes move it a little in between.
+    available = available_memory_bytes(torch.device("cpu"))
+    assert abs(plan.total_bytes - DEFAULT_CPU_FRACTION * available) < 0.05 * available
+    assert engine.block_manager.kv_blocks_total == plan.num_blocks
+    assert any(record.getMessage().startswith("KV cache: ") and "free on cpu" in
+               record.getMessage() for record in caplog.records)
+    engine.close()

@@ -1,0 +1,165 @@
+"""Prefill/decode disaggregation at the engine level: a prefill engine and a decode engine
+(one process, each with its own KV cache and transfer engine) produce exactly the greedy
+tokens of one mixed engine, and both give every KV block back.
+
+The two-process version, through HTTP and the router, is tests/server/test_disagg_serving.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.disagg_config import DisaggConfig
+from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.errors import KV_TRANSFER_FAILED
+from slipstream.agent.engine.sampling_params import SamplingParams
+
+from tests.engine.test_kv_transfer import TRANSPORTS
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _engine(model_dir, role="mixed", transport="zmq", **disagg) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=96,
+                                  max_batched_tokens=64,
+                                  disagg=DisaggConfig(role=role, transport=transport,
+                                                      **disagg)))
+
+
+def _run(engine: LLMEngine, ids: set[str], outputs: dict, deadline_s: float = 120) -> None:
+    end = time.monotonic() + deadline_s
+    while ids - {rid for rid, outs in outputs.items() if outs and outs[-1].finished}:
+        assert time.monotonic() < end, "engine did not finish its requests"
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        if not engine.has_unfinished():
+            time.sleep(0.001)
+
+
+def _wait_for(condition, what: str, engine: LLMEngine | None = None, timeout_s: float = 30):
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        if engine is not None:
+            engine.poll_transfers()
+        time.sleep(0.005)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Lengths on and around block boundaries (16), and a few longer than one chunk (64).
+    lengths = [1, 15, 16, 17, 31, 33, 64, 100, 150] + [rng.randint(2, 120) for _ in range(count)]
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths[:count]]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_then_decode_equals_mixed_for_many_prompts(tiny_model_dir, transport):
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    mixed = _engine(tiny_model_dir)
+    try:
+        expected = mixed.generate(prompts, params)
+    finally:
+        mixed.close()
+    prefill = _engine(tiny_model_dir, "prefill", transport, blocks_per_read=2)
+    decode = _engine(tiny_model_dir, "decode", transport, blocks_per_read=2)
+    try:
+        # All prompts at once on both sides: prefills batch together, decodes batch together
+        # while later transfers are still arriving.
+        prefill_out: dict = {}
+        ids = {prefill.add_request(p, params, f"p{i}", kv_transfer={"do_remote_decode": True})
+               for i, p in enumerate(prompts)}
+        _run(prefill, ids, prefill_out)
+        decode_out: dict = {}
+        for i, prompt in enumerate(prompts):
+            final = prefill_out[f"p{i}"][-1]
+            assert final.finish_reason == "length" and final.kv_transfer is not None
+            assert final.new_token_ids == [expected[i][0]]
+            decode.add_request(prompt, params, f"d{i}",
+                               kv_transfer={**final.kv_transfer, "do_remote_prefill": True})
+        _run(decode, {f"d{i}" for i in range(len(prompts))}, decode_out)
+        for i in range(len(prompts)):
+            tokens = [t for out in decode_out[f"d{i}"] for t in out.new_token_ids]
+            assert tokens == expected[i], f"prompt {i} (length {len(prompts[i])})"
+            assert decode_out[f"d{i}"][-1].finish_reason == "length"
+        # Every block back on both sides: the decode side at once, the prefill side once the
+        # acknowledgements have been applied by its engine thread.
+        assert decode.block_manager.kv_blocks_used == 0
+        _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
+                  "the prefill instance to free acknowledged KV", prefill)
+        assert prefill.disagg is not None and prefill.disagg.exports is not None
+        assert len(prefill.disagg.exports) == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_reports_a_dead_prefill_instance_cleanly(tiny_model_dir):
+    """The handle points at a prefill instance that is gone: the request fails with the
+    kv_transfer_failed code (a 503 the router may retry) and its blocks come back."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 45))
+    prefill = _engine(tiny_model_dir, "prefill")
+    decode = LLMEngine(EngineConfig(
+        model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+        disagg=DisaggConfig(role="decode", transport="zmq", transfer_timeout_s=0.5)))
+    try:
+        out: dict = {}
+        prefill.add_request(prompt, params, "p", kv_transfer={"do_remote_decode": True})
+        _run(prefill, {"p"}, out)
+        handle = out["p"][-1].kv_transfer
+        prefill.close()  # the side channel goes with it
+        decode_out: dict = {}
+        decode.add_request(prompt, params, "d", kv_transfer={**handle, "do_remote_prefill": True})
+        _run(decode, {"d"}, decode_out)
+        final = decode_out["d"][-1]
+        assert final.finish_reason == "error" and final.error_code == KV_TRANSFER_FAILED
+        assert final.new_token_ids == []
+        assert decode.block_manager.kv_blocks_used == 0 and not decode.has_unfinished()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_wrong_role_and_wrong_prompt_are_refused(tiny_model_dir):
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    prefill = _engine(tiny_model_dir, "prefill")
+    decode = _engine(tiny_model_dir, "decode")
+    mixed = _engine(tiny_model_dir)
+    try:
+        with pytest.raises(ValueError, match="--role prefill"):
+            mixed.add_request([5, 6, 7], params, kv_transfer={"do_remote_decode": True})
+        out: dict = {}
+        prefill.add_request([5, 6, 7], params, "p", kv_transfer={"do_remote_decode": True})
+        _run(prefill, {"p"}, out)
+        handle = {**out["p"][-1].kv_transfer, "do_remote_prefill": True}
+        with pytest.raises(ValueError, match="--role decode"):
+            mixed.add_request([5, 6, 7], params, kv_transfer=handle)
+        with pytest.raises(ValueError, match="another prompt"):
+            decode.add_request([5, 6, 8], params, kv_transfer=handle)
+        assert decode.block_manager.kv_blocks_used == 0 and not decode.has_unfinished()
+    finally:
+        for engine in (prefill, decode, mixed):
+            engine.close()
+
+
+def test_an_unacknowledged_hold_is_freed_after_its_timeout(tiny_model_dir):
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill = LLMEngine(EngineConfig(
+        model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+        disagg=DisaggConfig(role="prefill", transport="zmq", hold_timeout_s=0.2)))
+    try:
+        out: dict = {}
+        prefill.add_request(list(range(3, 60)), params, "p", kv_transfer={"do_remote_decode": True})
+        _run(prefill, {"p"}, out)
+        assert prefill.block_manager.kv_blocks_used == 4  # 57 prompt tokens, 16 per block
+        _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0, "the hold to expire",
+                  prefill)
+        assert prefill.disagg is not None and prefill.disagg.exports is not None
+        assert prefill.disagg.exports.num_expired_total == 1
+    finally:
+        prefill.close()
