@@ -84,6 +84,7 @@ class RouterConfig:
     # Prefix-aware routing (prefix_affinity.py): an instance's score is its predicted backlog
     # minus the prefill its cache would save. 0 turns it off (least backlog only).
     prefix_block_tokens: int = 64
+    prefix_affinity_weight: float = 2.0  # backlog tokens one cached prompt token is worth
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,6 +101,8 @@ class RouterConfig:
         for name in ("stats_interval_s", "connect_timeout_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if self.prefix_affinity_weight < 0:
+            raise ValueError("prefix_affinity_weight must be >= 0")
         if self.prefix_block_tokens < 0:
             raise ValueError("prefix_block_tokens must be >= 0 (0 turns prefix routing off)")
         if self.unhealthy_cooldown_s < 0 or self.decode_weight_tokens < 0:

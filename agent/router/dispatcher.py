@@ -177,7 +177,7 @@ class Dispatcher:
             # Prefix-aware: the prefill its cache saves counts against its backlog, so a
             # follow-up goes where its conversation is unless that instance is busier by
             # more than the prefix is worth.
-            score = backlog - self.cached_tokens(instance, routed)
+            score = backlog - config.prefix_affinity_weight * self.cached_tokens(instance, routed)
             key = (score, instance.in_flight, (position - offset) % len(candidates))
             if best_key is None or key < best_key:
                 best, best_key = instance, key

@@ -233,9 +233,21 @@ class SimInstance:
         return now_s + STALLED_RETRY_S if self.scheduler.has_unfinished() else None
 
     def backlog_prompt_tokens(self) -> int:
-        """Prompt tokens still to prefill, counted as the live engine's stats() counts them."""
-        return sum(r.num_uncomputed_tokens for r in self.scheduler.requests.values()
+        """Prompt tokens still to prefill, counted as the live engine's stats() counts them
+        (a waiting request's cached prefix is not work)."""
+        return sum(r.num_uncached_tokens for r in self.scheduler.requests.values()
                    if r.in_prefill)
+
+    def router_backlog_tokens(self, decode_weight_tokens: float) -> float:
+        """The live router's load estimate (router/instances.py): prefill tokens still to
+        compute, plus each decoding request at ``decode_weight_tokens``."""
+        prefill, decodes = 0, 0
+        for request in self.scheduler.requests.values():
+            if request.in_prefill:
+                prefill += request.num_uncached_tokens
+            else:
+                decodes += 1
+        return prefill + decodes * decode_weight_tokens
 
     def _complete(self, now_s: float) -> None:
         assert self._pending is not None

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
-from slipstream.agent.router.prefix_affinity import PrefixAffinityIndex
+from slipstream.agent.router.prefix_affinity import (
+    DEFAULT_PREFIX_AFFINITY_WEIGHT, PrefixAffinityIndex)
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, BlockManager
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import BatchTimeModel
@@ -32,6 +33,7 @@ from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS, TraceRequest
 
 
 ROUTINGS = ("least-load", "prefix")
+DECODE_WEIGHT_TOKENS = 32  # the live router's default (RouterConfig.decode_weight_tokens)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class SimConfig:
     # Without pools: "least-load" (least backlog) or "prefix" (least backlog minus the
     # prefill the instance's cache saves, from an approximate index of what was sent where).
     routing: str = "least-load"
+    prefix_affinity_weight: float = DEFAULT_PREFIX_AFFINITY_WEIGHT  # as the live router's
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -128,7 +131,8 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
             if record.prompt_tokens + record.output_tokens + 1 > capacity_tokens:
                 continue  # can never fit one instance: reported as unfinished
             if affinity is not None:
-                target = _prefix_route(affinity, record, instances, capacity_tokens)
+                target = _prefix_route(affinity, record, instances, capacity_tokens,
+                                       config.prefix_affinity_weight)
             elif router is None:
                 target = min(instances, key=lambda inst: inst.backlog_tokens)
             else:
@@ -170,17 +174,20 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
 
 
 def _prefix_route(affinity: PrefixAffinityIndex, record: RequestRecord,
-                  instances: list[SimInstance], capacity_tokens: int) -> SimInstance:
-    """The instance with the least backlog minus the prefill its cache would save (the live
-    router's rule, agent/router/dispatcher.py); it then holds the prompt's blocks."""
+                  instances: list[SimInstance], capacity_tokens: int,
+                  weight: float) -> SimInstance:
+    """The instance with the least backlog minus the prefill its cache would save; it then
+    holds the prompt's blocks. This is the live router's rule (agent/router/dispatcher.py)
+    with its load estimate: prefill still to compute plus a fixed weight per decode."""
     keys: list[int] = []
     parent = 0
     for hash_id in record.hash_ids:  # chained, so a key stands for its whole prefix
         parent = hash((parent, hash_id))
         keys.append(parent)
     most = max(0, record.prompt_tokens - 1)
+    loads = [inst.router_backlog_tokens(DECODE_WEIGHT_TOKENS) for inst in instances]
     target = min(instances, key=lambda inst: (
-        inst.backlog_tokens - min(most, affinity.cached_tokens(str(inst.index), keys)),
-        inst.backlog_tokens))
+        loads[inst.index] - weight * min(most, affinity.cached_tokens(str(inst.index), keys)),
+        loads[inst.index]))
     affinity.record(str(target.index), keys, capacity_tokens)
     return target
