@@ -107,8 +107,8 @@ bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azu
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
 	  --loads 3.4 6 --spp 2 --duration-s 1800 --horizon-s 2400 --long-prompt-tokens 32768 \
 	  --out $(RESULTS)/sim
-	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
-	  --out $(RESULTS)/sim/azure-1h
+	$(BIN)/python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 \
+	  --out $(RESULTS)/sim
 
 bench-prefix: setup  ## prefix caching: Mooncake sim (4 systems, 4 instances) and the live CPU engine (docs/prefix-caching.md)
 	$(BIN)/python -m slipstream.agent.bench.prefix_bench --out $(RESULTS)/prefix

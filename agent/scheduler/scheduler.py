@@ -80,6 +80,8 @@ class Scheduler:
             kv_capacity_tokens=max(1, block_manager.kv_blocks_total * block_manager.block_size),
             decode_step_s=config.target_batch_time_ms / 1000.0,
             srpt_preemptible_fraction=config.srpt_preemptible_fraction,
+            short_lane_work_s=config.lars_short_lane_ms / 1000.0,
+            late_reserve_fraction=config.lars_late_reserve_fraction,
         ))
         self.queue = PrefillQueue(self.policy)
         self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")
@@ -338,7 +340,12 @@ class Scheduler:
         return preempted
 
     def _pack_prefills(self, now_s: float, budget: PrefillBudget) -> list[tuple[Request, int]]:
-        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full."""
+        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full.
+
+        A policy may reserve part of the batch for one request (LARS: its oldest late long
+        prefill): everyone else packs against the reduced budget, then that request fills
+        the rest, so the reserve is a floor and the batch stays full.
+        """
         config, manager, policy = self.config, self.block_manager, self.policy
         block_size = manager.block_size
         caching = manager.prefix_caching
@@ -347,14 +354,11 @@ class Scheduler:
         watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
         waiting_blocked = False
         grants: list[tuple[Request, int]] = []
-        misses = 0
         # Swapped requests resume before anything new is admitted.
         include_waiting = seats > 0 and not self.swapped
-        for request in self.queue.candidates(now_s, include_waiting):
-            if budget.exhausted:
-                break
-            if request.in_flight:
-                continue  # SPP: the token of its last chunk is not back yet
+
+        def grant(request: Request) -> bool:
+            nonlocal seats, free_blocks, waiting_blocked
             is_new = request.status is WAITING
             size = 0
             prefix: list[int] = []
@@ -367,15 +371,12 @@ class Scheduler:
                 kv_before = request.num_computed_tokens + len(prefix) * block_size
                 room = free_blocks - reviving - (watermark if is_new else 0)
                 fit_tokens = (len(request.block_ids) + len(prefix) + room) * block_size - kv_before
-                slack = self.urgency.relative_slack(request, now_s) if budget.is_long(kv_before) else 0.0
+                slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
                                         fit_tokens)
             if size <= 0:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
-                misses += 1
-                if misses >= config.max_prefill_candidates:
-                    break
-                continue
+                return False
             if prefix:
                 self._take_prefix(request, prefix)
                 free_blocks -= reviving
@@ -383,7 +384,34 @@ class Scheduler:
             free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
             seats -= is_new
             grants.append((request, size))
+            return True
+
+        reserved: Request | None = None
+        reservation = self._reserved_prefill(now_s, include_waiting)
+        if reservation is not None:
+            reserved, fraction = reservation
+            budget.reserve(fraction, long_slot=budget.is_long(reserved.num_computed_tokens))
+        misses = 0
+        for request in self.queue.candidates(now_s, include_waiting):
+            if budget.exhausted:
+                break
+            if request.in_flight or request is reserved:
+                continue  # SPP: the token of its last chunk is not back yet; or packed last
+            if not grant(request):
+                misses += 1
+                if misses >= config.max_prefill_candidates:
+                    break
+        if reserved is not None:
+            budget.release_reserve()
+            grant(reserved)
         return grants
+
+    def _reserved_prefill(self, now_s: float, include_waiting: bool
+                          ) -> tuple[Request, float] | None:
+        """The request the policy keeps a share of this batch for, if any, and the share."""
+        prefilling, waiting = self.queue.prefilling.members, self.queue.waiting.members
+        return self.policy.reserved_request(now_s, lambda r: not r.in_flight and (
+            r in prefilling or (include_waiting and r in waiting)))
 
     # -- state changes ----------------------------------------------------------------------
 

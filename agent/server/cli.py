@@ -189,7 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--policy", choices=POLICY_NAMES, default="lars",
-                       help="prefill order: lars (least relative slack, Medha), fcfs, edf, lrs, "
+                       help="prefill order: lars (short requests first in deadline order, a "
+                            "reserved share for late long prefills; docs/scheduling.md), "
+                            "lars-classic (Medha's least relative slack), fcfs, edf, lrs, "
                             "srpt (TRAIL, limited preemption) or justitia (fair per app_id)")
     sched.add_argument("--profile", type=Path, default=None, metavar="DIR",
                        help="runtime profile from `slipstream profile`; enables the time-budget "
