@@ -119,6 +119,9 @@ bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.m
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
+bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
+	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
+
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live

@@ -7,11 +7,12 @@
 Slipstream extensions travel as extra top-level JSON fields, which the official ``openai``
 client sends through ``extra_body``:
 
-    {"top_k": 20, "ignore_eos": true, "priority": 1, "app_id": "search",
-     "slo": {"ttft_s": 2.0, "tpot_ms": 50}}
+    {"top_k": 20, "repetition_penalty": 1.1, "ignore_eos": true, "priority": 1,
+     "app_id": "search", "slo": {"ttft_s": 2.0, "tpot_ms": 50}}
 
 ``slo`` is a nested object (the one scheme; no flat aliases). ``app_id`` names the tenant
-for application-level fairness and defaults to ``"default"``. Unknown fields are rejected
+for application-level fairness; without it, OpenAI's ``user`` field names it, and without
+either it is ``"default"``. Unknown fields are rejected
 with a 400 naming them, as OpenAI does, so that a misspelt SLO is never silently ignored.
 """
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator)
 
-from slipstream.agent.engine.sampling_params import MAX_LOGPROBS, RequestOutput
+from slipstream.agent.engine.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 16
+MAX_CHOICES = 16  # n: each choice is a request of its own in the engine
 
 
 class _StrictModel(BaseModel):
@@ -61,6 +64,7 @@ class _GenerationRequest(_StrictModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # Slipstream extensions.
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     app_id: str | None = Field(default=None, min_length=1, max_length=256)
@@ -72,9 +76,9 @@ class _GenerationRequest(_StrictModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}; send one request per choice")
+    def _bounded_choices(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {value}")
         return value
 
     @field_validator("stop")
@@ -84,19 +88,22 @@ class _GenerationRequest(_StrictModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("presence and frequency penalties are not supported; use 0")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), "
+                                 f"got {key!r}")
         return value
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -138,13 +145,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("must not be empty")
         if min(value) < 0:
             raise ValueError("token ids must be non-negative")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported")
         return value
 
     @field_validator("suffix")
@@ -193,10 +193,36 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema every answer must satisfy."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictModel):
+    """``text`` (the default), ``json_object`` (any JSON object) or ``json_schema``. The
+    JSON formats are enforced by a grammar whatever ``strict`` says: a model cannot step
+    outside them."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``. Text-only messages, formatted by the chat template."""
 
     messages: list[ChatMessage]
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both set
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -244,11 +270,6 @@ class Usage(BaseModel):
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-    @classmethod
-    def of_output(cls, final: RequestOutput) -> Usage:
-        """The usage of a finished request."""
-        return cls.of(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens)
 
 
 class CompletionLogprobs(BaseModel):
