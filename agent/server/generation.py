@@ -42,7 +42,7 @@ from slipstream.agent.server.metrics import RequestTimer, ServingMetrics
 from slipstream.agent.server.protocol import SloSpec, _GenerationRequest
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
 T = TypeVar("T")
 # Tokenizing more than this many characters moves to a thread, off the event loop.
@@ -55,7 +55,7 @@ class ClientDisconnected(Exception):
 
 @dataclass(frozen=True)
 class ServingContext:
-    engine: AsyncEngine
+    engine: ServingEngine
     metrics: ServingMetrics
     config: ServerConfig
 

@@ -157,3 +157,43 @@ def test_every_output_of_a_random_schema_validates(engine, schema, seed):
                                                         seed=seed, grammar=grammar)])
     assert finishes == ["stop"], (schema, texts)
     jsonschema.validate(json.loads(texts[0]), schema)
+
+
+# ---- forced tool calls: the grammar of each call syntax makes the random model's output
+# parse into calls of the allowed tools, with arguments valid under their schemas ----------
+
+def _tools():
+    from slipstream.agent.server.protocol import ToolSpec
+
+    weather = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}
+    clock = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 4}},
+             "required": ["tz"], "additionalProperties": False}
+    return [ToolSpec.model_validate({"type": "function", "function": {
+                "name": "get_weather", "parameters": weather}}),
+            ToolSpec.model_validate({"type": "function", "function": {
+                "name": "get_time", "parameters": clock}})]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_tool_calls_always_parse(engine, family, parallel):
+    from slipstream.agent.server.tools import PARSERS
+
+    parser = PARSERS[family]()
+    tools = _tools()
+    grammar = lark_grammar(parser.grammar(tools, parallel))
+    assert engine.grammar.check(grammar) is None
+    texts, _, finishes, _ = run(engine, [SamplingParams(max_tokens=300, temperature=1.0,
+                                                        seed=seed, grammar=grammar)
+                                         for seed in range(2)])
+    schemas = {tool.function.name: tool.function.parameters for tool in tools}
+    for text, finish in zip(texts, finishes):
+        assert finish == "stop", text
+        content, calls = parser.parse(text)
+        assert content is None and calls, text
+        assert parallel or len(calls) == 1
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
