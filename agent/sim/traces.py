@@ -160,15 +160,17 @@ def step_rate(low_qps: float, high_qps: float, up_at_s: float, down_at_s: float)
 
 
 def warp_to_rate(requests: list[TraceRequest], rate: RateCurve, duration_s: float,
-                 grid_s: float = 1.0) -> list[TraceRequest]:
-    """Replay a trace under a time-varying rate: the trace's own arrival pattern, bent to
-    follow ``rate(t)`` over ``[0, duration_s)``.
+                 grid_s: float = 1.0, smooth_s: float = 120.0) -> list[TraceRequest]:
+    """Replay a trace under a time-varying rate: the trace's own short-term arrival pattern,
+    bent to follow ``rate(t)`` over ``[0, duration_s)``.
 
-    The trace (repeated end to end as often as needed) runs on its own clock at its mean
-    rate ``r0``; a request the trace puts at ``a`` seconds lands at ``t = L^-1(r0 * a)``,
-    where ``L(t)`` is the expected count of arrivals by ``t`` under ``rate``. Locally the
-    trace's bursts and lulls survive (its time is only stretched or compressed), and the
-    long-run rate follows the curve. Lengths are the trace's, in its order."""
+    The trace (repeated end to end as often as needed) is put on its operational clock: a
+    request at ``a`` seconds gets ``u = N(a)``, where ``N`` counts the trace's arrivals
+    smoothed over ``smooth_s``. ``u`` grows by one per request on average, so the trace's
+    own drift over minutes (the Azure hour is not flat) is taken out, while its bursts and
+    lulls shorter than ``smooth_s`` stay. The request then lands at ``t = L^-1(u)``, where
+    ``L(t)`` is the expected count of arrivals by ``t`` under ``rate``: the long-run rate is
+    the curve's. Lengths are the trace's, in its order."""
     if len(requests) < 2:
         raise ValueError("warp_to_rate needs a trace of at least two requests")
     first = requests[0].arrival_s
@@ -176,10 +178,17 @@ def warp_to_rate(requests: list[TraceRequest], rate: RateCurve, duration_s: floa
     mean_qps = (len(requests) - 1) / max(offsets[-1], 1e-9)
     grid = np.arange(0.0, duration_s + grid_s, grid_s)
     expected = np.concatenate(([0.0], np.cumsum(rate(grid[:-1]) * grid_s)))
-    loops = int(expected[-1] // len(requests)) + 1
+    loops = int(expected[-1] // len(requests)) + 2
     loop_s = offsets[-1] + 1.0 / mean_qps
-    counts = np.concatenate([offsets + k * loop_s for k in range(loops)]) * mean_qps
-    counts = counts[counts < expected[-1]]
-    times = np.interp(counts, expected, grid)
+    trace_s = np.concatenate([offsets + k * loop_s for k in range(loops)])
+    edges = np.arange(0.0, trace_s[-1] + 2 * grid_s, grid_s)
+    counts, _ = np.histogram(trace_s, bins=edges)
+    width = max(1, int(round(smooth_s / grid_s)))
+    padded = np.pad(counts.astype(np.float64), (width, width), mode="wrap")
+    smoothed = np.convolve(padded, np.ones(width) / width, mode="same")[width:-width]
+    operational = np.concatenate(([0.0], np.cumsum(smoothed)))
+    counts_at = np.interp(trace_s, edges, operational)
+    counts_at = counts_at[counts_at < expected[-1]]
+    times = np.interp(counts_at, expected, grid)
     return [replace(requests[i % len(requests)], arrival_s=float(t))
             for i, t in enumerate(times)]
