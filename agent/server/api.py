@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -102,7 +102,33 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
         _require_healthy(ctx)
         return await _answer(create_chat_completion(ctx, request, body))
 
+    _describe_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                   "/v1/chat/completions": ChatCompletionRequest})
     return app
+
+
+def _describe_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request bodies into the app's OpenAPI document (/openapi.json). The handlers
+    parse bodies themselves (for OpenAI-shaped errors), so FastAPI cannot see them; clients
+    and fuzzers (schemathesis, in the tests) read them from here."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        document = default_openapi()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            document["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _answer(handler: Awaitable[Response]) -> Response:
