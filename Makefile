@@ -91,8 +91,15 @@ bench-engine: setup  ## engine throughput vs transformers, and the engine's own 
 bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgspec/pickle)
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
+bench-server: setup  ## one process vs engine in its own process: tok/s, TTFT, TPOT at 1..1000 streams
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny 100m \
+	  --concurrency 1 64 256 1000 --out $(RESULTS)/server
+
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
+
+bench-structured: setup  ## decode tokens/s with a JSON-schema grammar on every request vs none (batch 1, 8)
+	$(BIN)/python -m slipstream.agent.bench.structured_bench --out $(RESULTS)/structured
 
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
@@ -118,14 +125,20 @@ bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azu
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
 	  --loads 3.4 6 --spp 2 --duration-s 1800 --horizon-s 2400 --long-prompt-tokens 32768 \
 	  --out $(RESULTS)/sim
-	$(BIN)/slipstream simulate --trace azure --policies fcfs lars --no-progress \
-	  --out $(RESULTS)/sim/azure-1h
+	$(BIN)/python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 \
+	  --out $(RESULTS)/sim
 
 bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
+
+bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instance-hours, SLO (docs/autoscaling.md)
+	$(BIN)/python -m slipstream.agent.bench.autoscale_study --out $(RESULTS)/autoscale
+
+bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
+	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
 
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live

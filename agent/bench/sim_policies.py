@@ -5,14 +5,17 @@
             OUT/<name>_short_ttft_over_time.png (middle load)
 
 The main table compares the systems Medha compares: FCFS as plain chunked prefill (no space
-sharing, ``fcfs@0``) against EDF, LRS and LARS with the packer's defaults (space sharing
-0.5). The secondary table runs every policy with and without space sharing, so the effect of
-the ordering alone is visible. Examples::
+sharing, ``fcfs@0``) against EDF, LRS and Medha's LARS (``lars-classic``) with the packer's
+defaults (space sharing 0.5), and Slipstream's LARS (``lars``, short lane and late reserve;
+docs/scheduling.md). The secondary table runs the Medha policies with and without space
+sharing, so the effect of the ordering alone is visible. Without ``--loads`` a trace is
+replayed at its own rate. Examples::
 
     python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
         --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --out docs/img
     python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
         --loads 1.0 2.0 --spp 2 --long-prompt-tokens 32768 --out docs/img
+    python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 --out docs/img
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from slipstream.agent.sim.report import summarize
 from slipstream.agent.sim.simulator import SimConfig, simulate
 from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
 
-MAIN_POLICIES = ("fcfs@0", "edf", "lrs", "lars")
+MAIN_POLICIES = ("fcfs@0", "edf", "lrs", "lars-classic", "lars")
 SPACE_SHARING_POLICIES = ("fcfs@0", "fcfs@0.5", "edf@0", "edf@0.5", "lrs@0", "lrs@0.5",
-                          "lars@0", "lars@0.5")
+                          "lars-classic@0", "lars-classic@0.5")
 
 
 def scheduler_for(label: str) -> SchedulerConfig:
@@ -49,12 +52,24 @@ def row(label: str, summary: dict) -> str:
             f"{short['tpot_ms'].get('p50', float('nan')):.1f} | {summary['goodput_rps']:.3f} | "
             f"{summary['throughput_rps']:.3f} | {long['completed']}/{long['requests']} | "
             f"{long['ttft_s'].get('p50', float('nan')):.0f} | "
+            f"{long['ttft_s'].get('p99', float('nan')):.0f} | "
             f"{summary['worst_long_delay_s'] or 0:.0f} |")
 
 
 HEADER = ("| policy | short TTFT p50 (s) | short TTFT p99 (s) | short TPOT p50 (ms) | "
           "goodput (req/s) | throughput (req/s) | long done | long TTFT p50 (s) | "
-          "worst long wait (s) |\n|---|---|---|---|---|---|---|---|---|")
+          "long TTFT p99 (s) | worst long wait (s) |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def goals(summaries: dict) -> str:
+    """Slipstream's LARS against the goals of its design (docs/scheduling.md), one line."""
+    new, classic, fcfs = summaries["lars"], summaries["lars-classic"], summaries["fcfs@0"]
+    best = max(summary["goodput_rps"] for summary in summaries.values())
+    short_p99 = new["short"]["ttft_s"]["p99"] / classic["short"]["ttft_s"]["p99"]
+    worst_long = (new["worst_long_delay_s"] or 0.0) / max(fcfs["worst_long_delay_s"] or 0.0, 1e-9)
+    return (f"\nlars: goodput {new['goodput_rps'] / best:.3f}x the best (goal >= 0.98), "
+            f"short p99 TTFT {short_p99:.2f}x lars-classic's (goal <= 1.2), "
+            f"worst long wait {worst_long:.2f}x FCFS's (goal <= 1.5)")
 
 
 def main() -> None:
@@ -62,7 +77,8 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="prefix of the output files")
     parser.add_argument("--recipe", default=None)
     parser.add_argument("--trace", default=None)
-    parser.add_argument("--loads", type=float, nargs="+", required=True, help="QPS values")
+    parser.add_argument("--loads", type=float, nargs="+", default=[None],
+                        help="QPS values (default: a trace's own rate)")
     parser.add_argument("--duration-s", type=float, default=None)
     parser.add_argument("--horizon-s", type=float, default=None)
     parser.add_argument("--spp", type=int, default=2)
@@ -77,8 +93,8 @@ def main() -> None:
     model, meta = load_model("h100-llama3-8b-tp8")
     instance = InstanceConfig(tp=meta.tp, spp=args.spp,
                               num_kv_blocks=estimate_kv_blocks(meta, meta.tp, args.spp, 1))
-    # edf, lrs and lars already run with the default share (0.5); the @0.5 rows reuse them.
-    aliases = {"edf@0.5": "edf", "lrs@0.5": "lrs", "lars@0.5": "lars"}
+    # edf, lrs and lars-classic already run with the default share (0.5); @0.5 rows reuse them.
+    aliases = {"edf@0.5": "edf", "lrs@0.5": "lrs", "lars-classic@0.5": "lars-classic"}
     policies = list(MAIN_POLICIES) + ([p for p in SPACE_SHARING_POLICIES
                                        if p not in MAIN_POLICIES and p not in aliases]
                                       if args.secondary else [])
@@ -89,6 +105,8 @@ def main() -> None:
         requests = build_workload(WorkloadSpec(
             trace=args.trace, recipe=args.recipe, qps=load, duration_s=args.duration_s,
             seed=args.seed))
+        rate = "own rate" if load is None else f"{load:g} QPS"
+        tag = "native" if load is None else f"q{load:g}"
         sims, summaries = {}, {}
         for label in policies:
             config = SimConfig(scheduler=scheduler_for(label), instance=instance,
@@ -99,22 +117,23 @@ def main() -> None:
             summaries[label] = summarize(sims[label], args.long_prompt_tokens, args.slo_tpot_ms)
             print(f"q={load} {label}: {time.perf_counter() - started:.1f}s wall, short p99 TTFT "
                   f"{summaries[label]['short']['ttft_s']['p99']:.3f}s", flush=True)
-        results[str(load)] = summaries
+        results["native" if load is None else str(load)] = summaries
         long_count = sum(r.prompt_tokens >= args.long_prompt_tokens for r in requests)
-        tables.append(f"\n## {load} QPS ({len(requests)} requests, {long_count} long)\n\n{HEADER}")
+        tables.append(f"\n## {rate} ({len(requests)} requests, {long_count} long)\n\n{HEADER}")
         tables += [row(label, summaries[label]) for label in MAIN_POLICIES]
+        tables.append(goals(summaries))
         if args.secondary:
             tables.append("\nWith and without space sharing (@F = max_space_share_fraction):\n")
             tables.append(HEADER)
             tables += [row(label, summaries[aliases.get(label, label)])
                        for label in SPACE_SHARING_POLICIES]
         main_sims = {label: sims[label] for label in MAIN_POLICIES}
-        ttft_cdf(main_sims, args.out / f"{args.name}_ttft_cdf_q{load:g}.png",
-                 args.long_prompt_tokens, f"{args.name}: TTFT CDF at {load:g} QPS")
+        ttft_cdf(main_sims, args.out / f"{args.name}_ttft_cdf_{tag}.png",
+                 args.long_prompt_tokens, f"{args.name}: TTFT CDF at {rate}")
         if load == middle:
             short_ttft_over_time(main_sims, args.out / f"{args.name}_short_ttft_over_time.png",
                                  args.long_prompt_tokens,
-                                 f"{args.name}: short-request TTFT over time at {load:g} QPS")
+                                 f"{args.name}: short-request TTFT over time at {rate}")
     (args.out / f"{args.name}_results.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / f"{args.name}_tables.md").write_text("\n".join(tables) + "\n")
     print("\n".join(tables))

@@ -316,3 +316,23 @@ class StopChecker:
             if any(stop.startswith(tail) for stop in self.stop_strings):
                 return length
         return 0
+
+
+class TextStream:
+    """A request's output text: its detokenizer and stop strings together, fed one token at a
+    time. The engine uses one per request; so does the API process of a two-process server,
+    where the engine core sends token ids only."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 stop: Sequence[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.stop_checker = StopChecker(stop)
+
+    def add_token(self, token_id: int) -> tuple[str, bool]:
+        """Text that can be shown after this token, and whether a stop string matched."""
+        return self.stop_checker.feed(self.detokenizer.add_token(token_id))
+
+    def flush(self) -> str:
+        """The text still held back when the request ends for a reason other than a stop string."""
+        text, stopped = self.stop_checker.feed(self.detokenizer.flush())
+        return text if stopped else text + self.stop_checker.flush()

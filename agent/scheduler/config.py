@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from slipstream.agent.scheduler.awd import AWDConfig
 from slipstream.agent.scheduler.packer import PackerConfig
 
-POLICY_NAMES = ("fcfs", "edf", "lrs", "lars", "srpt", "justitia")
+POLICY_NAMES = ("fcfs", "edf", "lrs", "lars", "lars-classic", "srpt", "justitia")
 PREEMPTION_MODES = ("recompute", "swap")
 SHORT_PREFILL_BATCHING_MODES = ("off", "awd")
 AWD_SHORTEST_BUCKET_TOKENS = 8  # PLA-Serve's smallest captured prompt length
@@ -35,6 +35,11 @@ class SchedulerConfig:
     max_prefill_candidates: int = 64  # prefills examined per iteration that got no chunk
     srpt_preemptible_fraction: float = 0.8  # TRAIL's c
     max_displacements_per_step: int = 1
+    # LARS (policies.py): a request with at most this much prefill work left is in the short
+    # lane, served in deadline order before any other prefill; a late long prefill keeps this
+    # fraction of every batch.
+    lars_short_lane_ms: float = 250.0
+    lars_late_reserve_fraction: float = 0.5
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so
     # running decodes can grow without an immediate preemption.
     admission_watermark_fraction: float = 0.01
@@ -63,6 +68,10 @@ class SchedulerConfig:
             raise ValueError("max_prefill_candidates must be >= 1")
         if not 0.0 < self.srpt_preemptible_fraction <= 1.0:
             raise ValueError("srpt_preemptible_fraction must be in (0, 1]")
+        if self.lars_short_lane_ms < 0:
+            raise ValueError("lars_short_lane_ms must be >= 0")
+        if not 0.0 <= self.lars_late_reserve_fraction < 1.0:
+            raise ValueError("lars_late_reserve_fraction must be in [0, 1)")
         if self.max_displacements_per_step < 0:
             raise ValueError("max_displacements_per_step must be >= 0")
         if not 0.0 <= self.admission_watermark_fraction < 1.0:

@@ -100,6 +100,8 @@ class PrefillBudget:
         self.estimate = BatchTimeEstimate(model)
         self.has_long_prefill = False
         self.num_prefills = 0
+        self._limit_ms = config.target_batch_time_ms  # lowered while a share is reserved
+        self._long_slot_reserved = False
         self._full_ms = config.target_batch_time_ms * config.full_batch_fraction
         # The smallest KV length at which a minimum chunk was refused under the full target.
         # Predictions only grow with KV and with the batch, so every request at or above it
@@ -117,6 +119,24 @@ class PrefillBudget:
     @property
     def exhausted(self) -> bool:
         return self.estimate.time_ms >= self._full_ms
+
+    def reserve(self, fraction: float, long_slot: bool) -> None:
+        """Keep ``fraction`` of the target free: until ``release_reserve()``, chunks may only
+        fill ``target * (1 - fraction)``. With ``long_slot`` the batch's one long prefill is
+        kept too, so no other long request takes it."""
+        self._set_limit(self.config.target_batch_time_ms * (1.0 - fraction))
+        self._long_slot_reserved = long_slot and not self.has_long_prefill
+        self.has_long_prefill |= self._long_slot_reserved
+
+    def release_reserve(self) -> None:
+        self._set_limit(self.config.target_batch_time_ms)
+        if self._long_slot_reserved:
+            self.has_long_prefill = self._long_slot_reserved = False
+
+    def _set_limit(self, limit_ms: float) -> None:
+        self._limit_ms = limit_ms
+        self._full_ms = limit_ms * self.config.full_batch_fraction
+        self._refused_from_kv = float("inf")  # refusals were against the old limit
 
     def add_decodes(self, count: int, kv_total_tokens: int) -> None:
         if count:
@@ -149,7 +169,7 @@ class PrefillBudget:
         long_request = self.is_long(kv_before_tokens)
         if long_request and self.has_long_prefill:
             return 0
-        target_ms = config.target_batch_time_ms
+        target_ms = self._limit_ms
         if long_request:
             share = min(config.max_space_share_fraction, max(0.0, relative_slack))
             target_ms *= 1.0 - share

@@ -13,11 +13,14 @@ requests are sorted once on entry and re-sorted only on those events:
   remaining time (fixed while waiting).
 - LRS: slack ``a + d - now - remaining``. ``now`` is common to all requests, so the order is
   that of ``K = a + d - remaining``, which is time-invariant.
-- LARS: relative slack ``(K - now) / w_total``. Two requests with equal ``w_total`` keep their
-  order forever (it is the order of ``K``); with different ``w_total`` the lines in ``now``
-  cross. So requests are bucketed into length classes of nearly equal ``w_total`` (classes
-  2% wide in ``w_total``), sorted by ``K`` inside a class, and only the class heads are scored
-  at ``now`` and merged by a heap. The order inside a class uses the class's representative
+- LARS (Slipstream's, ``lars``): the lane (short if the prefill work left is at most
+  ``short_lane_work_s``), then the deadline ``a + d``. Both change only when a chunk is
+  computed. Its reserve for the oldest late long request is a heap by arrival, pruned lazily.
+- LARS as Medha published it (``lars-classic``): relative slack ``(K - now) / w_total``. Two
+  requests with equal ``w_total`` keep their order forever (it is the order of ``K``); with
+  different ``w_total`` the lines in ``now`` cross. So requests are bucketed into length
+  classes of nearly equal ``w_total`` (classes 2% wide in ``w_total``), sorted by ``K`` inside
+  a class, and only the class heads are scored at ``now`` and merged by a heap. The order inside a class uses the class's representative
   work, so it can differ from exact LARS only between requests whose ``w_total`` is within 2%.
   The cost per iteration is one score per non-empty class plus a heap pop per candidate.
 
@@ -28,9 +31,10 @@ iterations (``r`` its first predicted output length, ``c = 0.8``).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, ClassVar
 
 from slipstream.agent.scheduler.length_predictor import LengthPredictor
@@ -47,6 +51,8 @@ class PolicyContext:
     kv_capacity_tokens: int
     decode_step_s: float  # time of one decode iteration, the target batch time
     srpt_preemptible_fraction: float = 0.8
+    short_lane_work_s: float = 0.25  # LARS: prefill work left that puts a request in the short lane
+    late_reserve_fraction: float = 0.5  # LARS: batch share kept for a late long prefill
 
 
 class SchedulingPolicy:
@@ -70,6 +76,16 @@ class SchedulingPolicy:
         """The request's place in the prefill order at ``now``: smaller is more urgent."""
         bucket, key = self.prefill_key(request, now_s)
         return key if self.score_scale is None else (key - now_s) * self.score_scale[bucket]
+
+    def space_share_slack(self, request: Request, now_s: float) -> float:
+        """The relative slack the packer uses to size a long prefill's share of the batch."""
+        return self.urgency_model.relative_slack(request, now_s)
+
+    def reserved_request(self, now_s: float, eligible: Callable[[Request], bool]
+                         ) -> tuple[Request, float] | None:
+        """A request to keep a share of this batch for, and the share; ``eligible`` says
+        whether a request could get a chunk now. None for most policies."""
+        return None
 
     def victim_key(self, request: Request, now_s: float) -> Any:
         """Comparable; under KV pressure the running request with the largest key goes first."""
@@ -110,8 +126,10 @@ class LrsPolicy(SchedulingPolicy):
         return 0, request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
 
 
-class LarsPolicy(SchedulingPolicy):
-    name = "lars"
+class LarsClassicPolicy(SchedulingPolicy):
+    """Medha's LARS as published: least relative slack first (kept for comparison)."""
+
+    name = "lars-classic"
     class_width = 0.02  # relative width of a w_total class
 
     def __init__(self, context: PolicyContext) -> None:
@@ -131,6 +149,71 @@ class LarsPolicy(SchedulingPolicy):
     def prefill_key(self, request, now_s):
         key = request.ttft_deadline_s - self.urgency_model.remaining_prefill_s(request)
         return self.work_class(request.prefill_work_s), key
+
+
+# Keys of the long lane are offset by this much, so that every short-lane key (an absolute
+# deadline on the scheduler's clock, far below it) sorts first.
+LONG_LANE_OFFSET_S = 1e12
+
+
+class LarsPolicy(SchedulingPolicy):
+    """LARS with a short lane; docs/scheduling.md ("LARS with a short lane") explains it.
+
+    - Short lane (bucket 0): requests with at most ``short_lane_work_s`` of prefill work
+      left, in deadline order. They come before every other prefill, so a short request is
+      served at once instead of waiting out its slack behind a long prefill.
+    - Long lane (bucket 1): the rest, in deadline order, after the short lane (its keys are
+      offset by ``LONG_LANE_OFFSET_S``). Lane and key change only when a chunk is computed,
+      so the order needs no re-sorting between iterations.
+    - Reserve: the oldest long-lane request, once it can no longer meet its deadline, keeps
+      ``late_reserve_fraction`` of every batch and the batch's one long-prefill slot. A
+      stream of short requests, or of later long ones with earlier deadlines, cannot starve it.
+    """
+
+    name = "lars"
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.short_lane_work_s = context.short_lane_work_s
+        self.late_reserve_fraction = context.late_reserve_fraction
+        # Long-lane requests by arrival, pruned lazily: the reserve goes to the oldest.
+        self._long_lane: list[tuple[float, int, Request]] = []
+        self._in_long_lane: set[Request] = set()
+        self._seq = 0
+
+    def in_short_lane(self, request: Request) -> bool:
+        return self.urgency_model.remaining_prefill_s(request) <= self.short_lane_work_s
+
+    def prefill_key(self, request, now_s):
+        assert request.ttft_deadline_s is not None, "assign() sets it when the request arrives"
+        if self.in_short_lane(request):
+            return 0, request.ttft_deadline_s
+        if request not in self._in_long_lane:
+            self._in_long_lane.add(request)
+            self._seq += 1
+            heapq.heappush(self._long_lane, (request.arrival_s, self._seq, request))
+        return 1, LONG_LANE_OFFSET_S + request.ttft_deadline_s
+
+    def space_share_slack(self, request, now_s):
+        return 0.0  # short-lane requests are packed first; a long prefill takes what is left
+
+    def reserved_request(self, now_s, eligible):
+        lane = self._long_lane
+        if self.late_reserve_fraction <= 0.0:
+            return None
+        while lane:
+            request = lane[0][2]
+            if request.is_finished or not request.in_prefill or self.in_short_lane(request):
+                heapq.heappop(lane)
+                self._in_long_lane.discard(request)
+                continue
+            if not eligible(request) or self.urgency_model.slack_s(request, now_s) >= 0.0:
+                return None
+            return request, self.late_reserve_fraction
+        return None
+
+    def on_finish(self, request, now_s):
+        self._in_long_lane.discard(request)  # its heap entry is pruned when it surfaces
 
 
 class SrptPolicy(SchedulingPolicy):

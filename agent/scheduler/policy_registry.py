@@ -6,6 +6,7 @@ from slipstream.agent.scheduler.justitia import JustitiaPolicy
 from slipstream.agent.scheduler.policies import (
     EdfPolicy,
     FcfsPolicy,
+    LarsClassicPolicy,
     LarsPolicy,
     LrsPolicy,
     PolicyContext,
@@ -15,7 +16,8 @@ from slipstream.agent.scheduler.policies import (
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     cls.name: cls
-    for cls in (FcfsPolicy, EdfPolicy, LrsPolicy, LarsPolicy, SrptPolicy, JustitiaPolicy)
+    for cls in (FcfsPolicy, EdfPolicy, LrsPolicy, LarsPolicy, LarsClassicPolicy, SrptPolicy,
+                JustitiaPolicy)
 }
 
 

@@ -73,6 +73,8 @@ class Scheduler:
             kv_capacity_tokens=max(1, block_manager.kv_blocks_total * block_manager.block_size),
             decode_step_s=config.target_batch_time_ms / 1000.0,
             srpt_preemptible_fraction=config.srpt_preemptible_fraction,
+            short_lane_work_s=config.lars_short_lane_ms / 1000.0,
+            late_reserve_fraction=config.lars_late_reserve_fraction,
         ))
         self.queue = PrefillQueue(self.policy)
         self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")
@@ -323,7 +325,12 @@ class Scheduler:
         return preempted
 
     def _pack_prefills(self, now_s: float, budget: PrefillBudget) -> list[tuple[Request, int]]:
-        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full."""
+        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full.
+
+        A policy may reserve part of the batch for one request (LARS: its oldest late long
+        prefill): everyone else packs against the reduced budget, then that request fills
+        the rest, so the reserve is a floor and the batch stays full.
+        """
         config, manager, policy = self.config, self.block_manager, self.policy
         block_size = manager.block_size
         seats = config.max_num_seqs - len(self.running)
@@ -331,33 +338,54 @@ class Scheduler:
         watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
         waiting_blocked = False
         grants: list[tuple[Request, int]] = []
-        misses = 0
         # Swapped requests resume before anything new is admitted.
         include_waiting = seats > 0 and not self.swapped
-        for request in self.queue.candidates(now_s, include_waiting):
-            if budget.exhausted:
-                break
-            if request.in_flight:
-                continue  # SPP: the token of its last chunk is not back yet
+
+        def grant(request: Request) -> bool:
+            nonlocal seats, free_blocks, waiting_blocked
             is_new = request.status is WAITING
             size = 0
             if not (is_new and (seats <= 0 or waiting_blocked)):
                 kv_before = request.num_computed_tokens
                 room = free_blocks - (watermark if is_new else 0)
                 fit_tokens = (len(request.block_ids) + room) * block_size - kv_before
-                slack = self.urgency.relative_slack(request, now_s) if budget.is_long(kv_before) else 0.0
+                slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_uncomputed_tokens, slack, fit_tokens)
             if size <= 0:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
-                misses += 1
-                if misses >= config.max_prefill_candidates:
-                    break
-                continue
+                return False
             budget.add_prefill(kv_before, size)
             free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
             seats -= is_new
             grants.append((request, size))
+            return True
+
+        reserved: Request | None = None
+        reservation = self._reserved_prefill(now_s, include_waiting)
+        if reservation is not None:
+            reserved, fraction = reservation
+            budget.reserve(fraction, long_slot=budget.is_long(reserved.num_computed_tokens))
+        misses = 0
+        for request in self.queue.candidates(now_s, include_waiting):
+            if budget.exhausted:
+                break
+            if request.in_flight or request is reserved:
+                continue  # SPP: the token of its last chunk is not back yet; or packed last
+            if not grant(request):
+                misses += 1
+                if misses >= config.max_prefill_candidates:
+                    break
+        if reserved is not None:
+            budget.release_reserve()
+            grant(reserved)
         return grants
+
+    def _reserved_prefill(self, now_s: float, include_waiting: bool
+                          ) -> tuple[Request, float] | None:
+        """The request the policy keeps a share of this batch for, if any, and the share."""
+        prefilling, waiting = self.queue.prefilling.members, self.queue.waiting.members
+        return self.policy.reserved_request(now_s, lambda r: not r.in_flight and (
+            r in prefilling or (include_waiting and r in waiting)))
 
     # -- state changes ----------------------------------------------------------------------
 
@@ -391,17 +419,31 @@ class Scheduler:
         outputs = request.output_token_ids
         token = outputs[-1] if outputs else request.prompt_token_ids[-1]
         return ScheduledChunk(request.request_id, (token,), request.num_computed_tokens,
-                              tuple(request.block_ids), True, request.sampling, len(outputs))
+                              tuple(request.block_ids), True, request.sampling, len(outputs),
+                              _penalty_history(request))
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + size
+        sample = end == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids(start, end)),
             start_pos=start,
             block_ids=tuple(request.block_ids),
-            sample=end == request.num_tokens,
+            sample=sample,
             sampling=request.sampling,
             num_generated=request.num_output_tokens,
+            history=_penalty_history(request) if sample else (),
         )
+
+
+def _penalty_history(request: Request) -> tuple[int, ...]:
+    """The tokens a request's penalties count (see ``ScheduledChunk.history``); empty for the
+    requests that use none, so they pay nothing."""
+    sampling = request.sampling
+    if not sampling.uses_output_history:
+        return ()
+    if sampling.uses_prompt_history:
+        return (*request.prompt_token_ids, *request.output_token_ids)
+    return tuple(request.output_token_ids)

@@ -36,7 +36,7 @@ from slipstream.agent.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -44,7 +44,7 @@ M = TypeVar("M", bound=BaseModel)
 STATUS_CLIENT_CLOSED_REQUEST = 499
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
+def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
               manage_engine: bool = True) -> FastAPI:
     """The app for ``engine``. With ``manage_engine`` the app starts and stops the engine."""
     config = config or ServerConfig()
@@ -54,7 +54,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
                              default_slo=RequestSLO(ttft_s=config.slo_ttft_s, tpot_s=tpot_s),
                              attainment_target=config.slo_attainment_target)
     # Per-iteration metrics; set before the engine thread starts, read only by it.
-    engine.engine.on_step = metrics.step_metrics.observe
+    engine.set_step_observer(metrics.step_metrics)
     ctx = ServingContext(engine=engine, metrics=metrics, config=config)
 
     @contextlib.asynccontextmanager

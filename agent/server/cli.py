@@ -40,7 +40,7 @@ from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_
 
 from slipstream.agent.server.config import (
     DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
-    ServerConfig)
+    TOOL_CALL_PARSERS, ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                       help="run the engine (scheduler, KV blocks, model or workers) in a "
+                            "process of its own, so HTTP, tokenization and detokenization "
+                            "never stretch its steps (default: on a thread of the server "
+                            "process)")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -154,6 +159,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                      help="the model's tool-call syntax, turned into OpenAI tool_calls: "
+                           "hermes (Qwen, Hermes, ChatML), llama3_json (Llama 3.1+), mistral; "
+                           "auto picks it from the chat template")
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
@@ -191,7 +200,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--policy", choices=POLICY_NAMES, default="lars",
-                       help="prefill order: lars (least relative slack, Medha), fcfs, edf, lrs, "
+                       help="prefill order: lars (short requests first in deadline order, a "
+                            "reserved share for late long prefills; docs/scheduling.md), "
+                            "lars-classic (Medha's least relative slack), fcfs, edf, lrs, "
                             "srpt (TRAIL, limited preemption) or justitia (fair per app_id)")
     sched.add_argument("--profile", type=Path, default=None, metavar="DIR",
                        help="runtime profile from `slipstream profile`; enables the time-budget "
@@ -302,6 +313,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         control_port=args.control_port,
         drain_timeout_s=args.drain_timeout_s,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -371,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.agent.server.api import build_app
     from slipstream.agent.server.drain import DrainingServer
     from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
+    from slipstream.agent.server.engine_core import EngineCoreClient
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -378,8 +391,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, engine=build_engine(
-            engine_config, scheduler_config_from_args(args)))
+        engine: AsyncEngine | EngineCoreClient
+        if args.engine_process and engine_config.disagg.enabled:
+            raise ValueError("--engine-process does not support --role prefill/decode yet")
+        if args.engine_process:
+            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args))
+        else:
+            engine = AsyncEngine(engine_config, engine=build_engine(
+                engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
@@ -396,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
                                               "--control-port, or 0 to turn it off)", error)
-            engine.engine.close()
+            engine.close()
             return 2
     server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
@@ -412,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
-        engine.engine.close()  # workers go even if uvicorn never started the app
+        engine.close()  # the core and workers go even if uvicorn never started the app
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD

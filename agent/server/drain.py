@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine, drain_timeout_s: float
                  ) -> None:
         super().__init__(config)
         self._engine = engine

@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pools.add_argument("--min-per-pool", type=int, default=1)
 
     sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--policies", nargs="+", default=["fcfs@0", "edf", "lrs", "lars"],
+    sched.add_argument("--policies", nargs="+",
+                       default=["fcfs@0", "edf", "lrs", "lars-classic", "lars"],
                        metavar="POLICY[@F][+awd]",
                        help=f"policies to compare ({', '.join(POLICY_NAMES)}); @F sets "
                             "max_space_share_fraction for that run (fcfs@0 is plain chunked "

@@ -11,7 +11,7 @@ from slipstream.agent.scheduler.priority_index import PriorityIndex
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars", "srpt", "justitia"])
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars", "lars-classic", "srpt", "justitia"])
 def test_candidate_order_is_the_sorted_urgency_at_any_time(policy):
     rng = random.Random(7)
     scheduler = Scheduler(SchedulerConfig(policy=policy), BlockManager(100_000),
@@ -27,8 +27,8 @@ def test_candidate_order_is_the_sorted_urgency_at_any_time(policy):
         assert urgency == sorted(urgency)
 
 
-def test_lars_class_order_tracks_exact_relative_slack():
-    scheduler = Scheduler(SchedulerConfig(policy="lars"), BlockManager(100_000),
+def test_lars_classic_class_order_tracks_exact_relative_slack():
+    scheduler = Scheduler(SchedulerConfig(policy="lars-classic"), BlockManager(100_000),
                           predictor=AnalyticModel(ms_per_token=0.05))
     for i, (prompt, ttft_s) in enumerate([(100, 0.5), (20_000, 3.0), (2_000, 0.4), (60_000, 9.0)]):
         scheduler.add(make_request(Arrival(f"r{i}", 0.0, prompt, 1, ttft_s=ttft_s)))

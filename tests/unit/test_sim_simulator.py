@@ -25,7 +25,7 @@ def config(policy: str = "lars", spp: int = 1, horizon_s: float | None = None,
                      num_instances=num_instances, horizon_s=horizon_s, long_prompt_tokens=2000)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars", "srpt", "justitia"])
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "lrs", "lars", "lars-classic", "srpt", "justitia"])
 def test_light_load_finishes_every_request(policy):
     requests = synthesize(LENGTHS, 200, qps=5.0, seed=1)
     result = simulate(requests, config(policy), MODEL)

@@ -1,0 +1,119 @@
+"""LARS with a short lane (policies.LarsPolicy): the properties docs/scheduling.md promises.
+
+- A request with little prefill work left is served at once, in deadline order, even while a
+  late long prefill is being chunked (Medha's LARS, ``lars-classic``, holds it back until its
+  relative slack falls below the long one's, i.e. to about its deadline).
+- Once the head of the long lane is late it keeps a share of every batch, so a stream of short
+  requests cannot starve it: its wait is bounded by its deadline plus its work at that share.
+- Lane membership follows the work left, so a long prefill's last chunks join the short lane.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slipstream.agent.scheduler.block_manager import BlockManager
+from slipstream.agent.scheduler.offline_driver import Arrival, drive, make_request
+from slipstream.agent.scheduler.predictor import AnalyticModel
+from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
+
+TARGET_MS = 20.0
+MS_PER_TOKEN = 0.05  # 400 tokens fill one 20 ms iteration
+MODEL = AnalyticModel(ms_per_token=MS_PER_TOKEN)
+
+
+def make_scheduler(policy: str, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(policy=policy, target_batch_time_ms=TARGET_MS, **config),
+                     BlockManager(20_000), predictor=MODEL)
+
+
+def ttft(request) -> float:
+    return request.first_token_s - request.arrival_s
+
+
+def late_long_and_shorts(short_gap_s: float, until_s: float) -> list[Arrival]:
+    # The long prompt needs 1 s of prefill and is late from the start (0.2 s deadline); short
+    # prompts (5 ms each, the default 0.5 s deadline) keep arriving while it is chunked.
+    arrivals = [Arrival("long", 0.0, 20_000, 1, ttft_s=0.2)]
+    count = int((until_s - 0.05) / short_gap_s)
+    arrivals += [Arrival(f"short{i}", 0.05 + short_gap_s * i, 100, 1) for i in range(count)]
+    return arrivals
+
+
+def test_a_short_request_is_not_held_to_its_deadline_while_a_late_long_prefill_is_chunked():
+    arrivals = late_long_and_shorts(short_gap_s=0.05, until_s=0.9)
+    shorts = [a.request_id for a in arrivals if a.request_id.startswith("short")]
+    lars = drive(make_scheduler("lars"), arrivals).finished
+    classic = drive(make_scheduler("lars-classic"), arrivals).finished
+    # The successor serves a short request in the next iteration or the one after, except
+    # while the long prefill's last chunks are in the short lane themselves (its work left is
+    # under the lane's 250 ms, and its deadline is earlier).
+    waits = sorted(ttft(lars[name]) for name in shorts)
+    two_iterations_s = 2 * TARGET_MS / 1000 + 1e-9
+    assert waits[len(waits) // 2] <= two_iterations_s
+    assert waits[-1] <= 0.25 + two_iterations_s
+    # Medha's LARS keeps those that arrive while the long prefill has far to go waiting until
+    # their relative slack drops below the late long one's: just past their 0.5 s deadline.
+    early = [name for name in shorts if classic[name].arrival_s <= 0.5]
+    assert min(ttft(classic[name]) for name in early) >= 0.5
+    # The long prefill still gets the rest of every batch: it is barely slower.
+    assert lars["long"].first_token_s <= classic["long"].first_token_s + 0.1
+
+
+def test_a_late_long_prefill_keeps_its_share_under_a_flood_of_short_requests():
+    # Shorts arrive every 4 ms with 5 ms of work each: more than the whole machine.
+    arrivals = late_long_and_shorts(short_gap_s=0.004, until_s=4.0)
+    reserved = drive(make_scheduler("lars"), arrivals, until_s=4.0, check_kv=False).finished
+    # At half of each batch the 1 s prefill takes about 2 s once it is late.
+    assert "long" in reserved and ttft(reserved["long"]) <= 0.2 + 2.0 + 0.3
+    starved = drive(make_scheduler("lars", lars_late_reserve_fraction=0.0), arrivals,
+                    until_s=4.0, check_kv=False).finished
+    assert "long" not in starved, "without the reserve the short lane starves the long prefill"
+
+
+@settings(max_examples=15, deadline=None)
+@given(gap_ms=st.floats(2.0, 20.0), prompt=st.integers(20, 300),
+       fraction=st.sampled_from([0.25, 0.5, 0.75]), long_tokens=st.integers(4_000, 24_000))
+def test_the_worst_long_wait_is_bounded_by_the_reserve_whatever_the_short_load(
+        gap_ms, prompt, fraction, long_tokens):
+    gap_s = gap_ms / 1000
+    arrivals = [Arrival("long", 0.0, long_tokens, 1, ttft_s=0.1)]
+    arrivals += [Arrival(f"s{i}", 0.01 + gap_s * i, prompt, 1) for i in range(int(3.0 / gap_s))]
+    scheduler = make_scheduler("lars", lars_late_reserve_fraction=fraction)
+    work_s = scheduler.prefill_times.total_s(long_tokens)
+    bound_s = 0.1 + work_s / fraction * 1.25 + 2 * TARGET_MS / 1000  # granularity and overhead
+    done = drive(scheduler, arrivals, until_s=bound_s + 0.5, check_kv=False).finished
+    assert "long" in done and ttft(done["long"]) <= bound_s
+
+
+def test_lanes_follow_the_prefill_work_left():
+    scheduler = make_scheduler("lars", lars_short_lane_ms=100.0)
+    policy = scheduler.policy
+    long = make_request(Arrival("long", 0.0, 8_000, 1, ttft_s=1.0))  # 400 ms, due at 1 s
+    short = make_request(Arrival("short", 0.9, 400, 1))  # 20 ms, due at 1.4 s
+    scheduler.add(long)
+    scheduler.add(short)
+    assert not policy.in_short_lane(long) and policy.in_short_lane(short)
+    # Lanes come before deadlines: the long request is due first and still waits.
+    assert policy.urgency(short, 0.9) < policy.urgency(long, 0.9)
+    long.num_computed_tokens = 6_400  # 80 ms left: its last chunks join the short lane
+    assert policy.in_short_lane(long)
+    assert policy.urgency(long, 0.9) < policy.urgency(short, 0.9)  # earlier deadline first
+    # A share is kept only for a late request: 400 ms of work due at 1 s is late after 0.6 s.
+    long.num_computed_tokens = 0
+    anyone = lambda request: True  # noqa: E731
+    assert policy.reserved_request(0.55, anyone) is None
+    fraction = SchedulerConfig().lars_late_reserve_fraction
+    assert policy.reserved_request(0.65, anyone) == (long, fraction)
+    assert policy.reserved_request(0.65, lambda request: False) is None  # cannot run now
+
+
+def test_the_reserve_goes_to_the_oldest_late_long_request_not_the_earliest_deadline():
+    scheduler = make_scheduler("lars")
+    policy = scheduler.policy
+    old = make_request(Arrival("old", 0.0, 40_000, 1, ttft_s=3.0))  # 2 s of work
+    new = make_request(Arrival("new", 1.0, 20_000, 1, ttft_s=1.5))  # 1 s, due earlier
+    scheduler.add(old)
+    scheduler.add(new)
+    assert policy.urgency(new, 1.0) < policy.urgency(old, 1.0)  # deadline order
+    assert policy.reserved_request(1.5, lambda request: True) == (
+        old, SchedulerConfig().lars_late_reserve_fraction)
