@@ -72,19 +72,28 @@ def size_static(trace: list[TraceRequest], qps: float, base: SimConfig, model, a
     """The smallest static count reaching ``--size-for`` at a steady ``qps``. It counts down
     from a guess above the answer and stops at the first count that falls short: deeply
     overloaded runs (one instance at the peak) are the slow ones to simulate. If the guess
-    itself falls short the study says so (``tried``), and the guess is used."""
+    itself falls short it counts up instead (to ``--max-instances`` at most)."""
     requests = warp_to_rate(trace, lambda t: np.full_like(t, qps), args.sizing_s)
     config = replace(base, horizon_s=args.sizing_s + TAIL_S)
     tried: list[dict] = []
-    start = min(args.max_instances, math.ceil(qps / args.sizing_qps_per_instance) + 1)
-    best = start
-    for count in range(start, 0, -1):
+
+    def reaches(count: int) -> bool:
         result = simulate_fleet(requests, config, model, instances=count,
                                 tpot_slo_s=args.tpot_slo_ms / 1000.0)
         reached = attainment(result, args.tpot_slo_ms)
         tried.append({"instances": count, "slo_attainment": reached})
         print(f"  sizing at {qps:.1f} QPS: {count} instance(s) -> {reached:.4f}", flush=True)
-        if reached < args.size_for:
+        return reached >= args.size_for
+
+    start = min(args.max_instances, math.ceil(qps / args.sizing_qps_per_instance) + 1)
+    if not reaches(start):  # the guess was short: count up instead
+        best = min(start + 1, args.max_instances)
+        while best < args.max_instances and not reaches(best):
+            best += 1
+        return best, tried
+    best = start
+    for count in range(start - 1, 0, -1):
+        if not reaches(count):
             break
         best = count
     return best, tried

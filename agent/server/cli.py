@@ -39,8 +39,8 @@ from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, Sc
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
 from slipstream.agent.server.config import (
-    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
-    TOOL_CALL_PARSERS, ServerConfig)
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_READ_TIMEOUT_S, TOOL_CALL_PARSERS, ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -158,6 +158,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "flight this long to finish, end the rest with an error event and "
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="BYTES", help="larger request bodies get 413, unread")
+    http.add_argument("--request-read-timeout-s", type=float,
+                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
+                      help="a client must send the request line and headers within this "
+                           "long, and then the body within this long, else 408")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                       help="the model's tool-call syntax, turned into OpenAI tool_calls: "
@@ -313,6 +319,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         control_port=args.control_port,
         drain_timeout_s=args.drain_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        request_read_timeout_s=args.request_read_timeout_s,
         tool_call_parser=args.tool_call_parser,
     )
 
@@ -420,7 +428,9 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
         log_level=server_config.log_level, keepalive_s=AGENT_KEEPALIVE_S,
-        drain_timeout_s=server_config.drain_timeout_s), engine, server_config.drain_timeout_s)
+        drain_timeout_s=server_config.drain_timeout_s,
+        request_read_timeout_s=server_config.request_read_timeout_s),
+        engine, server_config.drain_timeout_s)
     # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)
