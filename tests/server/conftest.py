@@ -119,17 +119,6 @@ def start_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         yield start
 
 
-@pytest.fixture(scope="session")
-def serve_model(tmp_path_factory: pytest.TempPathFactory):
-    """``serve_model(model_dir, *flags)``: a server for another model directory (a variant of
-    the tiny model, say); all stop at session end."""
-    with contextlib.ExitStack() as stack:
-        def start(model_dir: Path, *extra_args: str) -> ServerHandle:
-            return stack.enter_context(serve(model_dir, tmp_path_factory.mktemp("server"),
-                                             *extra_args))
-        yield start
-
-
 class RouterHandle:
     """A running ``slipstream router``: its URL, an openai client and its metrics."""
 

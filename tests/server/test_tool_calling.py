@@ -159,7 +159,8 @@ def hermes_server(tiny_model_dir, tmp_path_factory, serve_model):
     model_dir = tmp_path_factory.mktemp("hermes") / "tiny-hermes"
     shutil.copytree(tiny_model_dir, model_dir)
     (model_dir / "chat_template.jinja").write_text(HERMES_TEMPLATE)
-    return serve_model(model_dir)
+    with serve_model(model_dir, tmp_path_factory.mktemp("hermes-server")) as handle:
+        yield handle
 
 
 def test_hermes_template_gets_the_tools_and_calls_parse(hermes_server):
