@@ -83,6 +83,9 @@ bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgs
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 
+bench-structured: setup  ## decode tokens/s with a JSON-schema grammar on every request vs none (batch 1, 8)
+	$(BIN)/python -m slipstream.agent.bench.structured_bench --out $(RESULTS)/structured
+
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
 
@@ -115,6 +118,9 @@ bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.m
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
+
+bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
+	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
 
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live

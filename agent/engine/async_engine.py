@@ -81,6 +81,7 @@ class AsyncEngine:
         self.fatal_error: str | None = None  # set once the engine died
         self.config = config
         self.tokenizer = self.engine.tokenizer
+        self.grammar = self.engine.grammar  # checks grammars for the API (thread-safe)
         self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None

@@ -29,11 +29,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError
+from slipstream.agent.engine.grammar import GrammarCompiler, MaskJob, MaskWorkers
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
@@ -41,7 +43,7 @@ from slipstream.agent.engine.runner import Runner
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO, RequestStatus
@@ -67,6 +69,7 @@ class _OutputState:
     first_token_s: float | None = None
     emitted_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: Any = None  # llguidance.LLMatcher of a request with a grammar
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Text that can be shown after this token, and whether a stop string matched."""
@@ -110,6 +113,9 @@ class LLMEngine:
                                    predictor=_load_predictor(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids)
+        self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                       self.eos_token_ids)
+        self._mask_workers: MaskWorkers | None = None  # started with the first grammar
         self._outputs: dict[str, _OutputState] = {}
         self._ids = itertools.count()
         self.load = LoadWindow(start_s=self.clock())
@@ -165,12 +171,18 @@ class LLMEngine:
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
+        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad_bias[:5]}")
         prompt_len = len(prompt_token_ids)
         if prompt_len + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
                 f"{params.max_tokens} for the completion); shorten the prompt or max_tokens")
+        if params.grammar is not None and not self.config.parallel.is_single_process:
+            raise ValueError("structured outputs and forced tool calls need a single-process "
+                             "engine (tp, spp and kvp all 1) for now")
         needed = blocks_for_tokens(prompt_len + params.max_tokens)
         if needed > self.block_manager.kv_blocks_total:
             raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
@@ -184,6 +196,7 @@ class LLMEngine:
         ``{"do_remote_decode": true}`` on a prefill instance, or the handle a prefill instance
         returned (with ``"do_remote_prefill": true``) on a decode instance."""
         self.validate(prompt_token_ids, params)
+        matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         now = self.clock()
         request = Request(
@@ -201,7 +214,7 @@ class LLMEngine:
             self.scheduler.add(request)
         self._outputs[request_id] = _OutputState(
             params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            stop_checker=StopChecker(params.stop), arrival_s=now)
+            stop_checker=StopChecker(params.stop), arrival_s=now, matcher=matcher)
         return request_id
 
     def _add_remote_prefilled(self, request: Request, kv_transfer: dict) -> None:
@@ -321,6 +334,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop worker processes, if any (the in-process runner has nothing to stop)."""
+        if self._mask_workers is not None:
+            self._mask_workers.close()
         if getattr(self, "disagg", None) is not None:
             self.disagg.close()
             self.disagg = None
@@ -361,7 +376,7 @@ class LLMEngine:
         """Run the batch; if it raises, find the requests that make it fail (isolation.py).
         Returns the sampled tokens and ``{request_id: why}`` for requests to fail alone."""
         try:
-            sampled = self.runner.execute(batch)
+            sampled = self._run(batch)
             failures: dict[str, str] = {}
         except EngineDeadError:
             raise
@@ -369,8 +384,34 @@ class LLMEngine:
             log.warning("an engine step of %d requests failed (%s: %s); looking for the "
                         "request that causes it", len(batch.chunks), type(error).__name__, error)
             sampled, failures = isolate_failures(
-                lambda chunks: self.runner.execute(Batch(chunks=chunks)), batch.chunks, error)
+                lambda chunks: self._run(Batch(chunks=chunks)), batch.chunks, error)
         return sampled, failures
+
+    def _run(self, batch: Batch) -> dict[str, SampledToken]:
+        """Execute one batch; the masks of its guided rows are computed while it runs."""
+        masks = self._mask_job(batch.chunks)
+        if masks is None:
+            return self.runner.execute(batch)
+        return self.runner.execute(batch, masks)
+
+    def _mask_job(self, chunks: Sequence[ScheduledChunk]) -> MaskJob | None:
+        """Start the grammar masks of the chunks that sample under a grammar; their rows
+        are their places among the sampling chunks, as the runner orders them."""
+        rows = []
+        row = 0
+        for chunk in chunks:
+            if not chunk.sample:
+                continue
+            if chunk.sampling.guided:
+                state = self._outputs.get(chunk.request_id)
+                if state is not None and state.matcher is not None:
+                    rows.append((row, state.matcher))
+            row += 1
+        if not rows:
+            return None
+        if self._mask_workers is None:
+            self._mask_workers = MaskWorkers(self.grammar.lltokenizer.vocab_size)
+        return self._mask_workers.start(rows)
 
     def _apply(self, batch: Batch, sampled: dict[str, SampledToken], failures: dict[str, str],
                now: float) -> list[RequestOutput]:
@@ -479,9 +520,14 @@ class LLMEngine:
         if is_stop_token:
             text, reason = state.flush(), FinishReason.STOP
         else:
+            if state.matcher is not None and not state.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar rejected sampled token {token}: "
+                                   f"{state.matcher.get_error()}")
             text, hit_stop_string = state.add_token(token)
             if hit_stop_string:
                 reason = FinishReason.STOP
+            elif state.matcher is not None and state.matcher.is_stopped():
+                text, reason = text + state.flush(), FinishReason.STOP  # the grammar is done
             elif request.num_output_tokens >= params.max_tokens or \
                     request.num_tokens >= self.max_model_len:
                 text, reason = text + state.flush(), FinishReason.LENGTH

@@ -25,7 +25,7 @@ from slipstream.agent.engine.kv_memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.llama import KVCache
-from slipstream.agent.engine.sampler import SampleResult, Sampler
+from slipstream.agent.engine.sampler import MaskSource, SampleResult, Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
 from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
@@ -110,13 +110,16 @@ class FlatInputs:
 
 
 def sample_batch(sampler: Sampler, batch: Batch, sample_rows: list[tuple[int, int]],
-                 logits: torch.Tensor) -> dict[str, SampledToken]:
-    """Sample the next token of every chunk in ``sample_rows`` from its row of ``logits``."""
+                 logits: torch.Tensor, masks: MaskSource | None = None
+                 ) -> dict[str, SampledToken]:
+    """Sample the next token of every chunk in ``sample_rows`` from its row of ``logits``;
+    ``masks`` gives the grammar masks of the guided rows (see ``Sampler``)."""
     if not sample_rows:
         return {}
     chunks = [batch.chunks[index] for index, _ in sample_rows]
     return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
-                                          [c.num_generated for c in chunks]))
+                                          [c.num_generated for c in chunks],
+                                          [c.history for c in chunks], masks))
 
 
 class ModelRunner:
@@ -199,7 +202,10 @@ class ModelRunner:
         """Nothing to stop."""
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+    def execute(self, batch: Batch, masks: MaskSource | None = None
+                ) -> dict[str, SampledToken]:
+        """Run the batch and sample; ``masks`` (grammar masks of the guided sampling rows)
+        is called after the forward, so that they can be computed while it runs."""
         for copy in batch.swap_out:
             self._copy_blocks(self.kv_caches, self.host_kv_caches, copy)
         for copy in batch.swap_in:
@@ -207,7 +213,7 @@ class ModelRunner:
         if not batch.chunks:
             return {}
         logits, sample_rows = self._forward_sampling(batch)
-        return sample_batch(self.sampler, batch, sample_rows, logits)
+        return sample_batch(self.sampler, batch, sample_rows, logits, masks)
 
     @torch.inference_mode()
     def sample_logits(self, batch: Batch) -> torch.Tensor:

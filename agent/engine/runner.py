@@ -26,6 +26,7 @@ from collections.abc import Collection
 from typing import Protocol
 
 from slipstream.agent.engine.model_runner import SampledToken
+from slipstream.agent.engine.sampler import MaskSource
 from slipstream.agent.scheduler.batch import Batch
 
 Sampled = dict[str, SampledToken]
@@ -39,7 +40,9 @@ class Runner(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
-    def execute(self, batch: Batch) -> Sampled: ...
+    def execute(self, batch: Batch, masks: MaskSource | None = None) -> Sampled:
+        """``masks``: the grammar masks of the batch's guided rows, where supported."""
+        ...
 
     def submit(self, batch: Batch) -> int: ...
 

@@ -3,8 +3,17 @@
 Sampling is batched across requests. A seeded request draws from a generator seeded by
 (seed, output position), so its tokens do not depend on what else shares the batch, and a
 request resumed after preemption draws exactly what it would have drawn.
-Logprobs are of the raw model distribution (before temperature/top-k/top-p), as OpenAI and
-vLLM report them.
+Logprobs are of the raw model distribution (before penalties, biases, grammar masks,
+temperature, top-k and top-p), as OpenAI and vLLM report them.
+
+Before choosing, each row's logits are adjusted, all rows at once (``adjust_logits``):
+
+    repetition penalty (prompt + output tokens; logit / p if positive, logit * p if not)
+    -> frequency and presence penalties (OpenAI: logit -= count * frequency + (count > 0) * presence,
+       over the output tokens)
+    -> logit_bias (added) -> grammar mask (disallowed tokens to -inf)
+
+Rows that use none of these are left alone and cost nothing.
 
 Numerical safety: every value that ``SamplingParams`` accepts must sample, whatever shares
 the batch. So logits are shifted by their row maximum before the temperature divides them
@@ -18,7 +27,8 @@ finite anyway (a model fault) does not take the batch with it: it is reported in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,8 +59,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, options: list[SamplingOptions],
-                 positions: list[int]) -> SampleResult:
-        """``logits`` [rows, vocab]; ``positions`` are output indices for seeding."""
+                 positions: list[int], histories: list[tuple[int, ...]] | None = None,
+                 masks: MaskSource | None = None) -> SampleResult:
+        """``logits`` [rows, vocab]; ``positions`` are output indices for seeding;
+        ``histories`` the tokens each row's penalties count (``ScheduledChunk.history``);
+        ``masks`` returns the grammar masks of the guided rows (called after the forward,
+        so that they can be computed while it runs)."""
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         errors = {row: "the model produced non-finite logits for this request"
@@ -61,6 +75,12 @@ class Sampler:
             logits = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(o.logprobs is not None for o in options) else None)
+        grammar = masks() if masks is not None else None
+        logits = adjust_logits(logits, options, positions, histories or [()] * len(options),
+                               grammar)
+        if grammar is not None:
+            for row in grammar.dead_rows:
+                errors.setdefault(row, "the grammar allows no token here")
         tokens = torch.argmax(logits, dim=-1)
         random_rows = [i for i, o in enumerate(options) if not o.greedy and i not in errors]
         if random_rows:
@@ -73,6 +93,97 @@ class Sampler:
                 tokens[row] = torch.multinomial(cpu_probs[row_index], 1, generator=generator)[0]
         token_list = tokens.tolist()
         return SampleResult(token_list, _logprobs(raw_logprobs, token_list, options), errors)
+
+
+@dataclass
+class GrammarMasks:
+    """Allowed tokens of the guided rows of one step: ``allowed[i]`` belongs to sampler row
+    ``rows[i]``, either bool [vocab] or an int32 bitmask [words] (bit ``t % 32`` of word
+    ``t // 32`` allows token t); tokens past its width are disallowed. ``dead_rows`` are rows
+    whose grammar failed (they fail alone)."""
+
+    rows: list[int]
+    allowed: torch.Tensor
+    dead_rows: list[int] = field(default_factory=list)
+
+
+# Called by the sampler after the forward: the grammar masks of the step's guided rows.
+MaskSource = Callable[[], "GrammarMasks | None"]
+
+
+def adjust_logits(logits: torch.Tensor, options: list[SamplingOptions], positions: list[int],
+                  histories: list[tuple[int, ...]],
+                  grammar: GrammarMasks | None = None) -> torch.Tensor:
+    """Penalties, biases and grammar masks, vectorised over the rows that use them (see the
+    module docstring for the order). ``positions[row]`` is the number of output tokens,
+    which are the last entries of ``histories[row]``. Returns a new tensor when anything
+    applies, ``logits`` itself otherwise."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    penalised = [row for row, o in enumerate(options) if o.uses_output_history]
+    biased = [row for row, o in enumerate(options) if o.logit_bias]
+    if not penalised and not biased and grammar is None:
+        return logits
+    logits = logits.clone()
+    if penalised:
+        rows = torch.tensor(penalised, device=device)
+        sub = logits[rows]
+        seen_rows: list[int] = []
+        seen_tokens: list[int] = []
+        out_rows: list[int] = []
+        out_tokens: list[int] = []
+        for index, row in enumerate(penalised):
+            history = histories[row]
+            num_output = positions[row]
+            if options[row].uses_prompt_history:
+                seen_rows.extend([index] * len(history))
+                seen_tokens.extend(history)
+            output = history[len(history) - num_output:] if num_output else ()
+            out_rows.extend([index] * len(output))
+            out_tokens.extend(output)
+        if seen_tokens:
+            seen = torch.zeros_like(sub, dtype=torch.bool)
+            seen[torch.tensor(seen_rows, device=device),
+                 torch.tensor(seen_tokens, device=device)] = True
+            repetition = torch.tensor([options[row].repetition_penalty for row in penalised],
+                                      dtype=torch.float32, device=device).unsqueeze(-1)
+            sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition),
+                              sub)
+        if out_tokens:
+            counts = torch.zeros_like(sub)
+            counts.index_put_((torch.tensor(out_rows, device=device),
+                               torch.tensor(out_tokens, device=device)),
+                              torch.ones(len(out_tokens), device=device), accumulate=True)
+            frequency = torch.tensor([options[row].frequency_penalty for row in penalised],
+                                     dtype=torch.float32, device=device).unsqueeze(-1)
+            presence = torch.tensor([options[row].presence_penalty for row in penalised],
+                                    dtype=torch.float32, device=device).unsqueeze(-1)
+            sub = sub - counts * frequency - (counts > 0).float() * presence
+        logits[rows] = sub
+    if biased:
+        bias_rows = [row for row in biased for _ in options[row].logit_bias]
+        bias_tokens = [token for row in biased for token, _ in options[row].logit_bias]
+        values = [value for row in biased for _, value in options[row].logit_bias]
+        logits.index_put_((torch.tensor(bias_rows, device=device),
+                           torch.tensor(bias_tokens, device=device)),
+                          torch.tensor(values, dtype=torch.float32, device=device),
+                          accumulate=True)
+    if grammar is not None and grammar.rows:
+        allowed = grammar.allowed.to(device, non_blocking=True)
+        if allowed.dtype != torch.bool:
+            allowed = unpack_bitmask(allowed)
+        width = min(allowed.shape[-1], vocab)
+        full = torch.zeros((len(grammar.rows), vocab), dtype=torch.bool, device=device)
+        full[:, :width] = allowed[:, :width]
+        rows = torch.tensor(grammar.rows, device=device)
+        logits[rows] = logits[rows].masked_fill(~full, float("-inf"))
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:
+    """int32 bitmask [rows, words] -> bool [rows, 32 * words]."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)
 
 
 def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from slipstream.agent.scheduler.batch import SamplingOptions
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # Integers cross to the sampler (and, with parallel workers, over msgpack) as int64.
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -27,6 +28,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return per token; 0 = only the chosen
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), at most one per token
+    # An llguidance grammar (engine/grammar.py) every output must match: structured outputs
+    # and forced tool calls. The request ends when the grammar is complete.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         errors = self.validation_errors()
@@ -51,11 +59,30 @@ class SamplingParams:
             errors.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             errors.append("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                errors.append(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            errors.append(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            errors.append(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                          f"got {len(self.logit_bias)}")
+        if any(not 0 <= token <= INT64_MAX for token, _ in self.logit_bias):
+            errors.append("logit_bias keys must be non-negative token ids")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            errors.append("logit_bias values must be in [-100, 100]")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            errors.append("logit_bias names a token more than once")
         return errors
 
     def options(self) -> SamplingOptions:
         return SamplingOptions(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                               seed=self.seed, logprobs=self.logprobs)
+                               seed=self.seed, logprobs=self.logprobs,
+                               presence_penalty=self.presence_penalty,
+                               frequency_penalty=self.frequency_penalty,
+                               repetition_penalty=self.repetition_penalty,
+                               logit_bias=self.logit_bias, guided=self.grammar is not None)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from collections.abc import Collection
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.model_runner import SampledToken
+from slipstream.agent.engine.sampler import MaskSource
 from slipstream.agent.parallel.env import NodeEnv
 from slipstream.agent.parallel.launch import LocalWorkers, free_port
 from slipstream.agent.parallel.stage_runner import StageSpan
@@ -171,7 +172,10 @@ class ParallelExecutor:
         if not self._in_flight and self._recv(0.0) is not None:
             raise WorkerLost("a worker sent a message while the pipeline was idle")
 
-    def execute(self, batch: Batch) -> dict[str, SampledToken]:
+    def execute(self, batch: Batch, masks: MaskSource | None = None
+                ) -> dict[str, SampledToken]:
+        if masks is not None:  # the engine refuses grammars with workers (engine.validate)
+            raise ValueError("grammar masks are not supported with parallel workers")
         seq = self.submit(batch)
         while True:
             for done_seq, sampled in self.collect(block=True):

@@ -11,7 +11,10 @@ the controller sends what changed (vLLM v1 does the same with its cached-request
 - a running request sends only its new tokens, its position and the block ids appended since
   its last step (none on most decode steps);
 - requests that left the engine are listed once in ``WireBatch.released``; the workers drop
-  them before applying the chunks.
+  them before applying the chunks;
+- a request with presence, frequency or repetition penalties carries the tokens they count
+  (``ScheduledChunk.history``) on each sampling chunk, in full: the one per-step cost that
+  grows with its length, paid only by requests that ask for penalties.
 
 ``BatchDiffer`` (controller) and ``WorkerTables`` (every worker) are the two ends; feeding
 ``BatchDiffer.diff`` into ``WorkerTables.apply`` gives back the scheduler's batch exactly
@@ -41,6 +44,7 @@ class WireChunk(msgspec.Struct, array_like=True, frozen=True):
     sample: bool
     num_generated: int
     sampling: SamplingOptions | None = None  # set: the request is sent in full (new or reset)
+    history: tuple[int, ...] = ()  # ScheduledChunk.history: only for requests with penalties
 
 
 class WireBatch(msgspec.Struct, array_like=True, frozen=True):
@@ -84,7 +88,7 @@ class BatchDiffer:
                 sampling[request_id] = chunk.sampling
             tables[request_id] = table
             chunks.append(WireChunk(request_id, chunk.token_ids, chunk.start_pos, new_blocks,
-                                    chunk.sample, chunk.num_generated, full))
+                                    chunk.sample, chunk.num_generated, full, chunk.history))
         released, self._released = tuple(self._released), []
         return WireBatch(tuple(chunks), released, batch.swap_out, batch.swap_in)
 
@@ -118,5 +122,5 @@ class WorkerTables:
                 table.extend(chunk.new_block_ids)
             chunks.append(ScheduledChunk(request_id, chunk.token_ids, chunk.start_pos,
                                          tuple(table), chunk.sample, sampling[request_id],
-                                         chunk.num_generated))
+                                         chunk.num_generated, chunk.history))
         return Batch(chunks=tuple(chunks), swap_out=wire.swap_out, swap_in=wire.swap_in)

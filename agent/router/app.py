@@ -28,6 +28,7 @@ from starlette.requests import Request
 from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.router.classify import CHAT, COMPLETIONS, LengthClassifier, parse_json_body
 from slipstream.agent.router.config import RouterConfig
+from slipstream.agent.router.disagg import DisaggChain, chainable
 from slipstream.agent.router.dispatcher import Dispatcher
 from slipstream.agent.router.instances import BackendSpec, InstanceTable
 from slipstream.agent.router.metrics import RouterMetrics
@@ -54,6 +55,7 @@ class Router:
         self.classifier = LengthClassifier(tokenizer, config.long_prefill_threshold_tokens)
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
+        self.chain: DisaggChain | None = None
         self.poller: StatsPoller | None = None
         self.watcher: PodWatcher | None = None
 
@@ -66,6 +68,7 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=UPSTREAM_KEEPALIVE_S))
         self.proxy = Proxy(self.config, self.dispatcher, self.client, self.metrics)
+        self.chain = DisaggChain(self.proxy, self.table)
         for backend in self.config.static_backends:
             self.table.upsert(BackendSpec(name=backend.url, url=backend.url.rstrip("/"),
                                           pool=backend.pool, instance=backend.url))
@@ -93,9 +96,12 @@ class Router:
         else:
             routed = self.classifier.classify(endpoint, body)
         self.table.observe_prompt(routed.request_class, routed.prompt_tokens)
-        if self.proxy is None:
+        if self.proxy is None or self.chain is None:
             raise RuntimeError("a request reached the router before its start-up")
-        return await self.proxy.forward(path, raw, forwarded_headers(request.headers), routed)
+        headers = forwarded_headers(request.headers)
+        if self.table.has_decode_instances() and chainable(body):
+            return await self.chain.forward(path, endpoint, body, headers, routed)
+        return await self.proxy.forward(path, raw, headers, routed)
 
     def instances_view(self) -> list[dict]:
         mean = self.table.mean_prompt_tokens

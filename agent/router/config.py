@@ -13,8 +13,14 @@ from dataclasses import dataclass, field
 SHORT_POOL = "short"
 LONG_POOL = "long"
 UNIFIED_POOL = "unified"  # an instance outside the short/long split serves both classes
-POOLS = (SHORT_POOL, LONG_POOL, UNIFIED_POOL)
+# Decode instances of a disaggregated deployment (agents run with --role decode): they
+# continue requests whose prompt a prefill instance (any other pool) computed. While any is
+# known, the router chains prefill and decode (router/disagg.py).
+DECODE_POOL = "decode"
+POOLS = (SHORT_POOL, LONG_POOL, UNIFIED_POOL, DECODE_POOL)
 REQUEST_CLASSES = (SHORT_POOL, LONG_POOL)
+# What the dispatcher places: a request's prefill (by class), or its decode leg.
+DISPATCH_CLASSES = (*REQUEST_CLASSES, DECODE_POOL)
 
 POOL_LABEL = "slipstream.dev/pool"
 INSTANCE_LABEL = "slipstream.dev/instance"

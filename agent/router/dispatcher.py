@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slipstream.agent.router.classify import RoutedRequest
-from slipstream.agent.router.config import REQUEST_CLASSES, RouterConfig
+from slipstream.agent.router.config import DECODE_POOL, DISPATCH_CLASSES, RouterConfig
 from slipstream.agent.router.fair_queue import FairQueue
 from slipstream.agent.router.instances import Instance, InstanceTable
 from slipstream.agent.router.metrics import RouterMetrics
@@ -74,7 +74,7 @@ class Dispatcher:
         self._metrics = metrics
         self._clock = clock
         self.queues: dict[str, FairQueue[_Waiter]] = {
-            request_class: FairQueue(config.fairness) for request_class in REQUEST_CLASSES}
+            request_class: FairQueue(config.fairness) for request_class in DISPATCH_CLASSES}
         self._rotation = itertools.count()  # spreads ties between idle instances
         table.on_change(self.drain)
 
@@ -150,8 +150,21 @@ class Dispatcher:
         best, best_key = None, None
         candidates = self._table.candidates(routed.request_class)
         offset = next(self._rotation)
+        decode_leg = routed.request_class == DECODE_POOL
         for position, instance in enumerate(candidates):
             if instance.name in exclude or instance.in_flight >= config.max_in_flight_per_instance:
+                continue
+            if decode_leg:
+                # A decode instance by KV and batch load: the KV it holds (which its batch
+                # of decodes must read each step), then how many requests it runs.
+                kv_tokens = instance.predicted_kv_tokens(mean_prompt)
+                capacity = instance.kv_capacity_tokens
+                if capacity and kv_tokens + routed.prompt_tokens > capacity \
+                        and instance.in_flight > 0:
+                    continue
+                key = (kv_tokens, instance.in_flight, (position - offset) % len(candidates))
+                if best_key is None or key < best_key:
+                    best, best_key = instance, key
                 continue
             backlog = instance.predicted_backlog_tokens(config.decode_weight_tokens, mean_prompt)
             limit = config.max_backlog_tokens_per_instance

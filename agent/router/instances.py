@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from slipstream.agent.router.config import LONG_POOL, SHORT_POOL, UNIFIED_POOL
+from slipstream.agent.router.config import DECODE_POOL, LONG_POOL, SHORT_POOL, UNIFIED_POOL
 
 # Which pools may serve a request class, in order of preference.
-_POOLS_FOR_CLASS = {SHORT_POOL: (SHORT_POOL, UNIFIED_POOL), LONG_POOL: (LONG_POOL, UNIFIED_POOL)}
+_POOLS_FOR_CLASS = {SHORT_POOL: (SHORT_POOL, UNIFIED_POOL), LONG_POOL: (LONG_POOL, UNIFIED_POOL),
+                    DECODE_POOL: (DECODE_POOL,)}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Instance:
         self.own_prefill_requests = 0
         self.own_prefill_tokens = 0
         self.own_decode_requests = 0
+        self.own_kv_tokens = 0  # prompt tokens of this router's requests here, any phase
         self._foreign_prefill_requests = 0
         self._foreign_decode_requests = 0
         self.kv_capacity_tokens: int | None = None
@@ -78,6 +80,12 @@ class Instance:
     def mark_failed(self, now_s: float, cooldown_s: float) -> None:
         self.unhealthy_until_s = now_s + cooldown_s
 
+    def predicted_kv_tokens(self, mean_prompt_tokens: float) -> float:
+        """KV a decode instance holds: this router's requests there exactly, the others'
+        at the mean prompt length."""
+        foreign = self._foreign_prefill_requests + self._foreign_decode_requests
+        return self.own_kv_tokens + foreign * mean_prompt_tokens
+
     def predicted_backlog_tokens(self, decode_weight_tokens: float,
                                  mean_prompt_tokens: float) -> float:
         prefill = self.own_prefill_tokens + self._foreign_prefill_requests * mean_prompt_tokens
@@ -89,6 +97,7 @@ class Instance:
     def start(self, prompt_tokens: int) -> None:
         self.own_prefill_requests += 1
         self.own_prefill_tokens += prompt_tokens
+        self.own_kv_tokens += prompt_tokens
 
     def first_token(self, prompt_tokens: int) -> None:
         self.own_prefill_requests -= 1
@@ -96,6 +105,7 @@ class Instance:
         self.own_decode_requests += 1
 
     def finish(self, prompt_tokens: int, reached_first_token: bool) -> None:
+        self.own_kv_tokens -= prompt_tokens
         if reached_first_token:
             self.own_decode_requests -= 1
         else:
@@ -120,8 +130,8 @@ class InstanceTable:
         self._instances: dict[str, Instance] = {}
         self._clock = clock
         self._listeners: list[Callable[[], None]] = []
-        self._prompt_tokens_seen = {SHORT_POOL: 0, LONG_POOL: 0}
-        self._requests_seen = {SHORT_POOL: 0, LONG_POOL: 0}
+        self._prompt_tokens_seen = {SHORT_POOL: 0, LONG_POOL: 0, DECODE_POOL: 0}
+        self._requests_seen = {SHORT_POOL: 0, LONG_POOL: 0, DECODE_POOL: 0}
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` after membership or capacity changes (to drain waiting queues)."""
@@ -170,11 +180,20 @@ class InstanceTable:
 
     def candidates(self, request_class: str) -> list[Instance]:
         """Healthy instances that may serve ``request_class``: its own pool (and unified
-        ones); when that pool is empty, every healthy instance rather than no service."""
+        ones); when that pool is empty, every healthy instance rather than no service.
+        Decode instances serve only decode legs, and decode legs only go to them."""
         now_s = self._clock()
         healthy = [instance for instance in self._instances.values() if instance.healthy(now_s)]
+        if request_class == DECODE_POOL:
+            return [instance for instance in healthy if instance.pool == DECODE_POOL]
+        healthy = [instance for instance in healthy if instance.pool != DECODE_POOL]
         own = [instance for instance in healthy if instance.pool in _POOLS_FOR_CLASS[request_class]]
         return own or healthy
+
+    def has_decode_instances(self) -> bool:
+        """True while the table knows a decode instance (healthy or not): the deployment
+        is disaggregated, so requests are chained through one."""
+        return any(instance.pool == DECODE_POOL for instance in self._instances.values())
 
     def serving_count(self) -> int:
         """Instances that may take traffic now (neither failed nor cooling down)."""
@@ -182,7 +201,7 @@ class InstanceTable:
         return sum(1 for instance in self._instances.values() if instance.healthy(now_s))
 
     def pool_sizes(self) -> dict[str, int]:
-        sizes = {pool: 0 for pool in (SHORT_POOL, LONG_POOL, UNIFIED_POOL)}
+        sizes = {pool: 0 for pool in (SHORT_POOL, LONG_POOL, UNIFIED_POOL, DECODE_POOL)}
         for instance in self._instances.values():
             sizes[instance.pool] = sizes.get(instance.pool, 0) + 1
         return sizes

@@ -24,10 +24,27 @@ class SamplingOptions:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
+    # OpenAI's penalties on tokens already generated, and the multiplicative repetition
+    # penalty (1 disables) on the prompt and generated tokens, as vLLM and transformers apply it.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # The request is constrained by a grammar: the engine supplies each step's token mask.
+    guided: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_output_history(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def uses_prompt_history(self) -> bool:
+        return self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +56,9 @@ class ScheduledChunk:
     sample: bool  # this chunk ends at the last known token: sample the next one
     sampling: SamplingOptions = SamplingOptions()
     num_generated: int = 0  # tokens generated so far; seeds per-position sampling
+    # Tokens the penalties look at, set only on sampling chunks of requests that use them:
+    # the prompt (with a repetition penalty) followed by the ``num_generated`` output tokens.
+    history: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

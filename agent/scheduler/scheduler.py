@@ -419,17 +419,31 @@ class Scheduler:
         outputs = request.output_token_ids
         token = outputs[-1] if outputs else request.prompt_token_ids[-1]
         return ScheduledChunk(request.request_id, (token,), request.num_computed_tokens,
-                              tuple(request.block_ids), True, request.sampling, len(outputs))
+                              tuple(request.block_ids), True, request.sampling, len(outputs),
+                              _penalty_history(request))
 
     def _chunk(self, request: Request, size: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + size
+        sample = end == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids(start, end)),
             start_pos=start,
             block_ids=tuple(request.block_ids),
-            sample=end == request.num_tokens,
+            sample=sample,
             sampling=request.sampling,
             num_generated=request.num_output_tokens,
+            history=_penalty_history(request) if sample else (),
         )
+
+
+def _penalty_history(request: Request) -> tuple[int, ...]:
+    """The tokens a request's penalties count (see ``ScheduledChunk.history``); empty for the
+    requests that use none, so they pay nothing."""
+    sampling = request.sampling
+    if not sampling.uses_output_history:
+        return ()
+    if sampling.uses_prompt_history:
+        return (*request.prompt_token_ids, *request.output_token_ids)
+    return tuple(request.output_token_ids)

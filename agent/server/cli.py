@@ -40,7 +40,7 @@ from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_
 
 from slipstream.agent.server.config import (
     DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
-    ServerConfig)
+    TOOL_CALL_PARSERS, ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -152,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                      help="the model's tool-call syntax, turned into OpenAI tool_calls: "
+                           "hermes (Qwen, Hermes, ChatML), llama3_json (Llama 3.1+), mistral; "
+                           "auto picks it from the chat template")
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
@@ -302,6 +306,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         control_port=args.control_port,
         drain_timeout_s=args.drain_timeout_s,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -1,7 +1,10 @@
 """``POST /v1/completions``: one text or token-id prompt in, generated text out.
 
-    CompletionRequest -> tokenize -> generation.prepare/start_generation
+    CompletionRequest -> tokenize -> generation.prepare/start_choices
         -> CompletionResponse (stream=false) or ``text_completion`` SSE chunks (stream=true)
+
+``echo`` puts the prompt's text before each choice's text (streamed: in that choice's first
+chunk). Logprobs of prompt tokens are not computed, so ``echo`` with ``logprobs`` is a 400.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from starlette.requests import Request
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
-    SSE_HEADERS, Generation, ServingContext, check_model, collect_outputs, prepare, sse_event,
-    start_generation, stream_events, tokenize, with_kv_transfer)
+    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, prepare, sse_event,
+    start_choices, stream_events, tokenize, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)
@@ -35,53 +38,70 @@ async def create_completion(ctx: ServingContext, http_request: Request,
                               f"{vocab_size}", param="prompt")
     if not prompt_token_ids:
         raise bad_request("prompt must not be empty", param="prompt")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported (prompt logprobs are not "
+                          "computed); drop one of them", param="echo")
     prepared = prepare(ctx, f"cmpl-{uuid.uuid4().hex}", body, prompt_token_ids,
                        max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt")
-    generation = await start_generation(ctx, http_request, prepared)
+    echo = _prompt_text(ctx, body.prompt) if body.echo else ""
+    choices = await start_choices(ctx, http_request, prepared)
     if body.stream:
         return StreamingResponse(
-            _stream(ctx, generation, prepared.request_id, model, body.logprobs is not None,
-                    prepared.include_usage_in_stream),
+            _stream(ctx, choices, prepared.request_id, model, body.logprobs is not None,
+                    prepared.include_usage_in_stream, echo),
             media_type="text/event-stream", headers=SSE_HEADERS)
-    outputs = await collect_outputs(http_request, generation)
+    by_choice = await collect_choices(http_request, choices)
     return JSONResponse(with_kv_transfer(
-        _response(ctx, prepared.request_id, model, outputs,
-                  body.logprobs is not None).model_dump(mode="json"), outputs[-1]))
+        _response(ctx, prepared.request_id, model, choices, by_choice,
+                  body.logprobs is not None, echo).model_dump(mode="json"), by_choice[0][-1]))
 
 
-def _response(ctx: ServingContext, request_id: str, model: str, outputs: list[RequestOutput],
-              want_logprobs: bool) -> CompletionResponse:
-    final = outputs[-1]
-    logprobs = None
-    if want_logprobs:
-        logprobs, _ = completion_logprobs(ctx, [lp for out in outputs for lp in out.logprobs], 0)
-    choice = CompletionChoice(text="".join(out.new_text for out in outputs), logprobs=logprobs,
-                              finish_reason=final.finish_reason)
-    return CompletionResponse(id=request_id, model=model, choices=[choice],
-                              usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens))
+def _prompt_text(ctx: ServingContext, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else ctx.engine.tokenizer.decode(prompt)
 
 
-def _stream(ctx: ServingContext, generation: Generation, request_id: str, model: str,
-            want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    created = unix_time_s()
-    text_offset = 0
-
-    def render(output: RequestOutput) -> bytes:
-        nonlocal text_offset
+def _response(ctx: ServingContext, request_id: str, model: str, choices: Choices,
+              by_choice: list[list[RequestOutput]], want_logprobs: bool,
+              echo: str) -> CompletionResponse:
+    response_choices = []
+    for index, outputs in enumerate(by_choice):
         logprobs = None
         if want_logprobs:
-            logprobs, text_offset = completion_logprobs(ctx, output.logprobs, text_offset)
-        choice = CompletionChoice(text=output.new_text, logprobs=logprobs,
+            logprobs, _ = completion_logprobs(
+                ctx, [lp for out in outputs for lp in out.logprobs], 0)
+        response_choices.append(CompletionChoice(
+            index=index, text=echo + "".join(out.new_text for out in outputs),
+            logprobs=logprobs, finish_reason=outputs[-1].finish_reason))
+    return CompletionResponse(id=request_id, model=model, choices=response_choices,
+                              usage=Usage.of(*choices.usage_counts()))
+
+
+def _stream(ctx: ServingContext, choices: Choices, request_id: str, model: str,
+            want_logprobs: bool, include_usage: bool, echo: str) -> AsyncIterator[bytes]:
+    created = unix_time_s()
+    text_offsets = [0] * len(choices.generations)
+    echoed = [not echo] * len(choices.generations)
+
+    def render(output: RequestOutput) -> bytes:
+        index = choices.index_of[output.request_id]
+        logprobs = None
+        if want_logprobs:
+            logprobs, text_offsets[index] = completion_logprobs(ctx, output.logprobs,
+                                                                text_offsets[index])
+        text = output.new_text
+        if not echoed[index]:
+            text, echoed[index] = echo + text, True
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                   finish_reason=output.finish_reason if output.finished else None)
         return sse_event(CompletionResponse(id=request_id, created=created, model=model,
                                             choices=[choice]).model_dump_json())
 
-    def usage(final: RequestOutput) -> bytes:
+    def usage(_final: RequestOutput) -> bytes:
         return sse_event(CompletionResponse(
             id=request_id, created=created, model=model, choices=[],
-            usage=Usage.of(final.num_prompt_tokens, final.num_output_tokens)).model_dump_json())
+            usage=Usage.of(*choices.usage_counts())).model_dump_json())
 
-    return stream_events(generation, render, usage if include_usage else None)
+    return stream_events(choices, render, usage if include_usage else None)
 
 
 def completion_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob],

@@ -18,6 +18,9 @@ DEFAULT_MAX_TOKENS_CAP = 16_384
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -33,6 +36,9 @@ class ServerConfig:
     control_port: int = 50051  # gRPC control API; 0 turns it off
     # On SIGTERM, how long requests in flight may run on before they are ended (drain.py).
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # The model's tool-call syntax (server/tools.py): auto (from the chat template), hermes,
+    # llama3_json or mistral.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +56,9 @@ class ServerConfig:
                              f"{self.slo_attainment_target}")
         if not self.pool:
             raise ValueError("pool must be a non-empty label")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise ValueError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
         if not 0 <= self.control_port <= 65535:

@@ -4,6 +4,10 @@
         -> start_generation(): engine.generate(), wait for the first output
         -> Generation: iterate outputs, feed metrics, abort in the engine if the client leaves
 
+``n > 1`` runs one engine request per choice (``PreparedRequest.choices``), each with its own
+seed stream, started together by ``start_choices`` and merged by ``Choices``. Each choice
+computes the prompt itself: sharing its KV across choices waits for prefix caching.
+
 Why wait for the first output before answering: the engine reports bad requests (for example
 a prompt that does not fit the KV cache) by raising before its first output. Waiting lets a
 streaming request still get a proper 400 instead of an error inside a 200 event stream.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -65,6 +70,28 @@ class PreparedRequest:
     slo: RequestSLO | None
     include_usage_in_stream: bool
     kv_transfer: dict | None = None  # disaggregation (engine/disagg.py)
+    num_choices: int = 1
+
+    def choices(self) -> list[PreparedRequest]:
+        """One engine request per choice. Choice 0 is this request itself (so ``n=1`` is
+        unchanged); choice ``i`` gets its own id and, when seeded, its own seed stream."""
+        if self.num_choices == 1:
+            return [self]
+        result = []
+        for index in range(self.num_choices):
+            params = self.params
+            if params.seed is not None and index:
+                params = dataclasses.replace(params, seed=choice_seed(params.seed, index))
+            result.append(dataclasses.replace(self, request_id=f"{self.request_id}-{index}",
+                                              params=params, num_choices=1))
+        return result
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``: a signed 64-bit value
+    that differs per choice, so choices draw independent streams, reproducibly."""
+    mixed = (seed + index * 0x9E3779B97F4A7C15) % 2**64
+    return mixed - 2**64 if mixed >= 2**63 else mixed
 
 
 def check_model(ctx: ServingContext, requested: str | None) -> str:
@@ -83,20 +110,24 @@ async def tokenize(ctx: ServingContext, text: str, *, add_special_tokens: bool) 
 
 def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
             prompt_token_ids: list[int], *, max_tokens: int | None, logprobs: int | None,
-            prompt_param: str, max_tokens_param: str = "max_tokens") -> PreparedRequest:
-    """Check the request against the model's limits and build what the engine takes."""
+            prompt_param: str, max_tokens_param: str = "max_tokens",
+            grammar: str | None = None) -> PreparedRequest:
+    """Check the request against the model's limits and build what the engine takes;
+    ``grammar`` (llguidance, already checked) constrains every output."""
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
     kv_transfer = body.kv_transfer_params
     if kv_transfer and kv_transfer.get("do_remote_decode") and body.stream:
         raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the KV "
                           "handle comes back in the response body", param="stream")
-    params = build_sampling_params(body, resolved_max_tokens, logprobs)
+    if kv_transfer and body.num_choices > 1:
+        raise bad_request("kv_transfer_params needs n=1", param="n")
+    params = build_sampling_params(body, resolved_max_tokens, logprobs, grammar)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-        app_id=body.app_id or "default", priority=body.priority,
+        app_id=body.app_id or (body.user or "")[:256] or "default", priority=body.priority,
         slo=build_slo(body.slo, ctx.config),
-        include_usage_in_stream=body.include_usage_in_stream,
+        include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices,
         kv_transfer=kv_transfer)
 
 
@@ -124,7 +155,7 @@ def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: i
 
 
 def build_sampling_params(body: _GenerationRequest, max_tokens: int,
-                          logprobs: int | None) -> SamplingParams:
+                          logprobs: int | None, grammar: str | None = None) -> SamplingParams:
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -135,6 +166,11 @@ def build_sampling_params(body: _GenerationRequest, max_tokens: int,
         "stop_token_ids": tuple(body.stop_token_ids or ()),
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        "logit_bias": body.logit_bias_pairs,
+        "grammar": grammar,
     }
     try:
         return SamplingParams(**fields)
@@ -220,6 +256,78 @@ class Generation:
         async with contextlib.aclosing(self.__aiter__()) as outputs:
             return [output async for output in outputs]
 
+    async def aclose(self) -> None:
+        """Give up on a generation that will not be iterated (another choice failed)."""
+        self._timer.finish(None, "abort")
+        with anyio.CancelScope(shield=True):
+            await release(self._ctx, self._prepared.request_id, self._outputs)
+
+
+class Choices:
+    """The generations of one request's ``n`` choices; choice ``i`` is ``generations[i]``.
+    Iterating yields every choice's outputs as they come (``index_of`` tells whose)."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self.generations = generations
+        self.index_of = {g._prepared.request_id: i for i, g in enumerate(generations)}
+        self.finals: dict[int, RequestOutput] = {}
+
+    async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
+        if len(self.generations) == 1:
+            async with contextlib.aclosing(self.generations[0].__aiter__()) as outputs:
+                async for output in outputs:
+                    self._note(output)
+                    yield output
+            return
+        queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+
+        async def pump(generation: Generation) -> None:
+            try:
+                async with contextlib.aclosing(generation.__aiter__()) as outputs:
+                    async for output in outputs:
+                        queue.put_nowait(output)
+            except Exception as error:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(error)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(g)) for g in self.generations]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                self._note(item)
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _note(self, output: RequestOutput) -> None:
+        if output.finished:
+            self.finals[self.index_of[output.request_id]] = output
+
+    async def collect(self) -> list[list[RequestOutput]]:
+        """Every choice's outputs, in choice order."""
+        by_choice: list[list[RequestOutput]] = [[] for _ in self.generations]
+        async with contextlib.aclosing(self.__aiter__()) as outputs:
+            async for output in outputs:
+                by_choice[self.index_of[output.request_id]].append(output)
+        return by_choice
+
+    def usage_counts(self) -> tuple[int, int]:
+        """(prompt tokens, completion tokens): the prompt once, as OpenAI counts it for n > 1."""
+        finals = list(self.finals.values())
+        if not finals:
+            return 0, 0
+        return finals[0].num_prompt_tokens, sum(f.num_output_tokens for f in finals)
+
 
 async def release(ctx: ServingContext, request_id: str,
                   outputs: AsyncIterator[RequestOutput]) -> None:
@@ -263,6 +371,32 @@ async def start_generation(ctx: ServingContext, http_request: Request,
     return Generation(ctx, prepared, outputs, first, timer)
 
 
+async def start_choices(ctx: ServingContext, http_request: Request,
+                        prepared: PreparedRequest) -> Choices:
+    """Start every choice of a request at once; if any is refused, none is left running."""
+    choices = prepared.choices()
+    if len(choices) == 1:
+        return Choices([await start_generation(ctx, http_request, prepared)])
+    started = await asyncio.gather(*(start_generation(ctx, http_request, choice)
+                                     for choice in choices), return_exceptions=True)
+    failures = [result for result in started if isinstance(result, BaseException)]
+    if failures:
+        for result in started:
+            if isinstance(result, Generation):
+                await result.aclose()
+        raise failures[0]
+    return Choices([result for result in started if isinstance(result, Generation)])
+
+
+async def collect_choices(http_request: Request, choices: Choices) -> list[list[RequestOutput]]:
+    """All outputs of every choice of a non-streaming request; an engine failure is an error."""
+    by_choice = await run_until_disconnect(http_request, choices.collect())
+    for outputs in by_choice:
+        if outputs[-1].finish_reason == "error":
+            raise engine_failure(outputs[-1])
+    return by_choice
+
+
 def with_kv_transfer(body: dict[str, Any], final: RequestOutput) -> dict[str, Any]:
     """A prefill instance's answer carries the handle of the KV it holds for a decode
     instance, as a top-level ``kv_transfer_params`` field (vLLM's name for it)."""
@@ -289,21 +423,23 @@ def sse_event(json_text: str) -> bytes:
     return b"data: " + json_text.encode() + b"\n\n"
 
 
-async def stream_events(generation: Generation, render: Callable[[RequestOutput], bytes],
+async def stream_events(generation: Generation | Choices,
+                        render: Callable[[RequestOutput], bytes],
                         usage: Callable[[RequestOutput], bytes] | None
                         ) -> AsyncIterator[bytes]:
     """The SSE body every streaming endpoint shares: ``render`` of each output that brings
     tokens or the finish, an engine failure as an error event (which ends the stream), then
     ``usage`` of the last output when asked for, then ``[DONE]``."""
     final: RequestOutput | None = None
-    async for output in generation:
-        final = output
-        if output.finish_reason == "error":
-            yield sse_event(json.dumps(engine_failure(output).body()))
-            break
-        if not output.new_token_ids and not output.finished:
-            continue
-        yield render(output)
+    async with contextlib.aclosing(generation.__aiter__()) as outputs:
+        async for output in outputs:
+            final = output
+            if output.finish_reason == "error":
+                yield sse_event(json.dumps(engine_failure(output).body()))
+                break
+            if not output.new_token_ids and not output.finished:
+                continue
+            yield render(output)
     if usage is not None and final is not None:
         yield usage(final)
     yield SSE_DONE

@@ -7,11 +7,12 @@
 Slipstream extensions travel as extra top-level JSON fields, which the official ``openai``
 client sends through ``extra_body``:
 
-    {"top_k": 20, "ignore_eos": true, "priority": 1, "app_id": "search",
-     "slo": {"ttft_s": 2.0, "tpot_ms": 50}}
+    {"top_k": 20, "repetition_penalty": 1.1, "ignore_eos": true, "priority": 1,
+     "app_id": "search", "slo": {"ttft_s": 2.0, "tpot_ms": 50}}
 
 ``slo`` is a nested object (the one scheme; no flat aliases). ``app_id`` names the tenant
-for application-level fairness and defaults to ``"default"``. Unknown fields are rejected
+for application-level fairness; without it, OpenAI's ``user`` field names it, and without
+either it is ``"default"``. Unknown fields are rejected
 with a 400 naming them, as OpenAI does, so that a misspelt SLO is never silently ignored.
 """
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator)
 
 from slipstream.agent.engine.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_SEQUENCES = 16
+MAX_CHOICES = 16  # n: each choice is a request of its own in the engine
 
 
 class _StrictModel(BaseModel):
@@ -61,6 +64,7 @@ class _GenerationRequest(_StrictModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # Slipstream extensions.
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     app_id: str | None = Field(default=None, min_length=1, max_length=256)
@@ -72,9 +76,9 @@ class _GenerationRequest(_StrictModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}; send one request per choice")
+    def _bounded_choices(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {value}")
         return value
 
     @field_validator("stop")
@@ -84,19 +88,22 @@ class _GenerationRequest(_StrictModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("presence and frequency penalties are not supported; use 0")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), "
+                                 f"got {key!r}")
         return value
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -140,13 +147,6 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("token ids must be non-negative")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo=true is not supported")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -168,12 +168,26 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     # Clients echo assistant turns back with fields we do not use (refusal, annotations).
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -193,10 +207,82 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema every answer must satisfy."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_StrictModel):
+    """``text`` (the default), ``json_object`` (any JSON object) or ``json_schema``. The
+    JSON formats are enforced by a grammar whatever ``strict`` says: a model cannot step
+    outside them."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no arguments
+    strict: bool | None = None
+
+
+class ToolSpec(_StrictModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``. Text-only messages, formatted by the chat template."""
 
     messages: list[ChatMessage]
+    response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = {tool.function.name for tool in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, "
+                                 "which is not in tools")
+        elif self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if len(names) != len(self.tools or []):
+            raise ValueError("tools must have distinct function names")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: ``auto`` with tools, ``none`` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both set
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -281,7 +367,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -300,9 +394,33 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first carries ``id``, ``type`` and the name,
+    later ones more ``arguments`` text, all under the call's ``index``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:

@@ -100,3 +100,14 @@ def test_a_table_that_was_replaced_is_sent_in_full():
     assert wire.new_block_ids == (4, 7, 6, 9) and wire.sampling == GREEDY
     differ.release(["r", "never-seen"])
     assert differ.diff(Batch(chunks=())).released == ("r",)
+
+
+def test_penalties_sampling_options_and_history_cross_the_wire():
+    differ, tables = BatchDiffer(), WorkerTables()
+    options = SamplingOptions(temperature=0.7, presence_penalty=0.5, frequency_penalty=-1.0,
+                              repetition_penalty=1.2, logit_bias=((5, -100.0), (9, 3.5)))
+    for step in range(3):
+        chunk = ScheduledChunk("req", (40 + step,), 10 + step, (0,), True, options, step,
+                               history=tuple(range(10 + step)))
+        rebuilt, _ = _wire_round_trip(differ, tables, Batch(chunks=(chunk,)))
+        assert rebuilt.chunks == (chunk,)

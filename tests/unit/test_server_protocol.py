@@ -58,15 +58,16 @@ def test_slipstream_extras_are_parsed():
 
 
 @pytest.mark.parametrize("data, param", [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"logit_bias": {"the": 5}}, "logit_bias"),
     ({"slo": {"ttft_s": 0}}, "slo.ttft_s"),
     ({"slo": {"deadline": 1}}, "slo.deadline"),
     ({"temperature": "hot"}, "temperature"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": "lots"}, "frequency_penalty"),
     ({"logprobs": 21}, "logprobs"),
     ({"stop": ["s"] * 17}, "stop"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True}, "echo"),
 ])
 def test_unsupported_or_invalid_values_name_their_field(data, param):
     assert _error(CompletionRequest, {"prompt": "x", **data})["param"] == param
@@ -101,3 +102,41 @@ def test_stream_delta_omits_absent_fields_like_openai():
     choice = ChatChunkChoice(delta=ChatDelta(content="hi")).model_dump()
     assert choice == {"index": 0, "delta": {"content": "hi"}, "logprobs": None,
                       "finish_reason": None}
+
+
+def test_user_names_the_tenant_when_app_id_is_absent():
+    from types import SimpleNamespace
+
+    from slipstream.agent.server.config import ServerConfig
+    from slipstream.agent.server.generation import prepare
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(max_model_len=64), config=ServerConfig())
+
+    def tenant(**fields):
+        body = CompletionRequest.model_validate({"prompt": "x", **fields})
+        return prepare(ctx, "id", body, [1, 2], max_tokens=4, logprobs=None,
+                       prompt_param="prompt").app_id
+
+    assert tenant() == "default"
+    assert tenant(user="alice") == "alice"
+    assert tenant(user="alice", app_id="search") == "search"
+
+
+def test_choices_get_their_own_ids_and_seed_streams():
+    from types import SimpleNamespace
+
+    from slipstream.agent.server.config import ServerConfig
+    from slipstream.agent.server.generation import prepare
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(max_model_len=64), config=ServerConfig())
+    body = CompletionRequest.model_validate({"prompt": "x", "n": 3, "seed": 2**63 - 1,
+                                             "presence_penalty": 0.5,
+                                             "logit_bias": {"7": -100}})
+    choices = prepare(ctx, "cmpl-1", body, [1, 2], max_tokens=4, logprobs=None,
+                      prompt_param="prompt").choices()
+    assert [c.request_id for c in choices] == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    seeds = [c.params.seed for c in choices]
+    assert seeds[0] == 2**63 - 1 and len(set(seeds)) == 3
+    assert all(-(2**63) <= seed < 2**63 for seed in seeds)
+    assert all(c.params.presence_penalty == 0.5 and c.params.logit_bias == ((7, -100.0),)
+               for c in choices)

@@ -1,0 +1,104 @@
+"""``response_format`` through real HTTP with the official ``openai`` client, including
+``client.beta.chat.completions.parse`` with pydantic models. The tiny model's weights are
+random: every valid answer here is the grammar's doing."""
+
+from __future__ import annotations
+
+import enum
+import json
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.timeout(600)
+
+MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+class Color(str, enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=10)
+    zip_code: int = Field(ge=10000, le=99999)
+
+
+class Person(BaseModel):  # nested object, enum, array, optional field
+    name: str = Field(max_length=12)
+    favourite: Color
+    address: Address
+    scores: list[int] = Field(max_length=3)
+    nickname: str | None = Field(max_length=6)
+
+
+class Inventory(BaseModel):  # array of objects, optional nested object
+    items: list[Address] = Field(max_length=2)
+    owner: Person | None
+
+
+class Flags(BaseModel):  # booleans, bounded numbers, enum arrays
+    enabled: bool
+    ratio: float = Field(ge=0, le=1)
+    colors: list[Color] = Field(max_length=4)
+
+
+@pytest.mark.parametrize("model", [Person, Inventory, Flags])
+def test_parse_returns_the_pydantic_model(server, model):
+    completion = server.openai_client(timeout=300).beta.chat.completions.parse(
+        model=server.model, messages=MESSAGES, response_format=model, max_tokens=600,
+        temperature=1.0, seed=4)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, model)
+    assert model.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_streamed_json_schema_output_parses(server):
+    schema = {"type": "object",
+              "properties": {"ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    stream = server.openai_client(timeout=300).chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=100, temperature=1.0, seed=1,
+        stream=True, response_format={"type": "json_schema",
+                                      "json_schema": {"name": "s", "schema": schema,
+                                                      "strict": True}})
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_with_n_choices(server):
+    result = server.openai_client(timeout=300).chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=400, temperature=1.0, n=2,
+        response_format={"type": "json_object"})
+    for choice in result.choices:
+        if choice.finish_reason == "stop":  # an open object may run to max_tokens
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.message.content.startswith("{")
+
+
+def test_unsupported_schema_keyword_is_a_400_naming_it(server):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "if": {"properties": {"a": {"const": 1}}}}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": MESSAGES,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "cond", "schema": schema}}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert '"if"' in error["message"]
+    missing = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": MESSAGES,
+        "response_format": {"type": "json_schema"}})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "response_format"
