@@ -121,12 +121,10 @@ class PrefillBudget:
         return self.estimate.time_ms >= self._full_ms
 
     def reserve(self, fraction: float, long_slot: bool) -> None:
-        """Keep ``fraction`` of the budget left after the decodes: until ``release_reserve()``,
-        chunks may only fill the rest. With ``long_slot`` the batch's one long prefill is kept
-        too, so no other long request takes it."""
-        target = self.config.target_batch_time_ms
-        used = self.estimate.time_ms
-        self._set_limit(used + (1.0 - fraction) * max(0.0, target - used))
+        """Keep ``fraction`` of the target free: until ``release_reserve()``, chunks may only
+        fill ``target * (1 - fraction)``. With ``long_slot`` the batch's one long prefill is
+        kept too, so no other long request takes it."""
+        self._set_limit(self.config.target_batch_time_ms * (1.0 - fraction))
         self._long_slot_reserved = long_slot and not self.has_long_prefill
         self.has_long_prefill |= self._long_slot_reserved
 

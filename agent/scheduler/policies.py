@@ -175,8 +175,6 @@ class LarsPolicy(SchedulingPolicy):
     """
 
     name = "lars"
-    reserve_any = False
-    long_fcfs = False
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
@@ -194,16 +192,12 @@ class LarsPolicy(SchedulingPolicy):
     def prefill_key(self, request, now_s):
         assert request.ttft_deadline_s is not None, "assign() sets it when the request arrives"
         key = request.ttft_deadline_s + self.urgency_model.remaining_prefill_s(request)
-        if self.in_short_lane(request) and not self.reserve_any:
+        if self.in_short_lane(request):
             return 0, key
         if request not in self._in_long_lane:
             self._in_long_lane.add(request)
             self._seq += 1
             heapq.heappush(self._long_lane, (request.arrival_s, self._seq, request))
-        if self.in_short_lane(request):
-            return 0, key
-        if self.long_fcfs:
-            return 1, LONG_LANE_OFFSET_S + request.arrival_s
         return 1, LONG_LANE_OFFSET_S + key
 
     def space_share_slack(self, request, now_s):
