@@ -80,6 +80,10 @@ bench-engine: setup  ## engine throughput vs transformers, and the engine's own 
 bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgspec/pickle)
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
+bench-server: setup  ## one process vs engine in its own process: tok/s, TTFT, TPOT at 1..1000 streams
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny 100m \
+	  --concurrency 1 64 256 1000 --out $(RESULTS)/server
+
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
 
@@ -118,6 +122,9 @@ bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.m
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
+
+bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instance-hours, SLO (docs/autoscaling.md)
+	$(BIN)/python -m slipstream.agent.bench.autoscale_study --out $(RESULTS)/autoscale
 
 bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
 	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd

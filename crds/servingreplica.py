@@ -231,12 +231,13 @@ class AutoscalingTargets(ApiModel):
         json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
                                      "spec.autoscaling.targets.kvUtilization must be within "
                                      "(0, 1]")))
-    busy_fraction: float = Field(
-        0.9, description="Fraction of time the engines are busy to hold below on the smaller "
-        "count before scaling down (a guard for scale-down only).",
-        json_schema_extra=rules(Rule("self > 0.0 && self < 1.0",
-                                     "spec.autoscaling.targets.busyFraction must be within "
-                                     "(0, 1)")))
+    prefill_load: float = Field(
+        0.5, description="Mean seconds of prefill work arriving per second on each instance "
+        "(prompt tokens arriving over the recent prefill rate) to hold below: the load signal "
+        "that grows in proportion to the arrival rate, so the one that says how many "
+        "instances fewer would still do.",
+        json_schema_extra=rules(positive("spec.autoscaling.targets.prefillLoad",
+                                         number=True)))
 
 
 class Autoscaling(ApiModel):
@@ -261,7 +262,8 @@ class Autoscaling(ApiModel):
                                 json_schema_extra=rules(
                                     positive("spec.autoscaling.periodSeconds", "seconds")))
     scale_up_stabilization_seconds: int = Field(
-        30, description="Scale up only to the lowest count recommended over this window.",
+        0, description="Scale up only to the lowest count recommended over this window (0, "
+        "as the HPA: at once; new instances take minutes to serve anyway).",
         json_schema_extra=rules(Rule(
             "self >= 0", "spec.autoscaling.scaleUpStabilizationSeconds must not be negative")))
     scale_down_stabilization_seconds: int = Field(
@@ -274,10 +276,6 @@ class Autoscaling(ApiModel):
                              "nothing changes (hysteresis).", json_schema_extra=rules(Rule(
                                  "self >= 0.0 && self < 1.0",
                                  "spec.autoscaling.tolerance must be within [0, 1)")))
-    drain_timeout_seconds: int = Field(
-        120, description="Longest a removed instance may finish its in-flight requests "
-        "before it is deleted.", json_schema_extra=rules(
-            positive("spec.autoscaling.drainTimeoutSeconds", "seconds")))
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
 
 
@@ -401,7 +399,6 @@ class AutoscalingStatus(StatusModel):
     last_scale_reason: str | None = Field(None, description="The reason of the last decision.")
     last_scale_message: str | None = None
     last_scale_time: str | None = Field(None, description="When the count last changed.")
-    last_decision_time: str | None = None
 
 
 class ServingReplicaStatus(StatusModel):

@@ -10,16 +10,23 @@ One step, in three stages:
 
 1. **Recommend** from the instances that report (starting ones have no signals yet):
    - *up* when any target is breached beyond the tolerance: TTFT or TPOT attainment (the
-     miss rate above ``(1 - target) * (1 + tolerance)``), queueing delay or KV utilisation
-     (mean above ``target * (1 + tolerance)``). The count is the reporting instances scaled
-     by the worst of the delay and KV ratios, and at least one more than report, so that
-     instances already starting count against the shortage instead of being added again;
+     miss rate above ``(1 - target) * (1 + tolerance)``), queueing delay, KV utilisation or
+     prefill load (mean above ``target * (1 + tolerance)``). The count is the reporting
+     instances scaled by the worst ratio of the proportional signals (prefill load, KV
+     utilisation) to their targets, and at least one more than report; instances already
+     starting count against the shortage instead of being added again. Queue delay and
+     attainment are not proportional to anything (a queue grows without bound past
+     saturation), so they ask for one more at a time;
    - *down* when every target holds with room to spare (the same bands below the target)
-     on fewer instances: KV use projected onto ``m`` instances grows as ``n / m``; the busy
-     fraction ``u`` grows as ``1 - (1 - u) ** (n / m)`` (with Poisson arrivals an engine is
-     idle with probability ``exp(-offered load)``, and the load per instance grows as
-     ``n / m``). Queue delay and attainment only veto: they do not project;
+     on fewer instances ``m``: the proportional signals grow as ``n / m`` when ``n``
+     instances' load lands on ``m``. Queue delay and attainment only veto;
    - otherwise the current count.
+
+Prefill load (prompt tokens arriving per second over the recent prefill rate) is the load
+signal of a continuous-batching engine: the busy fraction saturates near 1 at a fraction of
+capacity (the decodes of overlapping requests keep the engine stepping), while the prefill
+work arriving grows with the arrival rate, past saturation too (measured in the simulator on
+H100 tables: docs/autoscaling.md).
 2. **Stabilise** as the Kubernetes HPA does: scale up only to the lowest count recommended
    over ``scaleUpStabilizationSeconds``, down only to the highest over
    ``scaleDownStabilizationSeconds``, and never down before the history covers that window
@@ -42,6 +49,11 @@ from slipstream.decisions.pools import LONG, SHORT, InstanceSignals, instance_pr
 
 # Attainment over fewer first tokens (or finished requests) than this is noise, not a signal.
 MIN_ATTAINMENT_SAMPLES = 20
+# The agents' load window: attainment and queue delay describe its past, so for this long
+# after the set of reporting instances changed they still show the shortage that the new
+# instances have just ended (the backlog left on the old ones). They do not add instances
+# then; the proportional signals, averaged over the instances now reporting, still do.
+SETTLE_S = 30.0
 
 # Outcomes: the status's lastScaleReason and the Event's reason.
 SCALE_UP, SCALE_DOWN = "ScaleUp", "ScaleDown"
@@ -63,6 +75,7 @@ class InstanceLoad:
     queue_delay_s: float = 0.0  # seconds of queued prefill work
     kv_utilization: float = 0.0  # fraction of KV blocks in use
     busy_fraction: float = 0.0  # fraction of the window the engine ran steps
+    prefill_load: float = 0.0  # seconds of prefill work arriving per second
     slo_deviation: float = 0.0  # for the pools' pressure
 
 
@@ -95,6 +108,8 @@ class ScaleHistory:
     since_s: float
     recommendations: tuple[tuple[float, int], ...] = ()
     last_scale_s: float | None = None
+    reporting: int = 0  # how many instances reported at the last step
+    reporting_since_s: float | None = None  # since when that many have
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,7 @@ class _Load:
     tpot_attainment: float | None
     queue_delay_s: float
     kv_utilization: float
-    busy_fraction: float
+    prefill_load: float
 
 
 def attainment(met: int, total: int) -> float | None:
@@ -141,31 +156,36 @@ def _aggregate(loads: tuple[InstanceLoad, ...]) -> _Load:
                                    sum(x.finished for x in loads)),
         queue_delay_s=sum(x.queue_delay_s for x in loads) / count,
         kv_utilization=sum(x.kv_utilization for x in loads) / count,
-        busy_fraction=sum(x.busy_fraction for x in loads) / count)
+        prefill_load=sum(x.prefill_load for x in loads) / count)
 
 
-def projected_busy(busy: float, ratio: float) -> float:
-    """Busy fraction when each instance takes ``ratio`` times its load (see the docstring)."""
-    if busy >= 1.0:
-        return 1.0
-    return 1.0 - (1.0 - max(busy, 0.0)) ** ratio
-
-
-def recommend(load: _Load, settings: Autoscaling, current: int) -> tuple[int, str]:
-    """Stage 1: the count these signals ask for, and why."""
+def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = True
+              ) -> tuple[int, str]:
+    """Stage 1: the count these signals ask for, and why. ``settled``: the reporting
+    instances have been the same for SETTLE_S (else attainment and queue delay, which
+    describe the window's past, do not ask for more)."""
     targets, tolerance = settings.targets, settings.tolerance
     n = load.count
-    breaches, ratios = [], [1.0]
+    breaches: list[str] = []
+    unsettled: list[str] = []
+    ratios = [1.0]
     for name, value, target in (("TTFT", load.ttft_attainment, targets.ttft_attainment),
                                 ("TPOT", load.tpot_attainment, targets.tpot_attainment)):
         if value is not None and 1.0 - value > (1.0 - target) * (1.0 + tolerance):
-            breaches.append(f"{name} attainment {value:.3f} < {target}")
-    for name, value, target, unit in (
-            ("queue delay", load.queue_delay_s, targets.queue_delay_seconds, " s"),
-            ("KV utilisation", load.kv_utilization, targets.kv_utilization, "")):
-        ratios.append(value / target)
+            (breaches if settled else unsettled).append(
+                f"{name} attainment {value:.3f} < {target}")
+    for name, value, target, proportional in (
+            ("queue delay", load.queue_delay_s, targets.queue_delay_seconds, False),
+            ("KV utilisation", load.kv_utilization, targets.kv_utilization, True),
+            ("prefill load", load.prefill_load, targets.prefill_load, True)):
+        if proportional:
+            ratios.append(value / target)
         if value > target * (1.0 + tolerance):
-            breaches.append(f"{name} {value:.3f}{unit} > {target}{unit}")
+            (breaches if settled or proportional else unsettled).append(
+                f"{name} {value:.3f} > {target}")
+    if unsettled and not breaches:
+        return current, (f"{'; '.join(unsettled)}, but {n} instance(s) have reported for "
+                         f"less than {SETTLE_S:.0f} s: waiting for the window to catch up")
     if breaches:
         # Instances still starting already count against the shortage: never below current.
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))
@@ -175,7 +195,7 @@ def recommend(load: _Load, settings: Autoscaling, current: int) -> tuple[int, st
         ratio = n / m
         band = 1.0 - tolerance
         return (load.kv_utilization * ratio <= targets.kv_utilization * band
-                and projected_busy(load.busy_fraction, ratio) <= targets.busy_fraction * band)
+                and load.prefill_load * ratio <= targets.prefill_load * band)
 
     comfortable = all((
         load.queue_delay_s <= targets.queue_delay_seconds * (1.0 - tolerance),
@@ -184,7 +204,7 @@ def recommend(load: _Load, settings: Autoscaling, current: int) -> tuple[int, st
         load.tpot_attainment is None
         or 1.0 - load.tpot_attainment <= (1.0 - targets.tpot_attainment) * (1.0 - tolerance)))
     smallest = next((m for m in range(1, n) if holds(m)), n) if comfortable else n
-    summary = (f"KV {load.kv_utilization:.2f}, busy {load.busy_fraction:.2f}, "
+    summary = (f"prefill load {load.prefill_load:.2f}, KV {load.kv_utilization:.2f}, "
                f"queue {load.queue_delay_s:.3f} s")
     if smallest < n:
         return smallest, f"{summary}: {smallest} instance(s) would hold every target"
@@ -220,10 +240,18 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     keep_s = max(settings.scale_up_stabilization_seconds,
                  settings.scale_down_stabilization_seconds)
     load = _aggregate(signals.loads) if signals.loads else None
+    reporting = len(signals.loads)
+    if history.reporting_since_s is None:  # a fresh history: stable as far as it knows
+        reporting_since_s = history.since_s
+    elif reporting != history.reporting:
+        reporting_since_s = now_s
+    else:
+        reporting_since_s = history.reporting_since_s
+    settled = now_s - reporting_since_s >= SETTLE_S
     if load is None:
         recommendation, why = current, "no ready instance reported its load"
     else:
-        recommendation, why = recommend(load, settings, current)
+        recommendation, why = recommend(load, settings, current, settled)
     recorded = tuple((t, r) for t, r in history.recommendations if t >= now_s - keep_s) + \
         ((now_s, recommendation),)
     stabilised, window_note = stabilise(recommendation, current, settings, history, now_s)
@@ -260,7 +288,8 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     if not low <= current <= high:
         message += f"; bounds are [{low}, {high}]"
     next_history = replace(history, recommendations=recorded,
-                           last_scale_s=now_s if desired != current else history.last_scale_s)
+                           last_scale_s=now_s if desired != current else history.last_scale_s,
+                           reporting=reporting, reporting_since_s=reporting_since_s)
     return ScaleDecision(
         current=current, desired=desired, recommendation=recommendation, reason=reason,
         message=message, history=next_history, add_pools=add_pools, remove=remove,

@@ -2,6 +2,7 @@
 
     handle_rebalance --read_signals(instance)--> gRPC Stats on the rank-0 pod --> InstanceSignals
     handle_rebalance --notify_pool(instance, pool)--> gRPC SetPool (metrics label follows)
+    handle_autoscale --read_load(instance)--> gRPC Stats --> InstanceLoad (+ requests in flight)
 
 Calls block for at most ``timeout_s``; the rebalancer runs them off the event loop. An agent
 that does not answer is left out of this step rather than guessed at.
@@ -16,6 +17,7 @@ import grpc
 from slipstream.agent.server.control import ControlClient
 from slipstream.operator import naming
 from slipstream.operator.instances import ObservedInstance
+from slipstream.decisions.autoscale import InstanceLoad
 from slipstream.decisions.pools import InstanceSignals
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,29 @@ def read_signals(instance: ObservedInstance, timeout_s: float = 2.0) -> Instance
     return InstanceSignals(instance=instance.name, pool=instance.pool,
                            queue_backlog_s=stats.queue_backlog_seconds,
                            slo_deviation=stats.slo_deviation, utilization=stats.utilization)
+
+
+def read_load(instance: ObservedInstance, timeout_s: float = 2.0
+              ) -> tuple[InstanceLoad, int] | None:
+    """The instance's load window for the autoscaler, and its requests in flight (waiting
+    plus running); None when the agent does not answer."""
+    target = control_target(instance)
+    if target is None:
+        return None
+    try:
+        with ControlClient(target, timeout_s=timeout_s) as client:
+            stats = client.stats()
+    except grpc.RpcError as error:
+        log.warning("no stats from %s at %s: %s", instance.name, target, error.code())
+        return None
+    load = InstanceLoad(
+        instance=instance.name, pool=instance.pool, first_tokens=stats.ttft_first_tokens,
+        ttft_met=stats.ttft_met, finished=stats.tpot_finished, tpot_met=stats.tpot_met,
+        queue_delay_s=stats.queue_backlog_seconds,
+        kv_utilization=stats.kv_blocks_used / max(1, stats.kv_blocks_total),
+        busy_fraction=stats.utilization, prefill_load=stats.prefill_load,
+        slo_deviation=stats.slo_deviation)
+    return load, stats.num_waiting + stats.num_running
 
 
 def notify_pool(instance: ObservedInstance, pool: str, timeout_s: float = 2.0) -> bool:

@@ -8,6 +8,10 @@ decisions/pools.py).
 
 The time of the last move lives in the status (``pools.lastRebalanceTime``), so the cooldown
 holds across operator restarts and leader changes.
+
+With spec.autoscaling the autoscaler goes first (docs/autoscaling.md): while it changes the
+count (instances draining, or desired != current) the rebalancer waits, and a scale event
+restarts its cooldown as a move would, so it judges the split on signals of the new count.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from slipstream.operator import agent_client, metrics, naming
 from slipstream.operator.handle_reconcile import EventSink, now_rfc3339, replica_lock
 from slipstream.operator.instances import ObservedInstance, observe_pods
 from slipstream.operator.kube import Kube
-from slipstream.decisions.pools import InstanceSignals, Move, RebalanceDecision, decide
+from slipstream.decisions.pools import (
+    COOLING_DOWN, InstanceSignals, Move, RebalanceDecision, decide)
 from slipstream.operator.status import with_rebalance
 
 IDLE_CHECK_S = 30.0  # how often a replica without (enabled) pools looks again
@@ -60,11 +65,20 @@ def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
         previous = ServingReplicaStatus.model_validate(body.get("status") or {})
         observed = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)),
                                 spec.placement.gpu_resource)
-        ready = [i for i in observed.values() if i.ready and i.pool in POOL_NAMES]
-        signals = [s for s in (read_signals(i) for i in sorted(ready, key=lambda i: i.index))
-                   if s is not None]
+        ready = [i for i in observed.values()
+                 if i.ready and i.pool in POOL_NAMES and not i.draining]
         last_move_s = parse_time_s(previous.pools.last_rebalance_time if previous.pools else None)
-        decision = decide(signals, spec.pools.rebalance, clock(), last_move_s)
+        scaling = scaling_in_progress(spec, previous, observed)
+        if scaling is not None:
+            decision = RebalanceDecision(COOLING_DOWN, scaling, None, None)
+        else:
+            signals = [s for s in (read_signals(i) for i in sorted(ready, key=lambda i: i.index))
+                       if s is not None]
+            last_scale_s = parse_time_s(previous.autoscaling.last_scale_time
+                                        if previous.autoscaling else None)
+            if last_scale_s is not None:
+                last_move_s = max(last_move_s or last_scale_s, last_scale_s)
+            decision = decide(signals, spec.pools.rebalance, clock(), last_move_s)
         _export_gauges(namespace, name, decision, observed)
         if decision.move is not None:
             _move(kube, body, observed[decision.move.instance], decision.move, decision.reason,
@@ -75,6 +89,21 @@ def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
             kube.patch_replica_status(namespace, name,
                                       status.model_dump(mode="json", by_alias=True))
     return decision
+
+
+def scaling_in_progress(spec: ServingReplicaSpec, previous: ServingReplicaStatus,
+                        observed: dict[str, ObservedInstance]) -> str | None:
+    """Why the rebalancer holds this step for the autoscaler, or None."""
+    if not spec.autoscaled:
+        return None
+    if any(i.draining for i in observed.values()):
+        return "the autoscaler is draining an instance; rebalancing waits"
+    live = sum(1 for i in observed.values() if not i.draining)
+    autoscaling = previous.autoscaling
+    if autoscaling is not None and autoscaling.desired_instances != live:
+        return (f"the autoscaler is changing the count ({live} -> "
+                f"{autoscaling.desired_instances}); rebalancing waits")
+    return None
 
 
 def _move(kube: Kube, body: dict, instance: ObservedInstance, move: Move, reason: str,

@@ -4,6 +4,8 @@
       GET the replica (under a per-replica lock), ensure ConfigMap + client Services
         (+ with spec.pools: the router's ServiceAccount, RoleBinding and Deployment)
       pods --observe_pods--> plan_instances --> tear down failed/excess instances
+        (with spec.autoscaling: the autoscaler's desired count; its draining instances are
+        left to it, handle_autoscale.py)
       nodes + pods everywhere --gpu_nodes--> place_instances --> create pods
       build_status --> PATCH status; Events for restarts and placement failures
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
 from slipstream.operator import builders, metrics, naming, router
 from slipstream.operator.capacity import gpu_nodes, toleration_rules
-from slipstream.operator.instances import ObservedInstance, observe_pods, plan_instances
+from slipstream.operator.instances import (
+    ObservedInstance, observe_pods, plan_instances, target_count)
 from slipstream.operator.kube import Kube
 from slipstream.operator.placement import (
     InstancePlacement, PlacementFailure, PlacementRequest, place_instances)
@@ -86,8 +89,15 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                             previous_had_pools=previous.pools is not None)
 
     resource = spec.placement.gpu_resource
-    observed = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
-    plan = plan_instances(spec, observed, {i.name: i.pool for i in previous.instances}, name)
+    everything = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
+    observed = {k: i for k, i in everything.items() if not i.draining}
+    draining = frozenset(i.index for i in everything.values() if i.draining)
+    desired = target_count(spec, previous.autoscaling.desired_instances
+                           if previous.autoscaling else None, len(observed))
+    if spec.autoscaled:
+        desired = max(desired, len(observed))  # only the autoscaler scales down (a drain)
+    plan = plan_instances(spec, observed, {i.name: i.pool for i in previous.instances}, name,
+                          count=desired, reserved=draining)
     recreated = {index for index, _ in plan.create}
     for instance in plan.tear_down:
         _tear_down(kube, namespace, instance, keep_service=instance.index in recreated)
@@ -113,7 +123,7 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
     status = build_status(replica=name, namespace=namespace, spec=spec,
                           generation=metadata.get("generation", 0), kept=list(plan.keep),
                           created=created, failure=failure, previous=previous,
-                          now=now_rfc3339())
+                          now=now_rfc3339(), desired=desired)
     if status != previous:
         kube.patch_replica_status(namespace, name, status.model_dump(mode="json", by_alias=True))
     return Reconciled(status, failure)

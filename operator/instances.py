@@ -35,6 +35,7 @@ class ObservedPod:
     deleting: bool
     gpus: int
     ip: str | None = None
+    draining_since_s: float | None = None  # set once the autoscaler chose it for removal
 
     @property
     def failed(self) -> bool:
@@ -76,6 +77,16 @@ class ObservedInstance:
     def controller(self) -> ObservedPod | None:
         return next((pod for pod in self.pods if pod.rank == 0), None)
 
+    @property
+    def draining_since_s(self) -> float | None:
+        """When its drain began; None for an instance that is not draining."""
+        times = [pod.draining_since_s for pod in self.pods if pod.draining_since_s is not None]
+        return min(times) if times else None
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_since_s is not None
+
 
 @dataclass(frozen=True)
 class InstancePlan:
@@ -97,13 +108,21 @@ def observe_pod(pod: dict, gpu_resource: str) -> ObservedPod | None:
     except (KeyError, ValueError):
         return None
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    draining_since_s = None
+    if labels.get(naming.DRAINING_LABEL) == "true":
+        since = (metadata.get("annotations") or {}).get(naming.DRAINING_SINCE_ANNOTATION, "0")
+        try:
+            draining_since_s = float(since)
+        except ValueError:
+            draining_since_s = 0.0  # marked by hand without a time: long past its bound
     return ObservedPod(
         name=metadata["name"], instance=instance, index=index, incarnation=incarnation,
         rank=rank, num_ranks=num_ranks, pool=labels.get(naming.POOL_LABEL, UNIFIED_POOL),
         node=spec.get("nodeName"), phase=status.get("phase", "Pending"),
         ready=conditions.get("Ready") == "True",
         deleting=metadata.get("deletionTimestamp") is not None,
-        gpus=pod_gpu_request(pod, gpu_resource), ip=status.get("podIP"))
+        gpus=pod_gpu_request(pod, gpu_resource), ip=status.get("podIP"),
+        draining_since_s=draining_since_s)
 
 
 def observe_pods(pods: list[dict], gpu_resource: str) -> dict[str, ObservedInstance]:
@@ -118,13 +137,18 @@ def observe_pods(pods: list[dict], gpu_resource: str) -> dict[str, ObservedInsta
 
 
 def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstance],
-                   remembered_pools: dict[str, str], replica: str) -> InstancePlan:
+                   remembered_pools: dict[str, str], replica: str, *,
+                   count: int | None = None, reserved: frozenset[int] = frozenset()
+                   ) -> InstancePlan:
     """Decide which instances stay, which go, and which to create (with their pools).
 
     ``remembered_pools`` maps instance names to the pool the status last recorded, so an
     instance whose pods are all gone comes back in the pool it had (a rebalance move sticks).
+    ``count`` is how many instances to run (default spec.instances; the autoscaler's desired
+    count when it is on); ``reserved`` indices are not reused (draining instances hold them).
     """
-    slots = _surviving_slots(spec, sorted(observed.values(), key=lambda i: i.index))
+    count = spec.instances if count is None else count
+    slots = _surviving_slots(spec, sorted(observed.values(), key=lambda i: i.index), count)
     tear_down = [i for i in observed.values() if i not in slots]
     keep, restarts, create = [], [], []
     pools = Counter(i.pool for i in slots if not i.failed)
@@ -137,9 +161,9 @@ def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstanc
         pool = instance.pool if _valid_pool(instance.pool, spec) else _pool_for_new(spec, pools)
         pools[pool] += 1
         create.append((instance.index, pool))
-    used = {instance.index for instance in slots}
+    used = {instance.index for instance in slots} | reserved
     free_indices = (i for i in itertools.count() if i not in used)
-    for index in itertools.islice(free_indices, spec.instances - len(slots)):
+    for index in itertools.islice(free_indices, max(0, count - len(slots))):
         remembered = remembered_pools.get(naming.instance_name(replica, index))
         pool = remembered if remembered and _valid_pool(remembered, spec) else \
             _pool_for_new(spec, pools)
@@ -149,11 +173,25 @@ def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstanc
                         restarts=tuple(restarts), create=tuple(sorted(create)))
 
 
-def _surviving_slots(spec: ServingReplicaSpec,
-                     instances: list[ObservedInstance]) -> list[ObservedInstance]:
+def target_count(spec: ServingReplicaSpec, desired: int | None, live: int) -> int:
+    """How many instances reconcile runs. Without autoscaling, spec.instances. With it, the
+    autoscaler's last desired count, never below minInstances; before its first decision
+    (``desired`` None), the instances already running, within [minInstances, maxInstances]
+    (switching autoscaling on never scales down without a drain). Only the autoscaler scales
+    down, by draining: a lowered maxInstances is not enforced here."""
+    autoscaling = spec.autoscaling
+    if autoscaling is None or not autoscaling.enabled:
+        return spec.instances
+    if desired is None:
+        return min(autoscaling.max_instances, max(autoscaling.min_instances, live))
+    return max(autoscaling.min_instances, desired)
+
+
+def _surviving_slots(spec: ServingReplicaSpec, instances: list[ObservedInstance],
+                     count: int) -> list[ObservedInstance]:
     """The instances that keep their slot when scaling down: failed ones go first, then the
     highest indices, but never taking a pool below minPerPool while another choice exists."""
-    excess = len(instances) - spec.instances
+    excess = len(instances) - count
     if excess <= 0:
         return instances
     counts = Counter(i.pool for i in instances)

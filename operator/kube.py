@@ -134,8 +134,12 @@ class Kube:
             if error.status != HTTP_NOT_FOUND:
                 raise
 
-    def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str]) -> None:
-        self.core.patch_namespaced_pod(name, namespace, {"metadata": {"labels": labels}},
+    def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str],
+                         annotations: dict[str, str] | None = None) -> None:
+        metadata: dict = {"labels": labels}
+        if annotations:
+            metadata["annotations"] = annotations
+        self.core.patch_namespaced_pod(name, namespace, {"metadata": metadata},
                                        _content_type=MERGE_PATCH, _preload_content=False)
 
 

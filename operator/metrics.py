@@ -1,6 +1,7 @@
 """The operator's own Prometheus metrics (``slipstream_operator_*``), served on --metrics-port.
 
-    handle_reconcile / handle_rebalance --> these counters and gauges --> /metrics
+    handle_reconcile / handle_rebalance / handle_autoscale --> these counters and gauges
+        --> /metrics
 
 Names, types and labels come from ``agent/server/metric_names.py``, the one list that the
 dashboards and alert rules are checked against. Per-replica series carry
@@ -37,6 +38,11 @@ INSTANCES_CREATED = _counter(names.OPERATOR_INSTANCES_CREATED)
 REBALANCE_MOVES = _counter(names.OPERATOR_REBALANCE_MOVES)
 POOL_PRESSURE = _gauge(names.OPERATOR_POOL_PRESSURE)
 POOL_INSTANCES = _gauge(names.OPERATOR_POOL_INSTANCES)
+DESIRED_INSTANCES = _gauge(names.OPERATOR_DESIRED_INSTANCES)
+CURRENT_INSTANCES = _gauge(names.OPERATOR_CURRENT_INSTANCES)
+MAX_INSTANCES = _gauge(names.OPERATOR_MAX_INSTANCES)
+SCALE_DECISIONS = _counter(names.OPERATOR_SCALE_DECISIONS)
+DRAINS = _counter(names.OPERATOR_DRAINS)
 
 
 def replica_label(namespace: str, name: str) -> str:

@@ -33,6 +33,12 @@ ROUTER_LABEL = f"{PREFIX}/router"
 ROUTER_CLUSTER_ROLE = "slipstream-router"
 ROLE_CONTROLLER = "controller"
 ROLE_WORKER = "worker"
+# Scale-down: the autoscaler marks every pod of the instance it removes. The controller pod's
+# role becomes "draining", so the client Service and the router (both select
+# role=controller) drop it; the pods go once nothing is in flight or the drain bound passed.
+DRAINING_LABEL = f"{PREFIX}/draining"
+DRAINING_SINCE_ANNOTATION = f"{PREFIX}/draining-since"  # Unix seconds, when the drain began
+ROLE_DRAINING = "draining"
 
 HTTP_PORT = 8000
 CONTROL_PORT = 50051

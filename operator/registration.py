@@ -3,6 +3,7 @@
     ServingReplica create/update/resume, timer --> handle_reconcile.reconcile
     agent pod changed (label slipstream.dev/replica) --> reconcile its owner
     daemon per ServingReplica --> handle_rebalance.run (pool rebalancer)
+    daemon per ServingReplica --> handle_autoscale.run (autoscaler, drains)
 
 Failures reach kopf through ``retry``: transient API errors as TemporaryError (every
 trigger), a spec that cannot be placed as PermanentError (the spec-change triggers only; the
@@ -21,7 +22,8 @@ import kopf
 
 from slipstream.crds.servingreplica import GROUP, PLURAL, VERSION
 from slipstream.operator.kube import Kube
-from slipstream.operator import handle_rebalance, handle_reconcile, naming, retry
+from slipstream.operator import (
+    handle_autoscale, handle_rebalance, handle_reconcile, naming, retry)
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # A safety net under the event-driven triggers: placement retries, missed pod events.
@@ -68,6 +70,15 @@ async def rebalancer(namespace: str | None, name: str, stopped: kopf.DaemonStopp
                      **_: Any) -> None:
     await handle_rebalance.run(memo.kube, namespaced(namespace), name, stopped,
                                event=post_event, logger=logger)
+
+
+@kopf.daemon(*RESOURCE, id="autoscaler", cancellation_timeout=5.0)
+async def autoscaler(namespace: str | None, name: str, stopped: kopf.DaemonStopped,
+                     memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter,
+                     **_: Any) -> None:
+    kube = memo.kube
+    await handle_autoscale.run(kube, namespaced(namespace), name, stopped, event=post_event,
+                               reconcile=lambda ns, n: reconcile(kube, ns, n), logger=logger)
 
 
 def namespaced(namespace: str | None) -> str:

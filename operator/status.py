@@ -54,10 +54,13 @@ def set_condition(conditions: list[Condition], new: Condition, now: str) -> list
 def build_status(*, replica: str, namespace: str, spec: ServingReplicaSpec, generation: int,
                  kept: list[ObservedInstance], created: list[CreatedInstance],
                  failure: PlacementFailure | None, previous: ServingReplicaStatus,
-                 now: str) -> ServingReplicaStatus:
+                 now: str, desired: int | None = None) -> ServingReplicaStatus:
+    """``desired``: the count reconcile aimed at (default spec.instances; the autoscaler's
+    when it is on). Draining instances are not in ``kept``: they no longer serve."""
     instances = sorted([instance_status(i) for i in kept] + [created_status(c) for c in created],
                        key=lambda s: _index(s.name))
-    desired, placed = spec.instances, len(instances)
+    desired = spec.instances if desired is None else desired
+    placed = len(instances)
     ready = sum(1 for i in instances if i.ready)
     conditions = list(previous.conditions)
     if spec.pools is None:
@@ -98,6 +101,7 @@ def build_status(*, replica: str, namespace: str, spec: ServingReplicaSpec, gene
         phase=phase, observed_generation=generation, conditions=conditions, replicas=placed,
         ready_instances=ready, ready=f"{ready}/{desired}",
         selector=naming.replica_selector(replica), instances=instances, pools=pools,
+        autoscaling=previous.autoscaling if spec.autoscaled else None,
         endpoint=naming.endpoint(replica, namespace))
 
 

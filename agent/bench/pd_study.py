@@ -164,6 +164,47 @@ def live_transfer(args: argparse.Namespace) -> dict:
     return results
 
 
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def tables(results: dict, live: dict | None, args: argparse.Namespace) -> str:
+    """The study as markdown tables (what docs/disaggregation.md quotes)."""
+    lines = [f"{args.num_instances} H100 Llama-3-8B TP8 instances in every configuration; "
+             f"arrivals for {args.duration_s:g} s, horizon {args.horizon_s:g} s; KV link "
+             f"{args.link_gbit:g} Gb/s per GPU; goodput at TPOT <= {args.tpot_slo_ms[0]:g} ms "
+             f"and (strict) <= {args.tpot_slo_ms[1]:g} ms, TTFT within the scheduler's "
+             "deadline.\n"]
+    header = ("| QPS | configuration | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | "
+              "TPOT p99 (ms) | throughput (req/s) | goodput (req/s) | goodput strict | "
+              "unfinished |\n|---|---|---|---|---|---|---|---|---|---|")
+    for workload, result in results.items():
+        lines += [f"\n### {workload}\n", header]
+        for qps, by_config in result["loads"].items():
+            for label, m in by_config.items():
+                lines.append(
+                    f"| {qps} | {label} | {_fmt(m['ttft_p50_s'], 2)} | {_fmt(m['ttft_p99_s'], 2)}"
+                    f" | {_fmt(m['tpot_p50_ms'], 1)} | {_fmt(m['tpot_p99_ms'], 1)} | "
+                    f"{m['throughput_rps']:.2f} | {m['goodput_rps']:.2f} | "
+                    f"{m['goodput_strict_rps']:.2f} | {m['unfinished']} |")
+        sweep = result["link_sweep"]
+        lines += [f"\nLink sweep, pd-1:1 at {sweep['qps']} QPS:\n",
+                  "| link (Gb/s per GPU) | TTFT p50 (s) | TTFT p99 (s) | goodput (req/s) |",
+                  "|---|---|---|---|"]
+        for gbit, m in sweep["pd-1:1"].items():
+            lines.append(f"| {gbit} | {_fmt(m['ttft_p50_s'], 3)} | {_fmt(m['ttft_p99_s'], 2)} | "
+                         f"{m['goodput_rps']:.2f} |")
+    if live:
+        lines += [f"\n### Live KV transfer on this machine's CPU ({live['block_bytes']} bytes "
+                  "per block)\n", "| transport | blocks per read | p50 (ms) | p99 (ms) | "
+                  "ms per block | MB/s |", "|---|---|---|---|---|---|"]
+        for name in ("mooncake", "zmq"):
+            for blocks, m in live[name]["reads"].items():
+                lines.append(f"| {name} | {blocks} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
+                             f"{m['per_block_ms']:.3f} | {m['mb_per_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, live: dict | None, path: Path, args: argparse.Namespace) -> None:
     import matplotlib
 
@@ -174,6 +215,8 @@ def plot(results: dict, live: dict | None, path: Path, args: argparse.Namespace)
                (f"goodput, TPOT <= {args.tpot_slo_ms[1]:g} ms", "goodput_strict_rps", False),
                ("TTFT p99 (s)", "ttft_p99_s", True), ("TPOT p99 (ms)", "tpot_p99_ms", True)]
     rows = list(results)
+    if not rows and not live:
+        return
     figure, axes = plt.subplots(len(rows) + (1 if live else 0), len(metrics),
                                 figsize=(16, 3.6 * (len(rows) + (1 if live else 0))),
                                 squeeze=False)
@@ -216,10 +259,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-instances", type=int, default=4,
                         help="TP8 instances in every configuration (equal GPU count)")
-    parser.add_argument("--medha-loads", type=float, nargs="+", default=[0.5, 1.0, 2.0])
-    parser.add_argument("--mooncake-loads", type=float, nargs="+", default=[3.0, 6.0, 9.0])
-    parser.add_argument("--duration-s", type=float, default=90.0, help="arrivals in [0, this)")
-    parser.add_argument("--horizon-s", type=float, default=240.0)
+    parser.add_argument("--medha-loads", type=float, nargs="+", default=[1.0, 2.0, 4.0, 6.0])
+    parser.add_argument("--mooncake-loads", type=float, nargs="+", default=[4.0, 8.0, 12.0, 16.0])
+    parser.add_argument("--duration-s", type=float, default=150.0, help="arrivals in [0, this)")
+    parser.add_argument("--horizon-s", type=float, default=300.0)
     parser.add_argument("--link-gbit", type=float, default=100.0,
                         help="KV link per GPU, Gb/s, for the load sweep")
     parser.add_argument("--link-sweep", type=float, nargs="+", default=[25.0, 100.0, 400.0])
@@ -230,16 +273,18 @@ def main() -> None:
     parser.add_argument("--only", default=None, choices=sorted(WORKLOADS))
     parser.add_argument("--live", action="store_true", help="also measure the live transports")
     parser.add_argument("--live-repeats", type=int, default=50)
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulator study")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     live = live_transfer(args) if args.live else None
-    results = simulate_study(args)
+    results = {} if args.no_sim else simulate_study(args)
     (args.out / "pd_study.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "simulated": results,
          "live_transfer": live, "wall_s": time.perf_counter() - started}, indent=2) + "\n")
+    (args.out / "pd_study_tables.md").write_text(tables(results, live, args))
     plot(results, live, args.out / "pd_study.png", args)
     print(f"wrote {args.out / 'pd_study.json'} and {args.out / 'pd_study.png'}")
 

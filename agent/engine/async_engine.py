@@ -32,12 +32,14 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import EngineStats, LLMEngine
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
+from slipstream.agent.engine.stats import StepStats
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
@@ -47,6 +49,10 @@ DRAINED_MESSAGE = ("the instance shut down before this request finished (its dra
                    "ran out); retry the request")
 # With no request left, wake this often to notice a dead worker (nothing else would).
 IDLE_CHECK_S = 0.5
+
+
+class StepObserver(Protocol):
+    def observe(self, step: StepStats) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its last step (no locking needed)."""
         return self._stats
+
+    def set_step_observer(self, observer: StepObserver) -> None:
+        """Per-step metrics: called on the engine thread; set it before ``start``."""
+        self.engine.on_step = observer.observe
+
+    def close(self) -> None:
+        """Stop worker processes, if any."""
+        self.engine.close()
 
     async def start(self, *, warm_up: bool = False) -> None:
         """Start the engine thread. With ``warm_up`` first run one real request through every

@@ -37,14 +37,15 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError
 from slipstream.agent.engine.grammar import GrammarCompiler, MaskJob, MaskWorkers
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
+from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.model_runner import ModelRunner, SampledToken
 from slipstream.agent.engine.runner import Runner
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from slipstream.agent.engine.stats import EngineStats, StepStats
-from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
-from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.block_manager import BlockManager
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO, RequestStatus
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -63,8 +64,7 @@ class _OutputState:
     """Per-request output bookkeeping that the scheduler does not need."""
 
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    stop_checker: StopChecker
+    text: TextStream
     arrival_s: float
     first_token_s: float | None = None
     emitted_tokens: int = 0
@@ -72,20 +72,20 @@ class _OutputState:
     matcher: Any = None  # llguidance.LLMatcher of a request with a grammar
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
-        """Text that can be shown after this token, and whether a stop string matched."""
-        return self.stop_checker.feed(self.detokenizer.add_token(token_id))
+        return self.text.add_token(token_id)
 
     def flush(self) -> str:
-        """The text still held back when the request ends for a reason other than a stop string."""
-        text, stopped = self.stop_checker.feed(self.detokenizer.flush())
-        return text if stopped else text + self.stop_checker.flush()
+        return self.text.flush()
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
-                 runner: Runner | None = None) -> None:
+                 runner: Runner | None = None, output_text: bool = True) -> None:
         self.config = config
+        # False in an engine-core process: the API process turns tokens into text and checks
+        # stop strings (agent/server/engine_core.py); outputs then carry no text.
+        self.output_text = output_text
         self.clock = clock
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
@@ -160,33 +160,17 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len,
+                             self.block_manager.kv_blocks_total)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stops[:5]}")
-        bad_bias = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {bad_bias[:5]}")
-        prompt_len = len(prompt_token_ids)
-        if prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
-                f"{params.max_tokens} for the completion); shorten the prompt or max_tokens")
+        self.limits.validate(prompt_token_ids, params)
         if params.grammar is not None and not self.config.parallel.is_single_process:
             raise ValueError("structured outputs and forced tool calls need a single-process "
                              "engine (tp, spp and kvp all 1) for now")
-        needed = blocks_for_tokens(prompt_len + params.max_tokens)
-        if needed > self.block_manager.kv_blocks_total:
-            raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
-                             f"{self.block_manager.kv_blocks_total}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, app_id: str = "default",
@@ -212,9 +196,11 @@ class LLMEngine:
                                      "instance (slipstream serve --role prefill)")
                 self._exporting.add(request_id)
             self.scheduler.add(request)
+            # Prefill work arriving here (a remote-prefilled request brings its KV instead).
+            self.load.record_arrival(now, len(prompt_token_ids))
         self._outputs[request_id] = _OutputState(
-            params=params, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            stop_checker=StopChecker(params.stop), arrival_s=now, matcher=matcher)
+            params=params, text=TextStream(self.tokenizer, prompt_token_ids, params.stop),
+            arrival_s=now, matcher=matcher)
         return request_id
 
     def _add_remote_prefilled(self, request: Request, kv_transfer: dict) -> None:
@@ -308,7 +294,10 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             kvp_active_degree=self._kvp_active_degree(),
             backlog_prompt_tokens=backlog, utilization=load.utilization,
-            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation)
+            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation,
+            first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
+            tpot_met=load.tpot_met,
+            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s)
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""
@@ -517,12 +506,22 @@ class LLMEngine:
         reason: FinishReason | None = None
         is_stop_token = (token in self.eos_token_ids and not params.ignore_eos) or (
             token in params.stop_token_ids)
-        if is_stop_token:
+        if not is_stop_token and state.matcher is not None and \
+                not state.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar rejected sampled token {token}: "
+                               f"{state.matcher.get_error()}")
+        if not self.output_text:
+            text = ""
+            if is_stop_token:
+                reason = FinishReason.STOP
+            elif state.matcher is not None and state.matcher.is_stopped():
+                reason = FinishReason.STOP  # the grammar is done
+            elif request.num_output_tokens >= params.max_tokens or \
+                    request.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        elif is_stop_token:
             text, reason = state.flush(), FinishReason.STOP
         else:
-            if state.matcher is not None and not state.matcher.consume_token(token):
-                raise RuntimeError(f"the grammar rejected sampled token {token}: "
-                                   f"{state.matcher.get_error()}")
             text, hit_stop_string = state.add_token(token)
             if hit_stop_string:
                 reason = FinishReason.STOP
@@ -543,11 +542,16 @@ class LLMEngine:
                 reason = FinishReason.LENGTH
                 kv_transfer = self.disagg.export(request, now).to_json()
         if reason is not None:
+            outputs = request.num_output_tokens
+            if request.slo.tpot_s is not None and outputs > 1 and state.first_token_s is not None:
+                self.load.record_finish(now, (now - state.first_token_s) / (outputs - 1),
+                                        request.slo.tpot_s)
             self.scheduler.finish(request_id, reason, now)
             self.runner.release((request_id,))
             del self._outputs[request_id]
             output = self._final_output(request, state, new_tokens, text)
             output.kv_transfer = kv_transfer
+            output.stop_token = is_stop_token
             return output
         logprobs, state.logprobs = state.logprobs, []
         return RequestOutput(request_id=request_id, new_token_ids=new_tokens, new_text=text,

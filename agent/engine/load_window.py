@@ -2,6 +2,7 @@
 
     LLMEngine.step() --record_step--> LoadWindow <--record_first_token-- first output token
                                                  <--record_finish-- a request's last token
+                                                 <--record_arrival-- a new request
     LLMEngine.stats() --snapshot(now)--> utilization, prefill rate, SLO deviation, attainment
 
 Everything is over a trailing window (30 s by default), so the numbers say how the instance
@@ -23,6 +24,10 @@ class LoadSnapshot:
     slo_deviation: float  # mean(max(0, ttft / target - 1)) over recent first tokens
     # SLO attainment counts for the autoscaler (counts, not fractions, so that instances
     # add up): first tokens within their TTFT target, finished requests within their TPOT one.
+    # Prompt tokens arriving per second: over the prefill rate, the seconds of prefill work
+    # arriving per second, the autoscaler's load signal (it grows with the arrival rate, also
+    # past saturation, where every busy fraction stops at 1).
+    arrival_prompt_tokens_per_s: float = 0.0
     first_tokens: int = 0
     ttft_met: int = 0
     finished: int = 0
@@ -42,6 +47,8 @@ class LoadWindow:
         self._steps: deque[tuple[float, float, int]] = deque()  # (start_s, end_s, prefill tokens)
         self._ttft: deque[tuple[float, float]] = deque()  # (time_s, relative overshoot)
         self._tpot: deque[tuple[float, bool]] = deque()  # (time_s, within its target)
+        self._arrivals: deque[tuple[float, int]] = deque()  # (time_s, prompt tokens)
+        self._arrived_tokens = 0
         # Sums over the entries in the deques, kept as entries come and go.
         self._busy_s = 0.0
         self._prefill_busy_s = 0.0
@@ -73,6 +80,11 @@ class LoadWindow:
         self._tpot_met += met
         self._trim(now_s)
 
+    def record_arrival(self, now_s: float, prompt_tokens: int) -> None:
+        self._arrivals.append((now_s, prompt_tokens))
+        self._arrived_tokens += prompt_tokens
+        self._trim(now_s)
+
     def snapshot(self, now_s: float) -> LoadSnapshot:
         self._trim(now_s)
         window_start = max(now_s - self.window_s, self._start_s)
@@ -85,12 +97,15 @@ class LoadWindow:
                 break
             busy_s -= min(end, window_start) - start
         utilization = min(1.0, max(0.0, busy_s) / span_s) if span_s > 0 else 0.0
+        arrival_rate = self._arrived_tokens / span_s if span_s > 0 else 0.0
         if self._prefill_busy_s > 0 and self._prefill_tokens > 0:
             self._last_rate_tokens_per_s = self._prefill_tokens / self._prefill_busy_s
         slo_deviation = self._deviation_sum / len(self._ttft) if self._ttft else 0.0
         return LoadSnapshot(utilization=utilization,
                             prefill_tokens_per_s=self._last_rate_tokens_per_s,
-                            slo_deviation=slo_deviation, first_tokens=len(self._ttft),
+                            slo_deviation=slo_deviation,
+                            arrival_prompt_tokens_per_s=arrival_rate,
+                            first_tokens=len(self._ttft),
                             ttft_met=self._ttft_met, finished=len(self._tpot),
                             tpot_met=self._tpot_met)
 
@@ -112,6 +127,9 @@ class LoadWindow:
         tpot = self._tpot
         while tpot and tpot[0][0] < horizon:
             self._tpot_met -= tpot.popleft()[1]
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] < horizon:
+            self._arrived_tokens -= arrivals.popleft()[1]
         # Running sums drift by rounding; an empty window resets them exactly.
         if not steps:
             self._busy_s = self._prefill_busy_s = 0.0

@@ -112,3 +112,6 @@ class RequestOutput:
     error_code: str | None = None  # one of the codes in engine/errors.py
     # Prefill role: where a decode instance fetches this request's KV (KVHandle.to_json()).
     kv_transfer: dict | None = None
+    # The last new token is a stop token or EOS, which shows no text (for the API process of
+    # a two-process server, which makes the text itself: agent/server/engine_core.py).
+    stop_token: bool = False

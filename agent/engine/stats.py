@@ -32,12 +32,25 @@ class EngineStats:
     utilization: float = 0.0
     prefill_tokens_per_s: float = 0.0
     slo_deviation: float = 0.0
+    # For the autoscaler: SLO attainment counts over the window, and the prompt tokens
+    # arriving per second (over the prefill rate: the prefill load).
+    first_tokens: int = 0
+    ttft_met: int = 0
+    finished: int = 0
+    tpot_met: int = 0
+    arrival_prompt_tokens_per_s: float = 0.0
 
     @property
     def queue_backlog_s(self) -> float:
         """Seconds to prefill the backlog at the recent prefill rate."""
         rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
         return self.backlog_prompt_tokens / rate
+
+    @property
+    def prefill_load(self) -> float:
+        """Seconds of prefill work arriving per second, at the recent prefill rate."""
+        rate = self.prefill_tokens_per_s or NOMINAL_PREFILL_TOKENS_PER_S
+        return self.arrival_prompt_tokens_per_s / rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +68,27 @@ class StepStats:
     @property
     def execute_s(self) -> float:
         return self.execute_end_s - self.execute_start_s
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """What the step metrics need of a ``StepStats``, small enough to cross from an engine-core
+    process to the API process every step (no block tables, no token ids)."""
+
+    prefill_chunk_tokens: tuple[int, ...]
+    num_decode_tokens: int
+    schedule_s: float
+    execute_s: float
+    predicted_time_s: float | None
+
+    @staticmethod
+    def of(step: StepStats) -> StepSummary:
+        prefill: list[int] = []
+        decodes = 0
+        for chunk in step.batch.chunks:
+            if chunk.is_decode:
+                decodes += 1
+            else:
+                prefill.append(len(chunk.token_ids))
+        return StepSummary(tuple(prefill), decodes, step.schedule_s, step.execute_s,
+                           step.batch.predicted_time_s)

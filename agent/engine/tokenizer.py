@@ -30,6 +30,15 @@ from tokenizers import Tokenizer as BackendTokenizer
 # renders that token's leading space as it would inside the text.
 _DETOKENIZER_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+# Texts longer than this are encoded with the call that releases the GIL (see ``encode``).
+_RELEASE_GIL_CHARS = 16_384
+# encode_capped: texts longer than this many characters per allowed token (and at least
+# _CAPPED_COUNT_MIN_CHARS long) are counted in pieces of _CAPPED_PIECE_CHARS before the exact
+# encode. Real prompts run 3 to 5 characters per token.
+_TYPICAL_MAX_CHARS_PER_TOKEN = 8
+_CAPPED_COUNT_MIN_CHARS = 262_144
+_CAPPED_PIECE_CHARS = 65_536
+_CAPPED_MARGIN_TOKENS_PER_CUT = 8
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                         "cls_token", "mask_token")
 
@@ -135,7 +144,54 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` adds what the model's post-processor
         adds (BOS for Llama 3 and Mistral, nothing for Qwen2). Special-token text in ``text``
         is parsed as the special token, as in transformers."""
+        if len(text) > _RELEASE_GIL_CHARS:
+            # encode() holds the GIL for the whole text; encode_batch() lets it go, so a long
+            # prompt tokenized on a worker thread does not stall the event loop.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_capped(self, text: str, max_tokens: int,
+                      add_special_tokens: bool = True) -> list[int] | None:
+        """``encode(text)``, or None as soon as it is clear that it has more than
+        ``max_tokens`` tokens. A text far longer than ``max_tokens`` tokens usually run is
+        counted piece by piece first, and counting stops once past the cap, so the cost of a
+        huge prompt is bounded by the cap, not by its size."""
+        if self.min_num_tokens(text) > max_tokens:
+            return None
+        if len(text) > max(_CAPPED_COUNT_MIN_CHARS, max_tokens * _TYPICAL_MAX_CHARS_PER_TOKEN):
+            # Cut at spaces, which start a word piece in byte-level BPE: the pieces' counts add
+            # up to the whole's, give or take a few tokens per cut (the margin below).
+            counted = 0
+            start = 0
+            cuts = 0
+            while start < len(text):
+                end = min(len(text), start + _CAPPED_PIECE_CHARS)
+                if end < len(text):
+                    space = text.rfind(" ", start + _CAPPED_PIECE_CHARS // 2, end)
+                    end = space if space > start else end
+                piece = self.backend.encode_batch([text[start:end]], add_special_tokens=False)
+                counted += len(piece[0].ids)
+                cuts += 1
+                if counted > max_tokens + _CAPPED_MARGIN_TOKENS_PER_CUT * cuts:
+                    return None
+                start = end
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return ids if len(ids) <= max_tokens else None
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token can stand for, or None when that says nothing about
+        the input (a normalizer may shrink the text before it is split)."""
+        if self.backend.normalizer is not None:
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, without encoding: each token covers at most
+        ``max_token_chars`` characters. 0 when no bound is known."""
+        longest = self.max_token_chars
+        return 0 if not longest else -(-len(text) // longest)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -258,3 +314,23 @@ class StopChecker:
             if any(stop.startswith(tail) for stop in self.stop_strings):
                 return length
         return 0
+
+
+class TextStream:
+    """A request's output text: its detokenizer and stop strings together, fed one token at a
+    time. The engine uses one per request; so does the API process of a two-process server,
+    where the engine core sends token ids only."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 stop: Sequence[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.stop_checker = StopChecker(stop)
+
+    def add_token(self, token_id: int) -> tuple[str, bool]:
+        """Text that can be shown after this token, and whether a stop string matched."""
+        return self.stop_checker.feed(self.detokenizer.add_token(token_id))
+
+    def flush(self) -> str:
+        """The text still held back when the request ends for a reason other than a stop string."""
+        text, stopped = self.stop_checker.feed(self.detokenizer.flush())
+        return text if stopped else text + self.stop_checker.flush()

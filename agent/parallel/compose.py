@@ -16,14 +16,16 @@ from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 
 def build_engine(config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> LLMEngine:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 output_text: bool = True) -> LLMEngine:
     if config.parallel.is_single_process:
-        return LLMEngine(config, scheduler_config, clock)
+        return LLMEngine(config, scheduler_config, clock, output_text=output_text)
     from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
 
     executor = ParallelExecutor(config)
     try:
-        return LLMEngine(config, scheduler_config, clock, runner=executor)
+        return LLMEngine(config, scheduler_config, clock, runner=executor,
+                         output_text=output_text)
     except BaseException:
         executor.close()
         raise

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 
 from slipstream.agent.engine.tokenizer import Tokenizer
-from slipstream.agent.router.classify import CHAT, COMPLETIONS, LengthClassifier, parse_json_body
+from slipstream.agent.router.classify import CHAT, COMPLETIONS, LengthClassifier
 from slipstream.agent.router.config import RouterConfig
 from slipstream.agent.router.disagg import DisaggChain, chainable
 from slipstream.agent.router.dispatcher import Dispatcher
@@ -36,6 +36,7 @@ from slipstream.agent.router.pod_discovery import PodWatcher
 from slipstream.agent.router.proxy import BACKEND_HEADER, Proxy, forwarded_headers
 from slipstream.agent.router.stats_poller import StatsPoller
 from slipstream.agent.server.errors import APIError, add_openai_error_handlers
+from slipstream.agent.server.limits import parse_json, read_body
 
 log = logging.getLogger(__name__)
 # Bodies larger than this are tokenized off the event loop (a 1M-token prompt takes ~1 s).
@@ -89,8 +90,9 @@ class Router:
             await self.client.aclose()
 
     async def route(self, request: Request, path: str, endpoint: str) -> Response:
-        raw = await request.body()
-        body = parse_json_body(raw)
+        raw = await read_body(request, self.config.max_body_bytes,
+                              self.config.request_read_timeout_s)
+        body = parse_json(raw)  # bad JSON is refused here, in OpenAI's shape
         if len(raw) > INLINE_TOKENIZE_MAX_BYTES:
             routed = await asyncio.to_thread(self.classifier.classify, endpoint, body)
         else:

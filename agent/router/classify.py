@@ -12,7 +12,6 @@ is sent to the short pool and the agent answers with the precise 400.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -119,11 +118,3 @@ def _ttft_deadline(body: dict, now_s: float) -> float | None:
     if isinstance(ttft_s, (int, float)) and not isinstance(ttft_s, bool) and ttft_s > 0:
         return now_s + float(ttft_s)
     return None
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """The body as JSON, or None when it is not JSON (the agent will reject it)."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None

@@ -18,6 +18,7 @@ from pathlib import Path
 from slipstream.agent.router.config import (
     CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, POOLS, ROLE_LABEL, FairnessConfig,
     KubernetesDiscovery, RouterConfig, StaticBackend)
+from slipstream.agent.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S
 
 DEFAULT_HOST = "127.0.0.1"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -90,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default=None,
                       help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
     http.add_argument("--port", type=int, default=8080, help="TCP port")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="BYTES", help="larger request bodies get 413, unread")
+    http.add_argument("--request-read-timeout-s", type=float,
+                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
+                      help="a client must send the request line and headers within this "
+                           "long, and then the body within this long, else 408")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -121,7 +128,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         unhealthy_cooldown_s=args.unhealthy_cooldown_seconds,
         static_backends=static, kubernetes=kubernetes,
         fairness=FairnessConfig(prior_output_tokens=args.prior_output_tokens),
-        log_level=args.log_level)
+        log_level=args.log_level, max_body_bytes=args.max_body_bytes,
+        request_read_timeout_s=args.request_read_timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.agent.engine.tokenizer import Tokenizer
     from slipstream.agent.router.app import build_router_app
+    from slipstream.agent.server.limits import timed_protocol
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -149,5 +158,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"Slipstream router at http://{host}:{config.port}/v1 -> {source}; long prompts: "
           f">= {config.long_prefill_threshold_tokens} tokens", file=sys.stderr, flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.log_level == "debug", timeout_graceful_shutdown=5)
+                access_log=config.log_level == "debug", timeout_graceful_shutdown=5,
+                http=timed_protocol(config.request_read_timeout_s))
     return 0

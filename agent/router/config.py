@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slipstream.agent.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S
+
 SHORT_POOL = "short"
 LONG_POOL = "long"
 UNIFIED_POOL = "unified"  # an instance outside the short/long split serves both classes
@@ -87,8 +89,15 @@ class RouterConfig:
     kubernetes: KubernetesDiscovery | None = None
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
     log_level: str = "info"
+    # Limits on one request, as on the agent (server/limits.py): 413 and 408.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not self.request_read_timeout_s > 0:
+            raise ValueError("request_read_timeout_s must be positive")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.long_prefill_threshold_tokens < 1:

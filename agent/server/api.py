@@ -12,10 +12,8 @@ error shape, never FastAPI's 422, and nothing a client sends can take the server
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -31,20 +29,20 @@ from slipstream.agent.server.config import ServerConfig
 from slipstream.agent.server.errors import (
     APIError, add_openai_error_handlers, bad_request, error_response, from_validation_error)
 from slipstream.agent.server.generation import ClientDisconnected, ServingContext
+from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
-logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 # nginx's code for "client closed request": logged, never seen by the (gone) client.
 STATUS_CLIENT_CLOSED_REQUEST = 499
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
+def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
               manage_engine: bool = True) -> FastAPI:
     """The app for ``engine``. With ``manage_engine`` the app starts and stops the engine."""
     config = config or ServerConfig()
@@ -54,7 +52,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
                              default_slo=RequestSLO(ttft_s=config.slo_ttft_s, tpot_s=tpot_s),
                              attainment_target=config.slo_attainment_target)
     # Per-iteration metrics; set before the engine thread starts, read only by it.
-    engine.engine.on_step = metrics.step_metrics.observe
+    engine.set_step_observer(metrics.step_metrics)
     ctx = ServingContext(engine=engine, metrics=metrics, config=config)
 
     @contextlib.asynccontextmanager
@@ -94,17 +92,43 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, *,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _parse_body(request, CompletionRequest)
+        body = await _parse_body(request, CompletionRequest, config)
         _require_healthy(ctx)
         return await _answer(create_completion(ctx, request, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _parse_body(request, ChatCompletionRequest)
+        body = await _parse_body(request, ChatCompletionRequest, config)
         _require_healthy(ctx)
         return await _answer(create_chat_completion(ctx, request, body))
 
+    _describe_request_bodies(app, {"/v1/completions": CompletionRequest,
+                                   "/v1/chat/completions": ChatCompletionRequest})
     return app
+
+
+def _describe_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put the request bodies into the app's OpenAPI document (/openapi.json). The handlers
+    parse bodies themselves (for OpenAI-shaped errors), so FastAPI cannot see them; clients
+    and fuzzers (schemathesis, in the tests) read them from here."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        document = default_openapi()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            document["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _answer(handler: Awaitable[Response]) -> Response:
@@ -123,18 +147,17 @@ def _require_healthy(ctx: ServingContext) -> None:
                        code="engine_unavailable")
 
 
-async def _parse_body(request: Request, model_type: type[M]) -> M:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"We could not parse the JSON body of your request: {error}") from None
+async def _parse_body(request: Request, model_type: type[M], config: ServerConfig) -> M:
+    raw = await read_body(request, config.max_body_bytes, config.request_read_timeout_s)
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
         return model_type.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error) from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -144,10 +167,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         return error_response(bad_request(str(error)))
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
-        # The details are for the operator's log; a client learns nothing of the internals.
-        logger.exception("unhandled error while serving a request")
-        return error_response(APIError(500, "internal error while serving this request; the "
-                                       "server logged the details", code="internal_error"))

@@ -53,7 +53,8 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request,
         raise bad_request(f"messages could not be formatted with the model's chat template: "
                           f"{error}", param="messages") from None
     # The template already writes any BOS token; adding special tokens would double it.
-    prompt_token_ids = await tokenize(ctx, prompt_text, add_special_tokens=False)
+    prompt_token_ids = await tokenize(ctx, prompt_text, add_special_tokens=False,
+                                      param="messages")
     parser = None
     if body.tools and tool_choice != "none":
         parser = resolve_parser(ctx.config.tool_call_parser, ctx.engine.tokenizer.chat_template)

@@ -39,8 +39,8 @@ from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES, Sc
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_prefill_settings
 
 from slipstream.agent.server.config import (
-    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_TOKENS_CAP,
-    TOOL_CALL_PARSERS, ServerConfig)
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_READ_TIMEOUT_S, TOOL_CALL_PARSERS, ServerConfig)
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -97,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                       help="run the engine (scheduler, KV blocks, model or workers) in a "
+                            "process of its own, so HTTP, tokenization and detokenization "
+                            "never stretch its steps (default: on a thread of the server "
+                            "process)")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -151,6 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "flight this long to finish, end the rest with an error event and "
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="BYTES", help="larger request bodies get 413, unread")
+    http.add_argument("--request-read-timeout-s", type=float,
+                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
+                      help="a client must send the request line and headers within this "
+                           "long, and then the body within this long, else 408")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                       help="the model's tool-call syntax, turned into OpenAI tool_calls: "
@@ -306,6 +317,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         control_port=args.control_port,
         drain_timeout_s=args.drain_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        request_read_timeout_s=args.request_read_timeout_s,
         tool_call_parser=args.tool_call_parser,
     )
 
@@ -351,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.agent.server.api import build_app
     from slipstream.agent.server.drain import DrainingServer
     from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
+    from slipstream.agent.server.engine_core import EngineCoreClient
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -358,8 +372,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)
-        engine = AsyncEngine(engine_config, engine=build_engine(
-            engine_config, scheduler_config_from_args(args)))
+        engine: AsyncEngine | EngineCoreClient
+        if args.engine_process and engine_config.disagg.enabled:
+            raise ValueError("--engine-process does not support --role prefill/decode yet")
+        if args.engine_process:
+            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args))
+        else:
+            engine = AsyncEngine(engine_config, engine=build_engine(
+                engine_config, scheduler_config_from_args(args)))
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
@@ -376,12 +396,14 @@ def run(args: argparse.Namespace) -> int:
         except OSError as error:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
                                               "--control-port, or 0 to turn it off)", error)
-            engine.engine.close()
+            engine.close()
             return 2
     server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
         log_level=server_config.log_level, keepalive_s=AGENT_KEEPALIVE_S,
-        drain_timeout_s=server_config.drain_timeout_s), engine, server_config.drain_timeout_s)
+        drain_timeout_s=server_config.drain_timeout_s,
+        request_read_timeout_s=server_config.request_read_timeout_s),
+        engine, server_config.drain_timeout_s)
     # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     _print_banner(server_config, engine.model_name, engine.max_model_len)
@@ -392,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if control_server is not None:
             control_server.stop(grace=1)
-        engine.engine.close()  # workers go even if uvicorn never started the app
+        engine.close()  # the core and workers go even if uvicorn never started the app
     if engine.fatal_error is not None:
         logging.getLogger(__name__).error("exiting: %s", engine.fatal_error)
         return EXIT_ENGINE_DEAD

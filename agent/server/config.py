@@ -13,6 +13,9 @@ DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS = 8192
 # A request without max_tokens may use the rest of the context (as vLLM does), but no more
 # than this: an unbounded default lets one careless client hold a long-context model's KV.
 DEFAULT_MAX_TOKENS_CAP = 16_384
+# Limits on one request's body (server/limits.py, shared with the router).
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
 # On SIGTERM, requests in flight get this long to finish (server/drain.py). Long enough for
 # most streams; the operator gives the pod this plus a margin before SIGKILL.
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -36,6 +39,9 @@ class ServerConfig:
     control_port: int = 50051  # gRPC control API; 0 turns it off
     # On SIGTERM, how long requests in flight may run on before they are ended (drain.py).
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # Limits on one request (limits.py): body size (413) and time to send it (408).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
     # The model's tool-call syntax (server/tools.py): auto (from the chat template), hermes,
     # llama3_json or mistral.
     tool_call_parser: str = "auto"
@@ -61,5 +67,10 @@ class ServerConfig:
                              f"got {self.tool_call_parser!r}")
         if not 0 <= self.drain_timeout_s <= 3600:
             raise ValueError(f"drain_timeout_s must be in [0, 3600], got {self.drain_timeout_s}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not self.request_read_timeout_s > 0:
+            raise ValueError("request_read_timeout_s must be positive, got "
+                             f"{self.request_read_timeout_s}")
         if not 0 <= self.control_port <= 65535:
             raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")

@@ -60,6 +60,21 @@ class EngineLoad(Protocol):
     @property
     def queue_backlog_s(self) -> float: ...
 
+    @property
+    def first_tokens(self) -> int: ...
+
+    @property
+    def ttft_met(self) -> int: ...
+
+    @property
+    def finished(self) -> int: ...
+
+    @property
+    def tpot_met(self) -> int: ...
+
+    @property
+    def prefill_load(self) -> float: ...
+
 
 class StatsSource(Protocol):
     """What the control API reads from the serving engine (AsyncEngine satisfies it)."""
@@ -98,7 +113,10 @@ class ControlService:
             utilization=stats.utilization, kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
             preemptions_total=stats.num_preemptions_total,
-            prefill_tokens_per_second=stats.prefill_tokens_per_s)
+            prefill_tokens_per_second=stats.prefill_tokens_per_s,
+            ttft_first_tokens=stats.first_tokens, ttft_met=stats.ttft_met,
+            tpot_finished=stats.finished, tpot_met=stats.tpot_met,
+            prefill_load=stats.prefill_load)
 
     def set_pool(self, request: pb.SetPoolRequest,
                  context: grpc.ServicerContext) -> pb.SetPoolResponse:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%slipstream/agent/server/control.proto\x12\x15slipstream.control.v1\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\xc0\x02\n\rStatsResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x1d\n\x15\x62\x61\x63klog_prompt_tokens\x18\x06 \x01(\x04\x12\x1d\n\x15queue_backlog_seconds\x18\x07 \x01(\x01\x12\x15\n\rslo_deviation\x18\x08 \x01(\x01\x12\x13\n\x0butilization\x18\t \x01(\x01\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r\x12\x19\n\x11preemptions_total\x18\x0c \x01(\x04\x12!\n\x19prefill_tokens_per_second\x18\r \x01(\x01\"\x1e\n\x0eSetPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"6\n\x0fSetPoolResponse\x12\x15\n\rprevious_pool\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t2\x8e\x02\n\x07\x43ontrol\x12U\n\x06Health\x12$.slipstream.control.v1.HealthRequest\x1a%.slipstream.control.v1.HealthResponse\x12R\n\x05Stats\x12#.slipstream.control.v1.StatsRequest\x1a$.slipstream.control.v1.StatsResponse\x12X\n\x07SetPool\x12%.slipstream.control.v1.SetPoolRequest\x1a&.slipstream.control.v1.SetPoolResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%slipstream/agent/server/control.proto\x12\x15slipstream.control.v1\"\x0f\n\rHealthRequest\"0\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\xac\x03\n\rStatsResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x1d\n\x15\x62\x61\x63klog_prompt_tokens\x18\x06 \x01(\x04\x12\x1d\n\x15queue_backlog_seconds\x18\x07 \x01(\x01\x12\x15\n\rslo_deviation\x18\x08 \x01(\x01\x12\x13\n\x0butilization\x18\t \x01(\x01\x12\x16\n\x0ekv_blocks_used\x18\n \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x0b \x01(\r\x12\x19\n\x11preemptions_total\x18\x0c \x01(\x04\x12!\n\x19prefill_tokens_per_second\x18\r \x01(\x01\x12\x19\n\x11ttft_first_tokens\x18\x0e \x01(\r\x12\x10\n\x08ttft_met\x18\x0f \x01(\r\x12\x15\n\rtpot_finished\x18\x10 \x01(\r\x12\x10\n\x08tpot_met\x18\x11 \x01(\r\x12\x14\n\x0cprefill_load\x18\x12 \x01(\x01\"\x1e\n\x0eSetPoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"6\n\x0fSetPoolResponse\x12\x15\n\rprevious_pool\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t2\x8e\x02\n\x07\x43ontrol\x12U\n\x06Health\x12$.slipstream.control.v1.HealthRequest\x1a%.slipstream.control.v1.HealthResponse\x12R\n\x05Stats\x12#.slipstream.control.v1.StatsRequest\x1a$.slipstream.control.v1.StatsResponse\x12X\n\x07SetPool\x12%.slipstream.control.v1.SetPoolRequest\x1a&.slipstream.control.v1.SetPoolResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=131
   _globals['_STATSREQUEST']._serialized_end=145
   _globals['_STATSRESPONSE']._serialized_start=148
-  _globals['_STATSRESPONSE']._serialized_end=468
-  _globals['_SETPOOLREQUEST']._serialized_start=470
-  _globals['_SETPOOLREQUEST']._serialized_end=500
-  _globals['_SETPOOLRESPONSE']._serialized_start=502
-  _globals['_SETPOOLRESPONSE']._serialized_end=556
-  _globals['_CONTROL']._serialized_start=559
-  _globals['_CONTROL']._serialized_end=829
+  _globals['_STATSRESPONSE']._serialized_end=576
+  _globals['_SETPOOLREQUEST']._serialized_start=578
+  _globals['_SETPOOLREQUEST']._serialized_end=608
+  _globals['_SETPOOLRESPONSE']._serialized_start=610
+  _globals['_SETPOOLRESPONSE']._serialized_end=664
+  _globals['_CONTROL']._serialized_start=667
+  _globals['_CONTROL']._serialized_end=937
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("healthy", "model", "pool", "num_waiting", "num_running", "backlog_prompt_tokens", "queue_backlog_seconds", "slo_deviation", "utilization", "kv_blocks_used", "kv_blocks_total", "preemptions_total", "prefill_tokens_per_second")
+    __slots__ = ("healthy", "model", "pool", "num_waiting", "num_running", "backlog_prompt_tokens", "queue_backlog_seconds", "slo_deviation", "utilization", "kv_blocks_used", "kv_blocks_total", "preemptions_total", "prefill_tokens_per_second", "ttft_first_tokens", "ttft_met", "tpot_finished", "tpot_met", "prefill_load")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,11 @@ class StatsResponse(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MET_FIELD_NUMBER: _ClassVar[int]
+    TPOT_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOAD_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     model: str
     pool: str
@@ -48,7 +53,12 @@ class StatsResponse(_message.Message):
     kv_blocks_total: int
     preemptions_total: int
     prefill_tokens_per_second: float
-    def __init__(self, healthy: _Optional[bool] = ..., model: _Optional[str] = ..., pool: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., backlog_prompt_tokens: _Optional[int] = ..., queue_backlog_seconds: _Optional[float] = ..., slo_deviation: _Optional[float] = ..., utilization: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ...) -> None: ...
+    ttft_first_tokens: int
+    ttft_met: int
+    tpot_finished: int
+    tpot_met: int
+    prefill_load: float
+    def __init__(self, healthy: _Optional[bool] = ..., model: _Optional[str] = ..., pool: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., backlog_prompt_tokens: _Optional[int] = ..., queue_backlog_seconds: _Optional[float] = ..., slo_deviation: _Optional[float] = ..., utilization: _Optional[float] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., prefill_tokens_per_second: _Optional[float] = ..., ttft_first_tokens: _Optional[int] = ..., ttft_met: _Optional[int] = ..., tpot_finished: _Optional[int] = ..., tpot_met: _Optional[int] = ..., prefill_load: _Optional[float] = ...) -> None: ...
 
 class SetPoolRequest(_message.Message):
     __slots__ = ("pool",)

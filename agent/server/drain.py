@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from slipstream.agent.server.limits import timed_protocol
+
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float
+    def __init__(self, config: uvicorn.Config, engine: ServingEngine, drain_timeout_s: float
                  ) -> None:
         super().__init__(config)
         self._engine = engine
@@ -94,9 +96,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def server_config(app: Any, *, host: str, port: int, log_level: str, keepalive_s: int,
-                  drain_timeout_s: float) -> uvicorn.Config:
+                  drain_timeout_s: float, request_read_timeout_s: float) -> uvicorn.Config:
     """uvicorn's settings for a draining server: its own graceful-shutdown timeout is only a
-    backstop, after the drain deadline has ended every request."""
+    backstop, after the drain deadline has ended every request. Request headers must arrive
+    within ``request_read_timeout_s`` (limits.py)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           access_log=log_level == "debug", timeout_keep_alive=keepalive_s,
-                          timeout_graceful_shutdown=int(drain_timeout_s + DRAIN_FLUSH_S) + 1)
+                          timeout_graceful_shutdown=int(drain_timeout_s + DRAIN_FLUSH_S) + 1,
+                          http=timed_protocol(request_read_timeout_s))

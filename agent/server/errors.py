@@ -7,6 +7,7 @@ validation errors are turned into one readable message that names the offending 
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 from fastapi import FastAPI
@@ -15,11 +16,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from pydantic import ValidationError
 
+logger = logging.getLogger(__name__)
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "server_error",
@@ -30,8 +34,10 @@ class APIError(Exception):
     """A request that cannot be served, with the status and OpenAI error fields to report."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None,
-                 code: str | None = None, error_type: str | None = None) -> None:
+                 code: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers  # extra response headers (Connection: close for 408/413)
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -75,7 +81,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=int(error.status_code))
+    return JSONResponse(error.body(), status_code=int(error.status_code), headers=error.headers)
 
 
 def add_openai_error_handlers(app: FastAPI, not_found_message: str) -> None:
@@ -85,6 +91,13 @@ def add_openai_error_handlers(app: FastAPI, not_found_message: str) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+        # The details are for the operator's log; a client learns nothing of the internals.
+        logger.exception("unhandled error while serving a request")
+        return error_response(APIError(500, "internal error while serving this request; the "
+                                       "server logged the details", code="internal_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:

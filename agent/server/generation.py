@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -42,11 +43,14 @@ from slipstream.agent.server.metrics import RequestTimer, ServingMetrics
 from slipstream.agent.server.protocol import SloSpec, _GenerationRequest
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.server.engine_core import ServingEngine
 
 T = TypeVar("T")
 # Tokenizing more than this many characters moves to a thread, off the event loop.
 _TOKENIZE_IN_THREAD_CHARS = 16_384
+# After tokenizing a text this long, return freed memory to the OS (release_free_memory).
+_TRIM_AFTER_CHARS = 1 << 20
+_malloc_trim: Any = None
 
 
 class ClientDisconnected(Exception):
@@ -55,7 +59,7 @@ class ClientDisconnected(Exception):
 
 @dataclass(frozen=True)
 class ServingContext:
-    engine: AsyncEngine
+    engine: ServingEngine
     metrics: ServingMetrics
     config: ServerConfig
 
@@ -101,11 +105,44 @@ def check_model(ctx: ServingContext, requested: str | None) -> str:
     return served
 
 
-async def tokenize(ctx: ServingContext, text: str, *, add_special_tokens: bool) -> list[int]:
+async def tokenize(ctx: ServingContext, text: str, *, add_special_tokens: bool,
+                   param: str = "prompt") -> list[int]:
+    """The prompt's token ids. Tokenizing stops once the prompt is known not to fit the
+    context (so a huge prompt costs what the cap allows, not what its size would), and a long
+    one is tokenized on a worker thread with the GIL released, so the event loop keeps
+    serving everyone else meanwhile."""
     tokenizer = ctx.engine.tokenizer
+    max_model_len = ctx.engine.max_model_len
+    cap = max_model_len - 1  # at least one token of output
     if len(text) <= _TOKENIZE_IN_THREAD_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        ids: list[int] | None = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if ids is not None and len(ids) > cap:
+            ids = None
+    else:
+        ids = await asyncio.to_thread(tokenizer.encode_capped, text, cap,
+                                      add_special_tokens=add_special_tokens)
+        if len(text) >= _TRIM_AFTER_CHARS:
+            release_free_memory()
+    if ids is None:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has more than {cap} tokens, which leaves no room for output. Please "
+            "shorten the prompt.", param=param, code="context_length_exceeded")
+    return ids
+
+
+def release_free_memory() -> None:
+    """Give the memory freed after a huge request back to the OS. glibc keeps freed blocks
+    in per-thread arenas; after a multi-megabyte body tokenized on a worker thread they would
+    otherwise stay in the process's RSS for good."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
 
 def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,

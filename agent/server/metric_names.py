@@ -123,6 +123,20 @@ OPERATOR_POOL_INSTANCES = _spec("slipstream_operator_pool_instances", "gauge",
                                 ("replica", "pool"), "Instances per pool of each ServingReplica.")
 OPERATOR_POOL_PRESSURE = _spec("slipstream_operator_pool_pressure", "gauge", ("replica", "pool"),
                                "P90 instance pressure of each pool, as the rebalancer saw it.")
+OPERATOR_DESIRED_INSTANCES = _spec("slipstream_operator_desired_instances", "gauge", ("replica",),
+                                   "Instances the autoscaler last decided on.")
+OPERATOR_CURRENT_INSTANCES = _spec("slipstream_operator_current_instances", "gauge", ("replica",),
+                                   "Instances serving or starting when the autoscaler "
+                                   "decided (draining ones not counted).")
+OPERATOR_MAX_INSTANCES = _spec("slipstream_operator_max_instances", "gauge", ("replica",),
+                               "spec.autoscaling.maxInstances of each autoscaled replica.")
+OPERATOR_SCALE_DECISIONS = _spec("slipstream_operator_scale_decisions_total", "counter",
+                                 ("replica", "reason"),
+                                 "Autoscaler decisions by outcome (ScaleUp, ScaleDown, "
+                                 "WithinTargets, Stabilizing, AtMaxInstances, ...).")
+OPERATOR_DRAINS = _spec("slipstream_operator_drains_total", "counter", ("outcome",),
+                        "Instances drained and deleted: finished (nothing in flight) or "
+                        "timed_out (drainTimeoutSeconds passed).")
 
 OPERATOR_RECONCILE_DURATION = _spec("slipstream_operator_reconcile_duration_seconds",
                                     "histogram", (), "Wall time of one reconciliation, API "
@@ -134,7 +148,9 @@ OPERATOR_INSTANCES_CREATED = _spec("slipstream_operator_instances_created_total"
 OPERATOR_METRICS: tuple[MetricSpec, ...] = (
     OPERATOR_RECONCILES, OPERATOR_RECONCILE_ERRORS, OPERATOR_PLACEMENT_FAILURES,
     OPERATOR_REBALANCE_MOVES, OPERATOR_INSTANCE_RESTARTS, OPERATOR_POOL_INSTANCES,
-    OPERATOR_POOL_PRESSURE, OPERATOR_RECONCILE_DURATION, OPERATOR_INSTANCES_CREATED)
+    OPERATOR_POOL_PRESSURE, OPERATOR_RECONCILE_DURATION, OPERATOR_INSTANCES_CREATED,
+    OPERATOR_DESIRED_INSTANCES, OPERATOR_CURRENT_INSTANCES, OPERATOR_MAX_INSTANCES,
+    OPERATOR_SCALE_DECISIONS, OPERATOR_DRAINS)
 
 # -- router (``slipstream router``: length-aware pools, fair queuing) ---------------------------
 ROUTER_LABELS = ("request_class", "pool")

@@ -31,7 +31,9 @@ MAX_CHOICES = 16  # n: each choice is a request of its own in the engine
 
 
 class _StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Types are strict, as OpenAI's are: "10" or true is not a max_tokens, "yes" is not a
+    # stream flag (an integer still passes for a float).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class SloSpec(_StrictModel):
@@ -73,6 +75,20 @@ class _GenerationRequest(_StrictModel):
     # prefill instance to keep the KV for a decode instance; the handle it answers with
     # (plus "do_remote_prefill": true) makes a decode instance fetch that KV and continue.
     kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_absent(cls, data: Any) -> Any:
+        # OpenAI reads a null field as one left out ("stream": null is a plain request).
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     @field_validator("n")
     @classmethod

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slipstream.agent.engine.stats import StepStats
+from slipstream.agent.engine.stats import StepStats, StepSummary
 from slipstream.agent.server import metric_names as names
 
 
@@ -96,6 +96,19 @@ class StepMetrics(Collector):
         self.schedule_time_s.observe(step.execute_start_s - step.schedule_start_s)
         if batch.predicted_time_s is not None:
             self.batch_time_predicted_s.observe(batch.predicted_time_s)
+
+    def observe_summary(self, step: StepSummary) -> None:
+        """The same as ``observe``, from a step summarised in an engine-core process."""
+        for num_tokens in step.prefill_chunk_tokens:
+            self.prefill_chunk_tokens.observe(num_tokens)
+        prefill_tokens = sum(step.prefill_chunk_tokens)
+        self.prefill_tokens_total += prefill_tokens
+        self.decode_tokens_total += step.num_decode_tokens
+        self.batch_tokens.observe(prefill_tokens + step.num_decode_tokens)
+        self.batch_time_actual_s.observe(step.execute_s)
+        self.schedule_time_s.observe(step.schedule_s)
+        if step.predicted_time_s is not None:
+            self.batch_time_predicted_s.observe(step.predicted_time_s)
 
     def collect(self) -> Iterator[Metric]:
         for histogram in (self.prefill_chunk_tokens, self.batch_tokens, self.batch_time_actual_s,

@@ -133,8 +133,9 @@ class RequestRecord:
 
 class SimInstance:
     def __init__(self, index: int, scheduler: Scheduler, config: InstanceConfig,
-                 records: dict[str, RequestRecord]) -> None:
+                 records: dict[str, RequestRecord], tpot_slo_s: float | None = None) -> None:
         self.index = index
+        self.tpot_slo_s = tpot_slo_s  # fed to the load window's TPOT attainment when set
         self.scheduler = scheduler
         self.config = config
         self.records = records
@@ -154,6 +155,7 @@ class SimInstance:
                           max_tokens=record.output_tokens, arrival_s=record.arrival_s,
                           slo=RequestSLO(ttft_s=ttft_slo_s))
         self.scheduler.add(request)
+        self.load.record_arrival(record.arrival_s, record.prompt_tokens)
         record.instance = self.index
         assert request.ttft_deadline_s is not None, "the scheduler sets it on add()"
         record.ttft_deadline_s = request.ttft_deadline_s - record.arrival_s
@@ -240,6 +242,11 @@ class SimInstance:
                                                  record.ttft_deadline_s)
             if request.num_output_tokens >= request.max_tokens:
                 record.finished_s = exit_s
+                first_token_s = record.first_token_s
+                if self.tpot_slo_s is not None and record.output_tokens > 1:
+                    self.load.record_finish(
+                        exit_s, (exit_s - first_token_s) / (record.output_tokens - 1),
+                        self.tpot_slo_s)
                 record.num_preemptions = request.num_preemptions
                 self.num_finished += 1
                 scheduler.finish(request_id, FinishReason.LENGTH, now_s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -123,3 +124,64 @@ def mean_qps(requests: list[TraceRequest]) -> float:
         return 0.0
     span = requests[-1].arrival_s - requests[0].arrival_s
     return (len(requests) - 1) / span if span > 0 else float("inf")
+
+
+RateCurve = Callable[[np.ndarray], np.ndarray]  # seconds -> requests per second
+
+
+def diurnal_rate(trough_qps: float, peak_qps: float, day_s: float) -> RateCurve:
+    """A daily rate curve: ``trough`` at midnight (t = 0), ``peak`` at noon, a raised cosine
+    in between."""
+    if not 0 < trough_qps <= peak_qps or day_s <= 0:
+        raise ValueError("need 0 < trough_qps <= peak_qps and day_s > 0")
+
+    def rate(t_s: np.ndarray) -> np.ndarray:
+        return trough_qps + (peak_qps - trough_qps) * (1 - np.cos(2 * np.pi * t_s / day_s)) / 2
+
+    return rate
+
+
+def step_rate(low_qps: float, high_qps: float, up_at_s: float, down_at_s: float) -> RateCurve:
+    """``low``, then ``high`` from ``up_at_s`` until ``down_at_s``, then ``low`` again."""
+    if not 0 < low_qps and up_at_s < down_at_s:
+        raise ValueError("need low_qps > 0 and up_at_s < down_at_s")
+
+    def rate(t_s: np.ndarray) -> np.ndarray:
+        return np.where((t_s >= up_at_s) & (t_s < down_at_s), high_qps, low_qps)
+
+    return rate
+
+
+def warp_to_rate(requests: list[TraceRequest], rate: RateCurve, duration_s: float,
+                 grid_s: float = 1.0, smooth_s: float = 120.0) -> list[TraceRequest]:
+    """Replay a trace under a time-varying rate: the trace's own short-term arrival pattern,
+    bent to follow ``rate(t)`` over ``[0, duration_s)``.
+
+    The trace (repeated end to end as often as needed) is put on its operational clock: a
+    request at ``a`` seconds gets ``u = N(a)``, where ``N`` counts the trace's arrivals
+    smoothed over ``smooth_s``. ``u`` grows by one per request on average, so the trace's
+    own drift over minutes (the Azure hour is not flat) is taken out, while its bursts and
+    lulls shorter than ``smooth_s`` stay. The request then lands at ``t = L^-1(u)``, where
+    ``L(t)`` is the expected count of arrivals by ``t`` under ``rate``: the long-run rate is
+    the curve's. Lengths are the trace's, in its order."""
+    if len(requests) < 2:
+        raise ValueError("warp_to_rate needs a trace of at least two requests")
+    first = requests[0].arrival_s
+    offsets = np.array([r.arrival_s - first for r in requests])
+    mean_qps = (len(requests) - 1) / max(offsets[-1], 1e-9)
+    grid = np.arange(0.0, duration_s + grid_s, grid_s)
+    expected = np.concatenate(([0.0], np.cumsum(rate(grid[:-1]) * grid_s)))
+    loops = int(expected[-1] // len(requests)) + 2
+    loop_s = offsets[-1] + 1.0 / mean_qps
+    trace_s = np.concatenate([offsets + k * loop_s for k in range(loops)])
+    edges = np.arange(0.0, trace_s[-1] + 2 * grid_s, grid_s)
+    counts, _ = np.histogram(trace_s, bins=edges)
+    width = max(1, int(round(smooth_s / grid_s)))
+    padded = np.pad(counts.astype(np.float64), (width, width), mode="wrap")
+    smoothed = np.convolve(padded, np.ones(width) / width, mode="same")[width:-width]
+    operational = np.concatenate(([0.0], np.cumsum(smoothed)))
+    counts_at = np.interp(trace_s, edges, operational)
+    counts_at = counts_at[counts_at < expected[-1]]
+    times = np.interp(counts_at, expected, grid)
+    return [replace(requests[i % len(requests)], arrival_s=float(t))
+            for i, t in enumerate(times)]

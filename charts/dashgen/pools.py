@@ -1,7 +1,7 @@
 """The pools and rebalancing dashboard: how instances are split between the short- and
 long-prefill pools (PLA-Serve), each pool's load and latency as the agents see it, how the
 router splits and queues traffic (``slipstream router``), and what the operator did about it
-(moves, restarts, placement failures, reconciles)."""
+(moves, restarts, placement failures, reconciles, the autoscaler's decisions and drains)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,27 @@ def _operator_row() -> list[Panel]:
     ]
 
 
+def _autoscaler_row() -> list[Panel]:
+    desired, current = names.OPERATOR_DESIRED_INSTANCES.name, names.OPERATOR_CURRENT_INSTANCES.name
+    return [
+        timeseries("Desired and current instances", "The autoscaler's decision against the "
+                   "instances serving or starting when it decided, and spec.autoscaling."
+                   "maxInstances.",
+                   Target(f"max by (replica) ({desired})", "desired {{replica}}"),
+                   Target(f"max by (replica) ({current})", "current {{replica}}"),
+                   Target(f"max by (replica) ({names.OPERATOR_MAX_INSTANCES.name})",
+                          "max {{replica}}"), width=8),
+        timeseries("Scale decisions by reason", "Autoscaler decisions per period, by outcome "
+                   "(ScaleUp, ScaleDown, WithinTargets, Stabilizing, AtMaxInstances, ...).",
+                   Target(f"sum by (reason) (increase({names.OPERATOR_SCALE_DECISIONS.name}"
+                          f"[$__interval]))", "{{reason}}"), width=8),
+        timeseries("Drains", "Instances removed after a drain: finished with nothing in "
+                   "flight, or deleted at drainTimeoutSeconds.",
+                   Target(f"sum by (outcome) (increase({names.OPERATOR_DRAINS.name}"
+                          f"[$__range]))", "{{outcome}}"), width=8),
+    ]
+
+
 def build() -> dict:
     role = names.POOL_ROLE.name
     variables = [
@@ -128,6 +149,7 @@ def build() -> dict:
     ]
     rows = [("Pools as the agents see them", _agent_row()),
             ("Router: length-aware routing and fair queuing", _router_row()),
-            ("Operator: placement and rebalancing", _operator_row())]
+            ("Operator: placement and rebalancing", _operator_row()),
+            ("Operator: autoscaling", _autoscaler_row())]
     return dashboard(UID, "Slipstream / Pools and rebalancing", "Short/long prefill pools: "
                      "their split, load and latency, and the operator's moves.", rows, variables)

@@ -41,7 +41,10 @@ def parallel_server(tiny_model_dir, tmp_path):
 
 def test_killed_worker_fails_requests_in_flight_and_exits_nonzero(parallel_server):
     base_url, process, log_path = parallel_server
-    workers = psutil.Process(process.pid).children(recursive=True)
+    server = psutil.Process(process.pid)
+    # With the engine in its own process (the default) the workers are that process's children.
+    cores = [child for child in server.children() if "spawn_main" in " ".join(child.cmdline())]
+    workers = cores[0].children() if cores else server.children()
     assert len(workers) == 2, "spp=2 should run two worker processes"
     body = {"prompt": "a long answer please", "max_tokens": 4000,
             "temperature": 0, "ignore_eos": True}

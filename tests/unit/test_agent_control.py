@@ -21,6 +21,16 @@ def test_utilization_is_the_busy_share_of_the_window():
     assert window.snapshot(30.0).utilization == 0.0
 
 
+def test_arrival_rate_of_prompt_tokens_over_the_window():
+    window = LoadWindow(start_s=0.0, window_s=10.0)
+    window.record_arrival(1.0, 300)
+    window.record_arrival(4.0, 500)
+    assert window.snapshot(5.0).arrival_prompt_tokens_per_s == pytest.approx(800 / 5.0), \
+        "young: over its uptime"
+    assert window.snapshot(12.0).arrival_prompt_tokens_per_s == pytest.approx(500 / 10.0)
+    assert window.snapshot(30.0).arrival_prompt_tokens_per_s == 0.0
+
+
 def test_prefill_rate_is_remembered_after_the_window_empties():
     window = LoadWindow(start_s=0.0, window_s=10.0)
     window.record_step(0.0, 0.5, prefill_tokens=500)

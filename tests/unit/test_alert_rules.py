@@ -15,7 +15,8 @@ RULES = ROOT / "charts" / "slipstream" / "alerts" / "rules.yaml"
 PROMTOOL_TESTS = sorted((ROOT / "tests" / "alerts").glob("*_test.yaml"))
 ALERTS = ("SlipstreamTTFTErrorBudgetBurnFast", "SlipstreamTTFTErrorBudgetBurnSlow",
           "SlipstreamTPOTErrorBudgetBurnFast", "SlipstreamTPOTErrorBudgetBurnSlow",
-          "SlipstreamInstanceDown", "SlipstreamKVCacheSaturated", "SlipstreamQueueGrowing")
+          "SlipstreamInstanceDown", "SlipstreamKVCacheSaturated", "SlipstreamQueueGrowing",
+          "SlipstreamAutoscalerAtMaxInstances")
 
 
 @pytest.fixture(scope="module")

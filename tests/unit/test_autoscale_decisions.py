@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.decisions.autoscale import (
     AT_MAX, AT_MIN, NO_SIGNALS, SCALE_DOWN, SCALE_UP, STABILIZING, WITHIN_TARGETS, InstanceLoad,
-    ScaleHistory, ScaleSignals, Starting, decide_scale, projected_busy)
+    ScaleHistory, ScaleSignals, Starting, decide_scale)
 
 BASE = {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image": "agent:1"}
 
@@ -20,7 +20,7 @@ BASE = {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image":
 def make_spec(pools: dict | None = None, **autoscaling) -> ServingReplicaSpec:
     settings_ = {"minInstances": 1, "maxInstances": 8, "periodSeconds": 10,
                  "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 60,
-                 "maxStep": 2, **autoscaling}
+                 "maxStep": 2, "targets": {"prefillLoad": 0.6}, **autoscaling}
     body = {**BASE, "autoscaling": settings_}
     if pools is not None:
         body["pools"] = pools
@@ -36,7 +36,8 @@ def load(name: str, *, pool: str = "unified", busy: float = 0.5, kv: float = 0.1
          deviation: float = 0.0) -> InstanceLoad:
     return InstanceLoad(instance=name, pool=pool, first_tokens=ttft[1], ttft_met=ttft[0],
                         finished=tpot[1], tpot_met=tpot[0], queue_delay_s=queue_s,
-                        kv_utilization=kv, busy_fraction=busy, slo_deviation=deviation)
+                        kv_utilization=kv, busy_fraction=busy, prefill_load=busy,
+                        slo_deviation=deviation)
 
 
 def fleet(count: int, **kwargs) -> ScaleSignals:
@@ -58,13 +59,19 @@ def run(signals_at, spec=SPEC, steps=30, period_s=10.0, start=2,
 
 # -- scale-up ------------------------------------------------------------------------------------
 
-def test_queue_delay_far_above_target_scales_up_in_proportion_capped_by_the_step():
+def test_a_long_queue_asks_for_one_more_not_in_proportion():
+    # A queue grows without bound past saturation: 4x the target says "short", not "4x".
     decision = decide_scale(fleet(2, queue_s=2.0), SPEC, LONG_AGO, 0.0)
-    assert decision.reason == SCALE_UP
-    assert decision.recommendation == 8  # 2 x (2.0 s / 0.5 s)
-    assert decision.desired == 4  # maxStep 2
-    assert decision.add_pools == ("unified", "unified")
+    assert (decision.reason, decision.recommendation, decision.desired) == (SCALE_UP, 3, 3)
+    assert decision.add_pools == ("unified",)
     assert "queue delay" in decision.message
+
+
+def test_prefill_load_scales_up_in_proportion_capped_by_the_step():
+    decision = decide_scale(fleet(2, busy=2.4), SPEC, LONG_AGO, 0.0)
+    assert decision.recommendation == 8  # 2 x (2.4 / 0.6)
+    assert decision.desired == 4  # maxStep 2
+    assert "prefill load" in decision.message
 
 
 def test_missed_ttft_scales_up_by_at_least_one():
@@ -93,6 +100,21 @@ def test_instances_still_starting_count_against_the_shortage():
     assert decision.desired == 4 and decision.reason == WITHIN_TARGETS
 
 
+def test_attainment_and_queue_wait_for_the_window_after_new_instances_report():
+    # Two instances; a third was added and has just started reporting. The window still
+    # shows the misses and the backlog of before: no fourth for that, until it settles.
+    history = ScaleHistory(since_s=-1000.0, reporting=2, reporting_since_s=-500.0)
+    just_grown = fleet(3, ttft=(50, 100), queue_s=1.0, busy=0.3)
+    decision = decide_scale(just_grown, SPEC, history, 0.0)
+    assert (decision.reason, decision.desired) == (WITHIN_TARGETS, 3)
+    assert "waiting for the window" in decision.message
+    later = decide_scale(just_grown, SPEC, decision.history, 30.0)
+    assert (later.reason, later.desired) == (SCALE_UP, 4)
+    # The proportional signals do not wait: they average over the instances reporting now.
+    loaded = decide_scale(fleet(3, busy=0.9), SPEC, history, 0.0)
+    assert loaded.reason == SCALE_UP
+
+
 # -- hysteresis -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("queue_s", "outcome"), [
@@ -100,30 +122,28 @@ def test_instances_still_starting_count_against_the_shortage():
     (0.56, SCALE_UP),  # 12 % over: outside
 ])
 def test_tolerance_band_around_a_target(queue_s, outcome):
-    decision = decide_scale(fleet(4, queue_s=queue_s, busy=0.99), SPEC, LONG_AGO, 0.0)
+    decision = decide_scale(fleet(4, queue_s=queue_s, busy=0.5), SPEC, LONG_AGO, 0.0)
     assert decision.reason == outcome
 
 
 def test_attainment_band_is_on_the_miss_rate():
     # Target 0.95: 5 % misses allowed, 5.5 % with the tolerance.
-    assert decide_scale(fleet(2, ttft=(947, 1000), busy=0.99), SPEC, LONG_AGO, 0.0).reason \
+    assert decide_scale(fleet(2, ttft=(947, 1000), busy=0.5), SPEC, LONG_AGO, 0.0).reason \
         == WITHIN_TARGETS
     assert decide_scale(fleet(2, ttft=(940, 1000)), SPEC, LONG_AGO, 0.0).reason == SCALE_UP
 
 
 def test_scale_down_needs_room_below_the_targets_not_just_at_them():
-    # The busy fraction on 3 of 4 instances: 1 - 0.2 ** (4/3) = 0.883 > 0.9 * 0.9.
-    assert decide_scale(fleet(4, busy=0.8), SPEC, LONG_AGO, 0.0).desired == 4
-    # Lighter: 3 would be busy 1 - 0.5 ** (4/3) = 0.60, 2 would be 0.75: down to 2.
-    decision = decide_scale(fleet(4, busy=0.5), SPEC, LONG_AGO, 0.0)
+    # Prefill load 0.45 on 4 is 0.6 on 3: at the 0.6 target, not 10 % below it.
+    assert decide_scale(fleet(4, busy=0.45), SPEC, LONG_AGO, 0.0).desired == 4
+    # Lighter: 0.25 on 4 is 0.5 on 2 (room), 1.0 on 1 (none): down to 2.
+    decision = decide_scale(fleet(4, busy=0.25), SPEC, LONG_AGO, 0.0)
     assert (decision.reason, decision.recommendation, decision.desired) == (SCALE_DOWN, 2, 2)
 
 
-def test_projected_busy_fraction():
-    assert projected_busy(0.5, 1.0) == pytest.approx(0.5)
-    assert projected_busy(0.5, 2.0) == pytest.approx(0.75)
-    assert projected_busy(1.0, 0.5) == 1.0
-    assert projected_busy(0.0, 3.0) == 0.0
+def test_prefill_load_above_its_target_scales_up_in_proportion():
+    decision = decide_scale(fleet(3, busy=0.9), SPEC, LONG_AGO, 0.0)
+    assert (decision.reason, decision.recommendation, decision.desired) == (SCALE_UP, 5, 5)
 
 
 # -- stabilisation ------------------------------------------------------------------------------
@@ -160,11 +180,11 @@ def test_scale_up_window_takes_the_lowest_recommendation():
     spec = make_spec(scaleUpStabilizationSeconds=20)
     history = LONG_AGO
     for step, queue_s in enumerate((0.0, 2.0, 2.0, 2.0)):
-        decision = decide_scale(fleet(2, queue_s=queue_s, busy=0.9), spec, history, step * 10.0)
+        decision = decide_scale(fleet(2, queue_s=queue_s, busy=0.5), spec, history, step * 10.0)
         history = decision.history
         if step < 3:
             assert decision.desired == 2, step  # a calm recommendation is inside the window
-    assert decision.desired == 4
+    assert decision.desired == 3
 
 
 # -- min, max, the step ---------------------------------------------------------------------------
@@ -213,9 +233,9 @@ def test_noisy_signal_around_a_steady_load_does_not_flap():
     rng = random.Random(7)
 
     def signals(step, count):
-        # The same offered load, spread over however many instances run, with noise.
-        per_instance = 2.4 / count
-        busy = min(0.99, max(0.0, 1 - 2.718 ** -per_instance + rng.uniform(-0.08, 0.08)))
+        # The same offered load (1.5 engines' worth of prefill time) spread over however many
+        # instances run, with noise on every signal.
+        busy = min(1.0, max(0.0, 1.5 / count + rng.uniform(-0.08, 0.08)))
         return fleet(count, busy=busy, queue_s=max(0.0, rng.gauss(0.15, 0.12)))
 
     counts = run(signals, start=4, steps=200)
@@ -268,7 +288,8 @@ loads_strategy = st.lists(st.builds(
     first_tokens=st.integers(0, 500), ttft_met=st.integers(0, 500),
     finished=st.integers(0, 500), tpot_met=st.integers(0, 500),
     queue_delay_s=st.floats(0, 30), kv_utilization=st.floats(0, 1),
-    busy_fraction=st.floats(0, 1)), min_size=0, max_size=12)
+    busy_fraction=st.floats(0, 1), prefill_load=st.floats(0, 3)),
+    min_size=0, max_size=12)
 spec_strategy = st.builds(
     lambda low, span, step, up, down: make_spec(
         minInstances=low, maxInstances=low + span, maxStep=step,

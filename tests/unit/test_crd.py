@@ -197,8 +197,6 @@ INVALID = [
      "spec.autoscaling.scaleDownStabilizationSeconds"),
     ("autoscaling", {"maxInstances": 8, "scaleUpStabilizationSeconds": -1},
      "spec.autoscaling.scaleUpStabilizationSeconds"),
-    ("autoscaling", {"maxInstances": 8, "drainTimeoutSeconds": 0},
-     "spec.autoscaling.drainTimeoutSeconds"),
     ("autoscaling", {"maxInstances": 8, "targets": {"ttftAttainment": 1.5}},
      "spec.autoscaling.targets.ttftAttainment"),
     ("autoscaling", {"maxInstances": 8, "targets": {"tpotAttainment": 0.0}},
@@ -207,8 +205,8 @@ INVALID = [
      "spec.autoscaling.targets.queueDelaySeconds"),
     ("autoscaling", {"maxInstances": 8, "targets": {"kvUtilization": 1.2}},
      "spec.autoscaling.targets.kvUtilization"),
-    ("autoscaling", {"maxInstances": 8, "targets": {"busyFraction": 1.0}},
-     "spec.autoscaling.targets.busyFraction"),
+    ("autoscaling", {"maxInstances": 8, "targets": {"prefillLoad": 0.0}},
+     "spec.autoscaling.targets.prefillLoad"),
     # With pools (short: 2, minPerPool 1), minInstances must hold both pools.
     ("autoscaling", {"minInstances": 1, "maxInstances": 8}, "spec.pools.short"),
     ("autoscaling", {"minInstances": 2, "maxInstances": 8}, "spec.autoscaling.minInstances"),
@@ -252,11 +250,11 @@ def test_autoscaling_defaults_are_documented_values():
     spec = apply_defaults(schema, with_change("autoscaling", {"maxInstances": 6}))
     autoscaling = spec["autoscaling"]
     assert autoscaling["minInstances"] == 1 and autoscaling["maxStep"] == 2
-    assert autoscaling["scaleUpStabilizationSeconds"] == 30
+    assert autoscaling["scaleUpStabilizationSeconds"] == 0
     assert autoscaling["scaleDownStabilizationSeconds"] == 300
     assert autoscaling["targets"] == {"ttftAttainment": 0.95, "tpotAttainment": 0.95,
                                       "queueDelaySeconds": 0.5, "kvUtilization": 0.8,
-                                      "busyFraction": 0.9}
+                                      "prefillLoad": 0.5}
     parsed = ServingReplicaSpec.model_validate(spec)
     assert parsed.autoscaled and parsed.autoscaling is not None
     assert parsed.autoscaling.targets.queue_delay_seconds == 0.5
@@ -270,8 +268,22 @@ def test_examples_parse_into_the_models(example):
     assert manifest["apiVersion"] == "slipstream.dev/v1alpha1"
     assert manifest["kind"] == "ServingReplica"
     spec = ServingReplicaSpec.model_validate(manifest["spec"])
-    assert spec.instances >= 2
+    assert spec.instances >= 2 or (spec.autoscaling is not None
+                                   and spec.autoscaling.max_instances >= 2)
     assert spec.to_api()["model"]["name"] == manifest["spec"]["model"]["name"]
+
+
+@pytest.mark.parametrize("name", ["hpa-servingreplica.yaml", "keda-scaledobject.yaml"])
+def test_hpa_and_keda_examples_drive_the_scale_subresource(name):
+    manifest = yaml.safe_load((REPO / "charts" / "slipstream" / "examples" / name).read_text())
+    target = manifest["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("slipstream.dev/v1alpha1", "ServingReplica")
+    scale = generate.crd_manifest()["spec"]["versions"][0]["subresources"]["scale"]
+    assert scale["specReplicasPath"] == ".spec.instances"
+    basic = yaml.safe_load((REPO / "charts" / "slipstream" / "examples" /
+                            "servingreplica-basic.yaml").read_text())
+    assert target["name"] == basic["metadata"]["name"]
+    assert "autoscaling" not in basic["spec"], "HPA/KEDA and the built-in autoscaler fight"
 
 
 def test_wire_names_are_camel_case_and_python_names_snake_case():

@@ -1,0 +1,261 @@
+"""Autoscaled against static fleets in the simulator: the study in docs/autoscaling.md.
+
+    Azure 2023 conversation trace --warp_to_rate(daily curve | step)--> arrivals
+      x {static at peak, static at mean, autoscaled (decide_scale)} --> simulate_fleet()
+      --> OUT/autoscale_study.json, OUT/autoscale_study_tables.md, OUT/autoscale_study.png
+
+Every fleet runs H100 Llama-3-8B TP8 instances (the packaged Vidur tables) under LARS, routed
+by least backlog. The static sizes are found the way an operator would size them: the
+smallest count whose SLO attainment reaches ``--size-for`` on a sizing run at the peak rate
+(static at peak) or at the mean rate (static at mean). The autoscaled fleet starts at
+``--min-instances`` and follows the CRD's defaults unless told otherwise. Example::
+
+    python -m slipstream.agent.bench.autoscale_study --out results/autoscale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.agent.sim.autoscale import FleetResult, simulate_fleet
+from slipstream.agent.sim.cli import load_model
+from slipstream.agent.sim.instance import InstanceConfig
+from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
+from slipstream.agent.sim.report import meets_slo, summarize, ttft_s
+from slipstream.agent.sim.simulator import SimConfig, SimResult
+from slipstream.agent.sim.traces import (
+    RateCurve, TraceRequest, diurnal_rate, step_rate, warp_to_rate)
+from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
+from slipstream.crds.servingreplica import ServingReplicaSpec
+
+LONG_PROMPT_TOKENS = 8192
+PLOT_BIN_S = 60.0
+TAIL_S = 120.0  # after the last arrival, for requests to finish (not billed)
+
+
+def autoscaled_spec(args: argparse.Namespace) -> ServingReplicaSpec:
+    return ServingReplicaSpec.model_validate({
+        "model": {"name": "llama-3-8b", "source": {"hostPath": {"path": "/models"}}},
+        "image": "agent", "slo": {"tpotMilliseconds": args.tpot_slo_ms},
+        "autoscaling": {"minInstances": args.min_instances, "maxInstances": args.max_instances,
+                        "scaleDownStabilizationSeconds": args.scale_down_window_s}})
+
+
+def workloads(args: argparse.Namespace, trace: list[TraceRequest]
+              ) -> dict[str, tuple[RateCurve, float, dict]]:
+    day = diurnal_rate(args.trough_qps, args.peak_qps, args.day_s)
+    step = step_rate(args.step_low_qps, args.step_high_qps, args.step_s / 4, 3 * args.step_s / 4)
+    return {
+        "daily": (day, args.day_s, {"curve": "raised cosine", "trough_qps": args.trough_qps,
+                                    "peak_qps": args.peak_qps, "day_s": args.day_s}),
+        "step": (step, args.step_s, {"curve": "step", "low_qps": args.step_low_qps,
+                                     "high_qps": args.step_high_qps,
+                                     "up_at_s": args.step_s / 4, "down_at_s": 3 * args.step_s / 4}),
+    }
+
+
+def attainment(result: FleetResult, tpot_slo_ms: float) -> float:
+    records = result.records
+    return sum(meets_slo(r, tpot_slo_ms) for r in records) / max(1, len(records))
+
+
+def size_static(trace: list[TraceRequest], qps: float, base: SimConfig, model, args
+                ) -> tuple[int, list[dict]]:
+    """The smallest static count reaching ``--size-for`` at a steady ``qps``. It counts down
+    from a guess above the answer and stops at the first count that falls short: deeply
+    overloaded runs (one instance at the peak) are the slow ones to simulate. If the guess
+    itself falls short it counts up instead (to ``--max-instances`` at most)."""
+    requests = warp_to_rate(trace, lambda t: np.full_like(t, qps), args.sizing_s)
+    config = replace(base, horizon_s=args.sizing_s + TAIL_S)
+    tried: list[dict] = []
+
+    def reaches(count: int) -> bool:
+        result = simulate_fleet(requests, config, model, instances=count,
+                                tpot_slo_s=args.tpot_slo_ms / 1000.0)
+        reached = attainment(result, args.tpot_slo_ms)
+        tried.append({"instances": count, "slo_attainment": reached})
+        print(f"  sizing at {qps:.1f} QPS: {count} instance(s) -> {reached:.4f}", flush=True)
+        return reached >= args.size_for
+
+    start = min(args.max_instances, math.ceil(qps / args.sizing_qps_per_instance) + 1)
+    if not reaches(start):  # the guess was short: count up instead
+        best = min(start + 1, args.max_instances)
+        while best < args.max_instances and not reaches(best):
+            best += 1
+        return best, tried
+    best = start
+    for count in range(start - 1, 0, -1):
+        if not reaches(count):
+            break
+        best = count
+    return best, tried
+
+
+def summary(label: str, result: FleetResult, args: argparse.Namespace) -> dict:
+    sim = SimResult(policy="lars", records=result.records, end_s=result.end_s,
+                    num_iterations=0, wall_s=result.wall_s, busy_s=[],
+                    horizon_s=result.end_s)
+    report = summarize(sim, LONG_PROMPT_TOKENS, args.tpot_slo_ms)
+    return {
+        "label": label,
+        "instance_hours": result.instance_seconds / 3600.0,
+        "slo_attainment": report["overall"]["slo_attainment"],
+        "short_ttft_p99_s": report["short"]["ttft_s"].get("p99"),
+        "long_ttft_p99_s": report["long"]["ttft_s"].get("p99"),
+        "long_requests": report["long"]["requests"],
+        "ttft_p99_s": report["overall"]["ttft_s"].get("p99"),
+        "requests": report["requests"], "unfinished": report["unfinished"],
+        "wall_s": result.wall_s, "scale_events": result.decisions,
+        "timeline": result.timeline, "series": p99_series(result),
+    }
+
+
+def p99_series(result: FleetResult) -> list[dict]:
+    """p99 TTFT (and arrivals) of the requests arriving in each minute."""
+    bins: dict[int, list[float]] = {}
+    for record in result.records:
+        value = ttft_s(record)
+        bins.setdefault(int(record.arrival_s // PLOT_BIN_S), []).append(
+            value if value is not None else result.end_s - record.arrival_s)
+    return [{"time_s": k * PLOT_BIN_S, "arrival_qps": len(v) / PLOT_BIN_S,
+             "ttft_p99_s": float(np.percentile(v, 99))} for k, v in sorted(bins.items())]
+
+
+def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(3, len(results), figsize=(7 * len(results), 9), sharex="col",
+                                squeeze=False)
+    colours = {"static-peak": "#37a", "static-mean": "#888", "autoscaled": "#d72"}
+    for column, (workload, summaries) in enumerate(results.items()):
+        load_axis, count_axis, ttft_axis = axes[:, column]
+        series = summaries["autoscaled"]["series"]
+        load_axis.plot([p["time_s"] / 60 for p in series], [p["arrival_qps"] for p in series],
+                       color="k")
+        load_axis.set_ylabel("arrivals (req/s)")
+        load_axis.set_title(f"{workload}: load, instances, p99 TTFT per minute")
+        for label, item in summaries.items():
+            timeline = item["timeline"]
+            count_axis.step([p["time_s"] / 60 for p in timeline],
+                            [p["instances"] for p in timeline], where="post",
+                            color=colours[label], label=f"{label} "
+                            f"({item['instance_hours']:.2f} instance-h)")
+            ttft_axis.plot([p["time_s"] / 60 for p in item["series"]],
+                           [p["ttft_p99_s"] for p in item["series"]], color=colours[label],
+                           label=f"{label} (attainment {item['slo_attainment']:.3f})")
+        count_axis.set_ylabel("instances")
+        count_axis.legend(fontsize=8)
+        ttft_axis.set_ylabel("p99 TTFT (s)")
+        ttft_axis.set_yscale("log")
+        ttft_axis.set_xlabel("time (min)")
+        ttft_axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+HEADER = ("| fleet | instance-hours | vs static at peak | SLO attainment | short p99 TTFT (s) | "
+          "long p99 TTFT (s) | scale events |\n|---|---|---|---|---|---|---|")
+
+
+def table_row(item: dict, peak_hours: float) -> str:
+    long_p99 = item["long_ttft_p99_s"]
+    return (f"| {item['label']} | {item['instance_hours']:.2f} | "
+            f"{item['instance_hours'] / peak_hours - 1:+.1%} | {item['slo_attainment']:.4f} | "
+            f"{item['short_ttft_p99_s']:.3f} | "
+            f"{'-' if long_p99 is None else f'{long_p99:.2f}'} ({item['long_requests']} long) | "
+            f"{len(item['scale_events'])} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--day-s", type=float, default=1800.0,
+                        help="length of the compressed day (default half an hour)")
+    parser.add_argument("--trough-qps", type=float, default=16.0)
+    parser.add_argument("--peak-qps", type=float, default=64.0)
+    parser.add_argument("--step-s", type=float, default=900.0)
+    parser.add_argument("--step-low-qps", type=float, default=16.0)
+    parser.add_argument("--step-high-qps", type=float, default=56.0)
+    parser.add_argument("--scale-down-window-s", type=int, default=120,
+                        help="spec.autoscaling.scaleDownStabilizationSeconds (the CRD default "
+                        "is 300 s; the day here is 48 times shorter than a real one)")
+    parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    parser.add_argument("--size-for", type=float, default=0.99,
+                        help="SLO attainment a static fleet is sized to reach")
+    parser.add_argument("--sizing-s", type=float, default=180.0)
+    parser.add_argument("--sizing-qps-per-instance", type=float, default=18.0,
+                        help="sizing counts down from ceil(rate / this) + 1 (a safe guess "
+                        "above the answer; overloaded fleets are slow to simulate)")
+    parser.add_argument("--min-instances", type=int, default=1)
+    parser.add_argument("--max-instances", type=int, default=8)
+    parser.add_argument("--startup-s", type=float, default=60.0,
+                        help="decision to serving for a new instance")
+    parser.add_argument("--only", choices=("daily", "step"), default=None)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, meta = load_model("h100-llama3-8b-tp8")
+    instance = InstanceConfig(tp=meta.tp, num_kv_blocks=estimate_kv_blocks(meta, meta.tp, 1, 1))
+    base = SimConfig(scheduler=SchedulerConfig(), instance=instance,
+                     num_layers=meta.num_layers, long_prompt_tokens=LONG_PROMPT_TOKENS)
+    trace = build_workload(WorkloadSpec(trace="azure"))
+    spec = autoscaled_spec(args)
+    results: dict[str, dict[str, dict]] = {}
+    tables = [f"Autoscaling study: H100 Llama-3-8B TP8 instances (Vidur tables), LARS, "
+              f"TPOT SLO {args.tpot_slo_ms:.0f} ms, TTFT deadline the scheduler's default; "
+              f"new instances serve {args.startup_s:.0f} s after the decision; static fleets "
+              f"sized for {args.size_for:.2%} attainment.\n"]
+    sizing: dict[str, dict] = {}
+    for name, (rate, duration_s, shape) in workloads(args, trace).items():
+        if args.only and name != args.only:
+            continue
+        requests = warp_to_rate(trace, rate, duration_s)
+        grid = np.arange(0.0, duration_s, 1.0)
+        peak_qps, mean_qps = float(rate(grid).max()), float(rate(grid).mean())
+        peak_n, peak_tried = size_static(trace, peak_qps, base, model, args)
+        mean_n, mean_tried = size_static(trace, mean_qps, base, model, args)
+        sizing[name] = {"peak_qps": peak_qps, "mean_qps": mean_qps, "static_peak": peak_n,
+                        "static_mean": mean_n, "tried_peak": peak_tried,
+                        "tried_mean": mean_tried, "shape": shape, "requests": len(requests)}
+        config = replace(base, horizon_s=duration_s + TAIL_S)
+        summaries = {}
+        for label, count, autoscale in (("static-peak", peak_n, None),
+                                        ("static-mean", mean_n, None),
+                                        ("autoscaled", args.min_instances, spec)):
+            started = time.perf_counter()
+            result = simulate_fleet(requests, config, model, instances=count, spec=autoscale,
+                                    startup_s=args.startup_s, bill_until_s=duration_s,
+                                    tpot_slo_s=args.tpot_slo_ms / 1000.0)
+            summaries[label] = summary(label, result, args)
+            item = summaries[label]
+            print(f"{name} {label}: {item['instance_hours']:.2f} instance-h, attainment "
+                  f"{item['slo_attainment']:.4f}, short p99 {item['short_ttft_p99_s']:.3f} s, "
+                  f"{time.perf_counter() - started:.0f} s wall", flush=True)
+        results[name] = summaries
+        peak_hours = summaries["static-peak"]["instance_hours"]
+        tables.append(f"\n### {name}: {len(requests)} requests, mean {mean_qps:.1f} QPS, peak "
+                      f"{peak_qps:.1f} QPS; static sizes {peak_n} (peak), {mean_n} (mean)\n\n"
+                      f"{HEADER}")
+        tables += [table_row(item, peak_hours) for item in summaries.values()]
+    (args.out / "autoscale_study.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()},
+         "autoscaling": spec.autoscaling.to_api() if spec.autoscaling else None,
+         "sizing": sizing, "results": results}, indent=1) + "\n")
+    (args.out / "autoscale_study_tables.md").write_text("\n".join(tables) + "\n")
+    plot(results, args.out / "autoscale_study.png")
+    print("\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()
