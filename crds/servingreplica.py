@@ -175,6 +175,9 @@ class SchedulerSpec(ApiModel):
         positive("spec.scheduler.longRequestThresholdTokens", "tokens")))
     preemption: str = Field("recompute", max_length=16, json_schema_extra=rules(
         one_of("spec.scheduler.preemption", PREEMPTION_MODES)))
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV of prompt prefixes computed before (content-addressed "
+        "blocks kept until memory is needed); false recomputes every prompt in full.")
     short_prefill_batching: str = Field(
         "off", max_length=8, description="awd: hold short prompts briefly and prefill them in "
         "groups (PLA-Serve Adaptive Wait-Depth); meant for the short pool.",

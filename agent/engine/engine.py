@@ -108,7 +108,8 @@ class LLMEngine:
             except ValueError:
                 self.close()
                 raise
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
+                                          prefix_caching=scheduler_config.prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    predictor=_load_predictor(config))
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
@@ -285,12 +286,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         load = self.load.snapshot(self.clock())
-        backlog = sum(r.num_uncomputed_tokens for r in self.scheduler.requests.values()
+        backlog = sum(r.num_uncached_tokens for r in self.scheduler.requests.values()
                       if r.in_prefill)
+        manager = self.block_manager
         return EngineStats(
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-            kv_blocks_used=self.block_manager.kv_blocks_used,
-            kv_blocks_total=self.block_manager.kv_blocks_total,
+            kv_blocks_used=manager.kv_blocks_used, kv_blocks_total=manager.kv_blocks_total,
+            kv_blocks_cached=manager.kv_blocks_cached,
+            prefix_cache_lookup_tokens=manager.prefix_lookup_tokens,
+            prefix_cache_hit_tokens=manager.prefix_hit_tokens,
+            prefix_cache_evictions=manager.prefix_evictions,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             kvp_active_degree=self._kvp_active_degree(),
             backlog_prompt_tokens=backlog, utilization=load.utilization,
@@ -556,7 +561,8 @@ class LLMEngine:
         logprobs, state.logprobs = state.logprobs, []
         return RequestOutput(request_id=request_id, new_token_ids=new_tokens, new_text=text,
                              num_prompt_tokens=request.prompt_len,
-                             num_output_tokens=request.num_output_tokens, logprobs=logprobs)
+                             num_output_tokens=request.num_output_tokens, logprobs=logprobs,
+                             num_cached_tokens=request.num_cached_tokens)
 
     def _final_output(self, request: Request, state: _OutputState, new_tokens: list[int],
                       text: str, error: str | None = None) -> RequestOutput:
@@ -564,7 +570,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, new_token_ids=new_tokens, new_text=text,
             num_prompt_tokens=request.prompt_len, num_output_tokens=request.num_output_tokens,
-            finished=True, finish_reason=reason, logprobs=state.logprobs,
+            num_cached_tokens=request.num_cached_tokens, finished=True, finish_reason=reason, logprobs=state.logprobs,
             arrival_s=state.arrival_s, first_token_s=state.first_token_s,
             finished_s=request.finished_s, error=error)
 

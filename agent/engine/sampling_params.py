@@ -110,6 +110,8 @@ class RequestOutput:
     finished_s: float | None = None
     error: str | None = None  # for the client: never an exception's text
     error_code: str | None = None  # one of the codes in engine/errors.py
+    # Prompt tokens whose KV came from the prefix cache (the API's cached_tokens).
+    num_cached_tokens: int = 0
     # Prefill role: where a decode instance fetches this request's KV (KVHandle.to_json()).
     kv_transfer: dict | None = None
     # The last new token is a stop token or EOS, which shows no text (for the API process of

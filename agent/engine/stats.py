@@ -32,6 +32,12 @@ class EngineStats:
     utilization: float = 0.0
     prefill_tokens_per_s: float = 0.0
     slo_deviation: float = 0.0
+    # Prefix caching (cumulative): prompt tokens looked up at admission and found cached,
+    # cached blocks evicted to make room, and blocks holding a reusable prefix now.
+    kv_blocks_cached: int = 0
+    prefix_cache_lookup_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
     # For the autoscaler: SLO attainment counts over the window, and the prompt tokens
     # arriving per second (over the prefill rate: the prefill load).
     first_tokens: int = 0

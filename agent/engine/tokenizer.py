@@ -197,6 +197,49 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @cached_property
+    def _byte_level_alphabet(self) -> dict[str, int] | None:
+        """For a byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM): the printable character of
+        each byte -> the byte. None for other decoders (SentencePiece)."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" \
+            else [decoder]
+        if not any(step.get("type") == "ByteLevel" for step in steps):
+            return None
+        return gpt2_byte_alphabet()
+
+    @cached_property
+    def _added_token_contents(self) -> dict[int, str]:
+        return {token_id: token.content
+                for token_id, token in self.backend.get_added_tokens_decoder().items()}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: a special or added token's text, a byte-level token's raw
+        bytes (part of a UTF-8 character stays partial), a SentencePiece byte-fallback
+        ``<0xNN>`` token's byte."""
+        added = self._added_token_contents.get(token_id)
+        if added is not None:
+            return added.encode("utf-8")
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        alphabet = self._byte_level_alphabet
+        if alphabet is not None:
+            return bytes(alphabet[char] for char in piece if char in alphabet)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """The token's own text for logprobs: special tokens included (``<|im_end|>``); a
+        token holding only part of a UTF-8 character is written as its bytes
+        (``bytes:\\xe2\\x80``, as OpenAI does), so no two tokens share a text."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+
+    @cached_property
     def _compiled_chat_template(self):
         if self.chat_template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json has no "
@@ -219,6 +262,21 @@ class Tokenizer:
         tokens are added on top (as transformers does with ``tokenize=True``)."""
         text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+def gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: printable character -> byte (``bytes_to_unicode``
+    in GPT-2's encoder; every byte-level BPE vocabulary writes its tokens in it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + extra)] = byte
+            extra += 1
+    return alphabet
 
 
 class IncrementalDetokenizer:

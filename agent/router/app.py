@@ -53,7 +53,8 @@ class Router:
         self.table = InstanceTable()
         self.metrics = RouterMetrics()
         self.dispatcher = Dispatcher(self.table, config, self.metrics)
-        self.classifier = LengthClassifier(tokenizer, config.long_prefill_threshold_tokens)
+        self.classifier = LengthClassifier(tokenizer, config.long_prefill_threshold_tokens,
+                                           config.prefix_block_tokens or None)
         self.client: httpx.AsyncClient | None = None
         self.proxy: Proxy | None = None
         self.chain: DisaggChain | None = None

@@ -19,6 +19,7 @@ from typing import Any
 
 from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.router.config import LONG_POOL, SHORT_POOL
+from slipstream.agent.router.prefix_affinity import prefix_keys
 
 log = logging.getLogger(__name__)
 DEFAULT_APP_ID = "default"
@@ -35,19 +36,28 @@ class RoutedRequest:
     max_tokens: int | None
     ttft_deadline_s: float | None  # absolute, on time.monotonic(); from the request's slo
     arrival_s: float
+    # Chained keys of the prompt's blocks (prefix_affinity.py), for prefix-aware routing.
+    prefix_keys: tuple[bytes, ...] = ()
 
 
 class LengthClassifier:
-    def __init__(self, tokenizer: Tokenizer | None, long_prefill_threshold_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, long_prefill_threshold_tokens: int,
+                 prefix_block_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.long_prefill_threshold_tokens = long_prefill_threshold_tokens
+        # None: no prefix keys (prefix-aware routing off).
+        self.prefix_block_tokens = prefix_block_tokens
 
     def classify(self, endpoint: str, body: Any, now_s: float | None = None) -> RoutedRequest:
         now_s = time.monotonic() if now_s is None else now_s
         if not isinstance(body, dict):
             body = {}
-        prompt_tokens = self.count_prompt_tokens(endpoint, body)
+        prompt = self.prompt_ids(endpoint, body)
+        prompt_tokens = prompt if isinstance(prompt, int) else len(prompt)
         long = prompt_tokens >= self.long_prefill_threshold_tokens
+        keys: tuple[bytes, ...] = ()
+        if self.prefix_block_tokens is not None and not isinstance(prompt, int):
+            keys = tuple(prefix_keys(prompt, self.prefix_block_tokens))
         app_id = body.get("app_id")
         return RoutedRequest(
             request_class=LONG_POOL if long else SHORT_POOL,
@@ -56,29 +66,35 @@ class LengthClassifier:
             stream=body.get("stream") is True,
             max_tokens=_max_tokens(body),
             ttft_deadline_s=_ttft_deadline(body, now_s),
-            arrival_s=now_s)
+            arrival_s=now_s, prefix_keys=keys)
 
     def count_prompt_tokens(self, endpoint: str, body: dict) -> int:
+        prompt = self.prompt_ids(endpoint, body)
+        return prompt if isinstance(prompt, int) else len(prompt)
+
+    def prompt_ids(self, endpoint: str, body: dict) -> list[int] | int:
+        """The prompt's token ids, or only their estimated count when there is no tokenizer
+        to read text with (the request then has no prefix keys: it is routed by load)."""
         try:
             if endpoint == CHAT:
-                return self._count_chat(body.get("messages"))
-            return self._count_completion(body.get("prompt"))
+                return self._chat_ids(body.get("messages"))
+            return self._completion_ids(body.get("prompt"))
         except Exception as error:  # a template rejecting the conversation: the agent says why
             log.debug("could not count prompt tokens: %s", error)
             return 0
 
-    def _count_completion(self, prompt: Any) -> int:
+    def _completion_ids(self, prompt: Any) -> list[int] | int:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one, as the agent accepts
         if isinstance(prompt, list):
-            return len(prompt)  # token ids
+            return [t for t in prompt if isinstance(t, int)]  # token ids
         if not isinstance(prompt, str):
             return 0
         if self.tokenizer is None:
             return _estimate_tokens(prompt)
-        return len(self.tokenizer.encode(prompt))
+        return self.tokenizer.encode(prompt)
 
-    def _count_chat(self, messages: Any) -> int:
+    def _chat_ids(self, messages: Any) -> list[int] | int:
         if not isinstance(messages, list):
             return 0
         texts = [(message.get("role"), _message_text(message.get("content")))
@@ -86,7 +102,7 @@ class LengthClassifier:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             return sum(_estimate_tokens(text) for _, text in texts)
         plain = [{"role": role, "content": text} for role, text in texts]
-        return len(self.tokenizer.encode_chat(plain, add_generation_prompt=True))
+        return self.tokenizer.encode_chat(plain, add_generation_prompt=True)
 
 
 def _message_text(content: Any) -> str:

@@ -73,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "when all are, requests wait in a fair queue per application")
     routing.add_argument("--max-backlog-tokens-per-instance", type=int, default=None,
                          metavar="TOKENS", help="also saturated at this predicted backlog")
+    routing.add_argument("--prefix-block-tokens", type=int, default=64, metavar="TOKENS",
+                         help="prefix-aware routing: the router remembers which instance it "
+                              "sent each prompt block of this many tokens to, and counts the "
+                              "prefill an instance's cache saves against its backlog; 0 routes "
+                              "by backlog only")
+    routing.add_argument("--prefix-affinity-weight", type=float, default=2.0, metavar="W",
+                         help="backlog tokens that one prompt token cached on an instance is "
+                              "worth when choosing it (higher keeps conversations home longer)")
     routing.add_argument("--decode-weight-tokens", type=int, default=32, metavar="TOKENS",
                          help="prefill tokens a running decode counts as in the backlog")
     routing.add_argument("--stats-interval-seconds", type=float, default=1.0, metavar="S",
@@ -123,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_in_flight_per_instance=args.max_in_flight_per_instance,
         max_backlog_tokens_per_instance=args.max_backlog_tokens_per_instance,
         decode_weight_tokens=args.decode_weight_tokens,
+        prefix_block_tokens=args.prefix_block_tokens,
+        prefix_affinity_weight=args.prefix_affinity_weight,
         stats_interval_s=args.stats_interval_seconds, max_attempts=args.max_attempts,
         queue_timeout_s=args.queue_timeout_seconds,
         unhealthy_cooldown_s=args.unhealthy_cooldown_seconds,

@@ -89,6 +89,10 @@ class RouterConfig:
     kubernetes: KubernetesDiscovery | None = None
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
     log_level: str = "info"
+    # Prefix-aware routing (prefix_affinity.py): an instance's score is its predicted backlog
+    # minus the prefill its cache would save. 0 turns it off (least backlog only).
+    prefix_block_tokens: int = 64
+    prefix_affinity_weight: float = 2.0  # backlog tokens one cached prompt token is worth
     # Limits on one request, as on the agent (server/limits.py): 413 and 408.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
@@ -112,6 +116,10 @@ class RouterConfig:
         for name in ("stats_interval_s", "connect_timeout_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if self.prefix_affinity_weight < 0:
+            raise ValueError("prefix_affinity_weight must be >= 0")
+        if self.prefix_block_tokens < 0:
+            raise ValueError("prefix_block_tokens must be >= 0 (0 turns prefix routing off)")
         if self.unhealthy_cooldown_s < 0 or self.decode_weight_tokens < 0:
             raise ValueError("unhealthy_cooldown_s and decode_weight_tokens must be >= 0")
         if bool(self.static_backends) == (self.kubernetes is not None):

@@ -1,6 +1,7 @@
 """Which instance serves a request, and when: least predicted backlog, fair queue when full.
 
     RoutedRequest --acquire()--> an unsaturated candidate with the least predicted backlog
+                                 minus the prefill its prefix cache saves (prefix_affinity.py)
                                  (none: wait in the class's FairQueue, smallest tag first)
                  --> Lease --first_token() / finish()--> instance load; a freed slot drains
                                                           the queue
@@ -25,6 +26,7 @@ from slipstream.agent.router.config import DECODE_POOL, DISPATCH_CLASSES, Router
 from slipstream.agent.router.fair_queue import FairQueue
 from slipstream.agent.router.instances import Instance, InstanceTable
 from slipstream.agent.router.metrics import RouterMetrics
+from slipstream.agent.router.prefix_affinity import PrefixAffinityIndex
 
 
 class NoInstanceError(Exception):
@@ -50,19 +52,22 @@ class Lease:
         self.finish_tag = finish_tag
         self.reached_first_token = False
         self.finished = False
-        instance.start(routed.prompt_tokens)
+        # The prefill this request adds to the instance: what its cache is thought to lack.
+        self.prefill_tokens = routed.prompt_tokens - dispatcher.cached_tokens(instance, routed)
+        dispatcher.routed_to(instance, routed)
+        instance.start(self.prefill_tokens)
 
     def first_token(self) -> None:
         if not self.reached_first_token and not self.finished:
             self.reached_first_token = True
-            self.instance.first_token(self.routed.prompt_tokens)
+            self.instance.first_token(self.prefill_tokens)
 
     def finish(self, output_tokens: int | None = None) -> None:
         """Release the slot; ``output_tokens`` (on success) teaches the demand predictor."""
         if self.finished:
             return
         self.finished = True
-        self.instance.finish(self.routed.prompt_tokens, self.reached_first_token)
+        self.instance.finish(self.prefill_tokens, self.reached_first_token)
         self._dispatcher.released(self, output_tokens)
 
 
@@ -76,7 +81,19 @@ class Dispatcher:
         self.queues: dict[str, FairQueue[_Waiter]] = {
             request_class: FairQueue(config.fairness) for request_class in DISPATCH_CLASSES}
         self._rotation = itertools.count()  # spreads ties between idle instances
+        self.affinity = PrefixAffinityIndex(config.prefix_block_tokens or 1)
         table.on_change(self.drain)
+
+    def cached_tokens(self, instance: Instance, routed: RoutedRequest) -> int:
+        """Prompt tokens ``instance`` probably holds in its prefix cache (never the last)."""
+        if not routed.prefix_keys:
+            return 0
+        return min(max(0, routed.prompt_tokens - 1),
+                   self.affinity.cached_tokens(instance.name, routed.prefix_keys))
+
+    def routed_to(self, instance: Instance, routed: RoutedRequest) -> None:
+        if routed.prefix_keys:
+            self.affinity.record(instance.name, routed.prefix_keys, instance.kv_capacity_tokens)
 
     def queue_depth(self, request_class: str) -> int:
         return len(self.queues[request_class])
@@ -170,7 +187,11 @@ class Dispatcher:
             limit = config.max_backlog_tokens_per_instance
             if limit is not None and backlog >= limit and instance.in_flight > 0:
                 continue  # an idle instance takes even a request larger than the limit
-            key = (backlog, instance.in_flight, (position - offset) % len(candidates))
+            # Prefix-aware: the prefill its cache saves counts against its backlog, so a
+            # follow-up goes where its conversation is unless that instance is busier by
+            # more than the prefix is worth.
+            score = backlog - config.prefix_affinity_weight * self.cached_tokens(instance, routed)
+            key = (score, instance.in_flight, (position - offset) % len(candidates))
             if best_key is None or key < best_key:
                 best, best_key = instance, key
         return best

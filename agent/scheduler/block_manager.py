@@ -3,53 +3,161 @@
 Pure Python. The model runner owns the KV tensors; this class only hands out block ids
 (``BLOCK_SIZE`` tokens each) from a free list, on the device and, for swap preemption, in a
 host pool of the same block size.
+
+Prefix caching (on unless ``prefix_caching=False``): device blocks are content-addressed.
+
+    block hash h_i = blake2b(h_{i-1} || token ids of block i)      (h_-1 = b"")
+
+so equal hashes mean equal tokens at equal positions, hence equal KV. Only full blocks whose
+KV has been computed get a hash (``register``). Blocks are reference-counted: requests that
+share a prefix hold the same block ids. A block whose count drops to zero keeps its hash and
+its contents in an LRU list of cached free blocks; it is still free (``num_free`` counts it)
+and is evicted, losing its hash, only when ``allocate`` runs out of blocks that hold nothing.
+A shared block is always full, so nobody ever writes into it: a request writes only past its
+cached prefix, into blocks of its own.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 BLOCK_SIZE = 16
+HASH_BYTES = 16
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockPool:
-    """A free list of block ids ``[0, num_blocks)``."""
+def chain_block_hashes(parent: bytes, token_ids: Sequence[int],
+                       block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """Hashes of the full blocks of ``token_ids``, chained from ``parent`` (the hash of the
+    block before them, ``b""`` at the start of a sequence)."""
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        digest.update(array("q", token_ids[start:start + block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
 
-    def __init__(self, num_blocks: int) -> None:
+
+class BlockPool:
+    """A free list of block ids ``[0, num_blocks)``, with reference counts and, when
+    ``caching``, an LRU list of free blocks that still hold a hashed block's KV."""
+
+    def __init__(self, num_blocks: int, caching: bool = False) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.caching = caching
+        self._free: deque[int] = deque(range(num_blocks))  # free and holding nothing
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # free, hashed; oldest first
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._cached_free)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks that hold a hashed block's KV (in use or free)."""
+        return len(self.by_hash)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(f"asked for {count} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
+        if count > self.num_free:
+            raise MemoryError(f"asked for {count} blocks, {self.num_free} free")
+        blocks: list[int] = []
+        free, cached_free, refs = self._free, self._cached_free, self.ref_counts
+        for _ in range(count):
+            if free:
+                block = free.popleft()
+            else:  # evict the least recently freed cached block
+                block, _ = cached_free.popitem(last=False)
+                stale = self.block_hash[block]
+                if stale is not None:
+                    del self.by_hash[stale]
+                    self.block_hash[block] = None
+                self.num_evictions += 1
+            refs[block] = 1
+            blocks.append(block)
+        return blocks
 
-    def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block. A block nobody holds becomes free; a hashed one
+        keeps its KV in the LRU list. The list's tail blocks are freed first, so they are
+        evicted before the prefix blocks that other requests are likelier to share."""
+        refs = self.ref_counts
+        for block in reversed(block_ids):
+            count = refs[block] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block} freed more often than it was taken")
+            refs[block] = count
+            if count == 0:
+                if self.block_hash[block] is not None:
+                    self._cached_free[block] = None
+                else:
+                    self._free.append(block)
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to each (cached) block, reviving free ones."""
+        refs = self.ref_counts
+        for block in block_ids:
+            if refs[block] == 0:
+                del self._cached_free[block]
+            refs[block] += 1
+
+    def match(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
+        """Block ids of the longest prefix of ``hashes`` (at most ``max_blocks``) held here."""
+        blocks: list[int] = []
+        by_hash = self.by_hash
+        for block_hash in hashes[:max_blocks]:
+            block = by_hash.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_reviving(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` are free now (acquiring them takes them off the free list)."""
+        refs = self.ref_counts
+        return sum(1 for block in block_ids if refs[block] == 0)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """``block`` now holds the full, computed block ``block_hash``. A block that already
+        has a hash, or a hash another block already holds, is left alone (a duplicate is
+        harmless: it is simply never shared)."""
+        if self.block_hash[block] is None and block_hash not in self.by_hash:
+            self.block_hash[block] = block_hash
+            self.by_hash[block_hash] = block
 
 
 class BlockManager:
     """Device blocks for running requests, and a host pool for swapped-out ones."""
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0,
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, prefix_caching: bool = True) -> None:
         self.block_size = block_size
-        self.device = BlockPool(num_device_blocks)
+        self.prefix_caching = prefix_caching
+        self.device = BlockPool(num_device_blocks, caching=prefix_caching)
         self.host = BlockPool(num_host_blocks)
+        # Prompt tokens looked up in the cache at first admission, and those found there.
+        self.prefix_lookup_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def kv_blocks_total(self) -> int:
@@ -62,6 +170,15 @@ class BlockManager:
     @property
     def kv_blocks_free(self) -> int:
         return self.device.num_free
+
+    @property
+    def kv_blocks_cached(self) -> int:
+        """Device blocks holding a reusable prefix block (held by requests or free)."""
+        return self.device.num_cached
+
+    @property
+    def prefix_evictions(self) -> int:
+        return self.device.num_evictions
 
     def blocks_needed(self, block_ids: list[int], num_tokens: int) -> int:
         """Extra blocks a request holding ``block_ids`` needs to store ``num_tokens`` tokens."""
@@ -77,6 +194,25 @@ class BlockManager:
     def release(self, block_ids: list[int]) -> None:
         self.device.free(block_ids)
         block_ids.clear()
+
+    # -- prefix caching ---------------------------------------------------------------------
+
+    def match_prefix(self, block_hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """Cached device blocks for the longest prefix of a sequence of ``num_tokens`` tokens
+        with these full-block hashes. Its last token is never covered: it must be computed
+        for the sequence to have logits."""
+        if not self.prefix_caching:
+            return []
+        return self.device.match(block_hashes, (num_tokens - 1) // self.block_size)
+
+    def register(self, block_ids: Sequence[int], block_hashes: Sequence[bytes],
+                 start_block: int, end_block: int) -> None:
+        """Blocks ``[start_block, end_block)`` of a request are full and computed."""
+        if self.prefix_caching:
+            for index in range(start_block, end_block):
+                self.device.register(block_ids[index], block_hashes[index])
+
+    # -- swap -------------------------------------------------------------------------------
 
     def swap_out(self, block_ids: list[int]) -> list[int] | None:
         """Reserve host blocks for ``block_ids``; returns them, or None if the host is full."""

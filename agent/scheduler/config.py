@@ -1,8 +1,8 @@
 """Scheduler configuration: one frozen, validated object, built once and passed explicitly.
 
 The CRD's ``spec.scheduler`` (policy, targetBatchTimeMs, maxSpaceShareFraction,
-longRequestThresholdTokens, preemption, shortPrefillBatching, shortPrefillMaxWaitMs) maps onto
-these fields one to one.
+longRequestThresholdTokens, preemption, prefixCaching, shortPrefillBatching,
+shortPrefillMaxWaitMs) maps onto these fields one to one.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class SchedulerConfig:
     max_space_share_fraction: float = 0.5
     long_request_threshold_tokens: int = 262_144
     preemption: str = "recompute"
+    # Reuse the KV of prompt prefixes computed before (content-addressed blocks, block_manager.py).
+    prefix_caching: bool = True
     kvp_tokens_per_group: int | None = None
     spp_degree: int = 1
     min_ttft_deadline_s: float = 0.5

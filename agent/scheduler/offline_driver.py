@@ -5,11 +5,13 @@
 
 For unit tests, benchmarks and quick what-ifs; the discrete-event simulator (``agent/sim``)
 is the full version. The fake runner keeps a "KV cache" of device and host blocks holding
-``(request_id, position, token)`` per slot. It applies swap copies, writes each chunk's
-tokens into its block table, and before sampling checks that every earlier position of the
-sequence is present and correct, so a lost block, a wrong table or a bad swap fails loudly.
-The token it samples depends only on (request id, position), so a request's output is the
-same however often it is preempted.
+``(request_id, position, token)`` per slot: a canary of what the real KV would hold. It
+applies swap copies, writes each chunk's tokens into its block table, and before sampling
+checks that every earlier position of the sequence holds that position's token, so a lost
+block, a wrong table, a bad swap or a cached prefix block that was evicted or overwritten
+while in use fails loudly. Writing into a block that another request also holds (a shared
+prefix block) fails too. The token it samples depends only on (request id, position), so a
+request's output is the same however often it is preempted and whatever it found cached.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Arrival:
     output_tokens: int  # the request finishes (LENGTH) after this many tokens
     app_id: str = "default"
     ttft_s: float | None = None
+    prompt: tuple[int, ...] | None = None  # explicit prompt token ids (shared prefixes)
 
 
 @dataclass
@@ -51,9 +54,14 @@ class KvCorruption(AssertionError):
 class FakeKvRunner:
     """Executes batches against a dictionary KV cache, checking what the scheduler granted."""
 
-    def __init__(self, block_size: int, check_kv: bool = True) -> None:
+    def __init__(self, block_size: int, check_kv: bool = True,
+                 sequences: Callable[[str, int], list[int]] | None = None,
+                 ref_counts: list[int] | None = None) -> None:
         self.block_size = block_size
         self.check_kv = check_kv
+        # Expected tokens [0, end) of a request, and the device blocks' reference counts.
+        self.sequences = sequences
+        self.ref_counts = ref_counts
         self.device: dict[tuple[int, int], tuple[str, int, int]] = {}
         self.host: dict[tuple[int, int], tuple[str, int, int]] = {}
 
@@ -66,10 +74,14 @@ class FakeKvRunner:
         for copy in batch.swap_in:
             self._copy(self.host, self.device, copy.src_block_ids, copy.dst_block_ids)
         sampled: dict[str, int] = {}
+        refs = self.ref_counts
         for chunk in batch.chunks:
             for offset, token in enumerate(chunk.token_ids):
                 position = chunk.start_pos + offset
                 block = chunk.block_ids[position // self.block_size]
+                if refs is not None and refs[block] > 1:
+                    raise KvCorruption(f"{chunk.request_id} writes position {position} into "
+                                       f"block {block}, which {refs[block]} requests hold")
                 self.device[(block, position % self.block_size)] = (chunk.request_id, position, token)
             if chunk.sample and self.check_kv:
                 self._check_prefix(chunk.request_id, chunk.end_pos, chunk.block_ids)
@@ -86,15 +98,20 @@ class FakeKvRunner:
                     dst[(dst_block, slot)] = value
 
     def _check_prefix(self, request_id: str, end_pos: int, block_ids: tuple[int, ...]) -> None:
+        expected = self.sequences(request_id, end_pos) if self.sequences is not None else None
         for position in range(end_pos):
             block = block_ids[position // self.block_size]
             value = self.device.get((block, position % self.block_size))
-            if value is None or value[0] != request_id or value[1] != position:
+            if value is None or value[1] != position or (
+                    value[0] != request_id if expected is None else value[2] != expected[position]):
                 raise KvCorruption(f"{request_id}: KV at position {position} is {value}")
 
 
 def make_request(arrival: Arrival) -> Request:
-    prompt = [sampled_token(arrival.request_id, -1 - i) for i in range(arrival.prompt_tokens)]
+    if arrival.prompt is not None:
+        prompt = list(arrival.prompt)
+    else:
+        prompt = [sampled_token(arrival.request_id, -1 - i) for i in range(arrival.prompt_tokens)]
     return Request(
         request_id=arrival.request_id,
         prompt_token_ids=prompt,
@@ -110,7 +127,10 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_
           on_batch: Callable[[Batch, float], None] | None = None) -> DriveResult:
     """Run until every request finished (or ``until_s``); the clock follows predicted times."""
     pending = sorted(arrivals, key=lambda a: a.arrival_s)[::-1]  # pop() takes the earliest
-    runner = FakeKvRunner(scheduler.block_manager.block_size, check_kv)
+    requests = scheduler.requests
+    runner = FakeKvRunner(scheduler.block_manager.block_size, check_kv,
+                          sequences=lambda rid, end: requests[rid].token_ids(0, end),
+                          ref_counts=scheduler.block_manager.device.ref_counts)
     result = DriveResult()
     now_s = 0.0
     while pending or scheduler.has_unfinished():

@@ -27,6 +27,7 @@ class Preemptor:
     def preempt(self, request: Request, allow_swap: bool = True) -> BlockCopy | None:
         """Free ``request``'s device blocks; returns the swap-out copy, or None for recompute."""
         request.num_preemptions += 1
+        request.num_registered_blocks = 0  # its blocks go; the cache keeps the hashed ones
         if self.swap and allow_swap and request.block_ids:
             host_block_ids = self.block_manager.swap_out(request.block_ids)
             if host_block_ids is not None:
@@ -50,6 +51,7 @@ class Preemptor:
         copy = BlockCopy(tuple(request.host_block_ids), tuple(device_block_ids))
         self.block_manager.release_host(request.host_block_ids)
         request.block_ids = device_block_ids
+        request.num_registered_blocks = 0  # fresh copies; registered again as they are used
         request.status = RequestStatus.RUNNING
         return copy
 

@@ -6,6 +6,9 @@ prefill chunk is a partial grant of the missing tokens, and a decode is a grant 
 Preemption by recompute just resets ``num_computed_tokens`` to zero and frees the blocks; the
 generated tokens stay, so the request resumes where it was and produces the same output.
 
+With prefix caching a request is admitted with its longest cached prefix already computed:
+``num_computed_tokens`` starts at a block boundary, and ``block_ids`` begins with shared blocks.
+
 The engine (or the simulator) decides when a request is finished and tells the scheduler.
 """
 
@@ -59,6 +62,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prefix caching (block_manager.py): the hash chain of the full blocks seen so far, how
+    # many of this request's blocks are registered in the cache, the prefix found cached at
+    # the latest lookup (an estimate while waiting), and at the first admission (the API's
+    # cached_tokens).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    num_cached_tokens: int = 0
     # Pipelined execution (SPP): a chunk that samples this request's next token is still in
     # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
     # while it is set.
@@ -87,6 +98,11 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        """Tokens still to compute, not counting a waiting request's cached prefix."""
+        return self.num_tokens - max(self.num_computed_tokens, self.prefix_hit_tokens)
 
     @property
     def in_prefill(self) -> bool:

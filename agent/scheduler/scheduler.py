@@ -21,6 +21,12 @@ A chunk is admitted only if its KV blocks fit. With a runtime predictor the budg
     scheduler.update(batch, sampled, now_s)
     ...engine checks stop conditions, then scheduler.finish(request_id, reason, now_s)
 
+Prefix caching (block_manager.py): ``add`` hashes the prompt's full blocks and looks them up,
+so urgency, policies and AWD see only the uncached part of the prompt; a new request is
+admitted with its longest cached prefix already computed (its shared blocks acquired), and the
+packer prices its first chunk at that KV length; ``update`` registers every block that a step
+filled, so later requests (and this one, after a recompute preemption) can reuse it.
+
 With ``short_prefill_batching="awd"``, ``add`` holds new short prompts back until AWD releases
 them as a group, so a step can schedule nothing while requests wait. The engine then sleeps
 until ``next_wakeup_s(now_s)`` (or a new request) instead of calling ``schedule`` in a loop.
@@ -29,7 +35,8 @@ until ``next_wakeup_s(now_s)`` (or a new request) instead of calling ``schedule`
 from __future__ import annotations
 
 from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
-from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.block_manager import (
+    BlockManager, blocks_for_tokens, chain_block_hashes)
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.length_predictor import LengthPredictor, RunningMeanLengthPredictor
 from slipstream.agent.scheduler.packer import PrefillBudget
@@ -100,6 +107,10 @@ class Scheduler:
                              f"tokens; the device holds {capacity_tokens}")
         request.status = WAITING
         self.requests[request.request_id] = request
+        if self.block_manager.prefix_caching:
+            self._hash_blocks(request, request.num_tokens)
+            request.prefix_hit_tokens = self.block_manager.block_size * len(
+                self.block_manager.match_prefix(request.block_hashes, request.num_tokens))
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
         if self.short_prefills is not None and self.short_prefills.accepts(request):
@@ -204,11 +215,15 @@ class Scheduler:
     def update(self, batch: Batch, sampled: dict[str, int], now_s: float) -> None:
         """Advance each scheduled request past its chunk and append its sampled token."""
         prefilling = self.queue.prefilling
+        caching = self.block_manager.prefix_caching
+        block_size = self.block_manager.block_size
         for chunk in batch.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RUNNING:
                 continue  # finished or aborted while the batch ran
             request.num_computed_tokens = chunk.end_pos
+            if caching and chunk.end_pos // block_size > request.num_registered_blocks:
+                self._register_blocks(request)
             token = sampled.get(chunk.request_id)
             if chunk.sample and token is not None:
                 request.output_token_ids.append(token)
@@ -333,6 +348,7 @@ class Scheduler:
         """
         config, manager, policy = self.config, self.block_manager, self.policy
         block_size = manager.block_size
+        caching = manager.prefix_caching
         seats = config.max_num_seqs - len(self.running)
         free_blocks = manager.kv_blocks_free
         watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
@@ -345,15 +361,25 @@ class Scheduler:
             nonlocal seats, free_blocks, waiting_blocked
             is_new = request.status is WAITING
             size = 0
+            prefix: list[int] = []
+            reviving = 0
             if not (is_new and (seats <= 0 or waiting_blocked)):
-                kv_before = request.num_computed_tokens
-                room = free_blocks - (watermark if is_new else 0)
-                fit_tokens = (len(request.block_ids) + room) * block_size - kv_before
+                if is_new and caching and not request.block_ids:
+                    # Start after the longest cached prefix; its free blocks stop being free.
+                    prefix = manager.match_prefix(request.block_hashes, request.num_tokens)
+                    reviving = manager.device.num_reviving(prefix)
+                kv_before = request.num_computed_tokens + len(prefix) * block_size
+                room = free_blocks - reviving - (watermark if is_new else 0)
+                fit_tokens = (len(request.block_ids) + len(prefix) + room) * block_size - kv_before
                 slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
-                size = budget.chunk_for(kv_before, request.num_uncomputed_tokens, slack, fit_tokens)
+                size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
+                                        fit_tokens)
             if size <= 0:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
                 return False
+            if prefix:
+                self._take_prefix(request, prefix)
+                free_blocks -= reviving
             budget.add_prefill(kv_before, size)
             free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
             seats -= is_new
@@ -396,6 +422,9 @@ class Scheduler:
             self.running.append(request)
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = now_s
+                request.num_cached_tokens = request.num_computed_tokens
+                self.block_manager.prefix_lookup_tokens += request.prompt_len
+                self.block_manager.prefix_hit_tokens += request.num_computed_tokens
             if size < request.num_uncomputed_tokens:
                 self.queue.start_prefilling(request, now_s)
             else:
@@ -414,6 +443,36 @@ class Scheduler:
             return
         self.urgency.note_recompute(request, computed_tokens)
         self.queue.add_waiting(request, now_s)
+
+    # -- prefix caching ---------------------------------------------------------------------
+
+    def _hash_blocks(self, request: Request, num_tokens: int) -> None:
+        """Extend the request's block hash chain over the full blocks of its first
+        ``num_tokens`` tokens."""
+        block_size = self.block_manager.block_size
+        hashes = request.block_hashes
+        start = len(hashes) * block_size
+        end = num_tokens // block_size * block_size
+        if end > start:
+            hashes.extend(chain_block_hashes(hashes[-1] if hashes else b"",
+                                             request.token_ids(start, end), block_size))
+
+    def _register_blocks(self, request: Request) -> None:
+        """Offer every full, computed block of the request to the prefix cache."""
+        manager = self.block_manager
+        full = min(request.num_computed_tokens // manager.block_size, len(request.block_ids))
+        self._hash_blocks(request, full * manager.block_size)
+        manager.register(request.block_ids, request.block_hashes,
+                         request.num_registered_blocks, full)
+        request.num_registered_blocks = full
+
+    def _take_prefix(self, request: Request, prefix: list[int]) -> None:
+        """Admit ``request`` with the cached blocks ``prefix`` as its computed prefix."""
+        self.block_manager.device.acquire(prefix)
+        request.block_ids = list(prefix)
+        request.num_computed_tokens = len(prefix) * self.block_manager.block_size
+        request.num_registered_blocks = len(prefix)
+        request.prefix_hit_tokens = request.num_computed_tokens
 
     def _decode_chunk(self, request: Request) -> ScheduledChunk:
         outputs = request.output_token_ids

@@ -9,8 +9,8 @@
 
 A held request is already the scheduler's (``Scheduler.requests``, status WAITING, deadline
 assigned), so ``has_unfinished`` stays true and ``finish`` can abort it; it is just not in the
-queue yet. Only prompts the AWD buckets cover are held, and only on their first admission: a
-request preempted later goes straight back to the queue.
+queue yet. Only prompts the AWD buckets cover are held (counting only their uncached tokens),
+and only on their first admission: a request preempted later goes straight back to the queue.
 
 The released group is the unit AWD sized for one forward pass. The packer may still split it
 when the iteration budget is smaller (decodes take their share first), and it will put it next
@@ -40,11 +40,16 @@ class ShortPrefillHold:
         return len(self._held)
 
     def accepts(self, request: Request) -> bool:
-        return 0 < request.prompt_len <= self.max_prompt_tokens
+        # A prompt whose prefix is cached is as short as its uncached rest.
+        return 0 < self._uncached_tokens(request) <= self.max_prompt_tokens
+
+    @staticmethod
+    def _uncached_tokens(request: Request) -> int:
+        return request.prompt_len - request.prefix_hit_tokens
 
     def hold(self, request: Request) -> None:
-        self.awd.add(PendingPrefill(request.request_id, request.prompt_len, request.arrival_s,
-                                    request.ttft_deadline_s))
+        self.awd.add(PendingPrefill(request.request_id, self._uncached_tokens(request),
+                                    request.arrival_s, request.ttft_deadline_s))
         self._held[request.request_id] = request
 
     def remove(self, request: Request) -> bool:

@@ -14,7 +14,11 @@ where ``w_total`` is the request's whole prefill work (Medha's "total work requi
 
 A preemption never changes a request's urgency. Once a request has its first token its TTFT
 is settled and its remaining prefill counts as zero, even while it recomputes; before that,
-it is credited with the progress it had reached. This matters for progress: if recompute made
+it is credited with the progress it had reached.
+
+With prefix caching, a prompt's cached prefix (``Request.prefix_hit_tokens``, looked up at
+``add`` and again at admission) counts as processed: a follow-up question over a cached long
+document has the work, deadline and slack of the short request it is. This matters for progress: if recompute made
 a request look more urgent (more remaining work, less slack), two requests could evict each
 other forever. With it, the most urgent running request is never a victim and finishes.
 """
@@ -49,7 +53,10 @@ class UrgencyModel:
         """Set ``ttft_deadline_s`` and ``prefill_work_s`` once, at arrival."""
         if request.prefill_work_s is not None:
             return
-        work_s = max(self.prefill_times.total_s(request.num_tokens), MIN_PREFILL_WORK_S)
+        # Only the uncached part of the prompt is work; it still attends over the cached
+        # prefix, which T(p) - T(cached) prices (the chunks past ``cached`` in T's sequence).
+        work_s = max(self.prefill_times.remaining_s(request.num_tokens, request.prefix_hit_tokens),
+                     MIN_PREFILL_WORK_S)
         request.prefill_work_s = work_s
         if request.ttft_deadline_s is None:
             ttft_s = request.slo.ttft_s
@@ -61,7 +68,7 @@ class UrgencyModel:
         if request.first_token_s is not None or (
                 request.num_uncomputed_tokens <= 1 and request.num_computed_tokens > 0):
             return 0.0  # TTFT settled, or decoding
-        processed = request.num_computed_tokens
+        processed = max(request.num_computed_tokens, request.prefix_hit_tokens)
         if self._credited_tokens:
             processed = max(processed, self._credited_tokens.get(request, 0))
         return self.prefill_times.remaining_s(request.num_tokens, processed)

@@ -161,11 +161,11 @@ async def _stream(ctx: ServingContext, choices: Choices, request_id: str, model:
 
 
 def chat_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob]) -> ChatLogprobs:
-    decode = ctx.engine.tokenizer.decode
+    tokenizer = ctx.engine.tokenizer
 
     def entry(token_id: int, logprob: float) -> TopLogprob:
-        text = decode([token_id])
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return TopLogprob(token=tokenizer.token_text(token_id), logprob=logprob,
+                          bytes=list(tokenizer.token_bytes(token_id)))
 
     content = []
     for chosen in token_logprobs:

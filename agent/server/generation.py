@@ -358,12 +358,14 @@ class Choices:
                 by_choice[self.index_of[output.request_id]].append(output)
         return by_choice
 
-    def usage_counts(self) -> tuple[int, int]:
-        """(prompt tokens, completion tokens): the prompt once, as OpenAI counts it for n > 1."""
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens): the prompt once, as OpenAI
+        counts it for n > 1, and of it what every choice found in the prefix cache."""
         finals = list(self.finals.values())
         if not finals:
-            return 0, 0
-        return finals[0].num_prompt_tokens, sum(f.num_output_tokens for f in finals)
+            return 0, 0, 0
+        return (finals[0].num_prompt_tokens, sum(f.num_output_tokens for f in finals),
+                min(f.num_cached_tokens for f in finals))
 
 
 async def release(ctx: ServingContext, request_id: str,

@@ -74,6 +74,15 @@ PREEMPTIONS = _spec("slipstream_preemptions_total", "counter", (),
                     "Requests preempted (recompute or swap) since start.")
 KVP_ACTIVE_DEGREE = _spec("slipstream_kvp_active_degree", "gauge", (),
                           "KV-parallel groups spanned by the widest running request.")
+PREFIX_CACHE_QUERIES = _spec("slipstream_prefix_cache_query_tokens_total", "counter", (),
+                             "Prompt tokens looked up in the prefix cache (at admission).")
+PREFIX_CACHE_HITS = _spec("slipstream_prefix_cache_hit_tokens_total", "counter", (),
+                          "Prompt tokens whose KV the prefix cache already held; hit rate = "
+                          "rate(hits) / rate(queries).")
+PREFIX_CACHE_EVICTIONS = _spec("slipstream_prefix_cache_evicted_blocks_total", "counter", (),
+                               "Cached prefix blocks evicted to make room for new KV.")
+KV_BLOCKS_CACHED = _spec("slipstream_kv_cache_blocks_cached", "gauge", (),
+                         "Paged KV blocks holding a reusable prefix block (in use or free).")
 
 # -- agent: per engine step (recorded by the step observer) -------------------------------------
 PREFILL_CHUNK_TOKENS = _spec("slipstream_prefill_chunk_tokens", "histogram", (),
@@ -103,7 +112,8 @@ SLO_ATTAINMENT_TARGET = _spec("slipstream_slo_attainment_target_ratio", "gauge",
 AGENT_METRICS: tuple[MetricSpec, ...] = (
     TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, SLO_REQUESTS,
     REQUESTS_IN_FLIGHT, QUEUE_DEPTH, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, PREEMPTIONS,
-    KVP_ACTIVE_DEGREE, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
+    KVP_ACTIVE_DEGREE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_EVICTIONS,
+    KV_BLOCKS_CACHED, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
     BATCH_TIME_PREDICTED, SCHEDULE_TIME, SCHEDULED_TOKENS, POOL_ROLE, SLO_TTFT_TARGET,
     SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET)
 

@@ -235,7 +235,11 @@ class EngineStatsCollector(Collector):
         yield queue
         for spec, value in ((names.KV_BLOCKS_USED, stats.kv_blocks_used),
                             (names.KV_BLOCKS_CAPACITY, stats.kv_blocks_total),
-                            (names.KVP_ACTIVE_DEGREE, stats.kvp_active_degree)):
+                            (names.KVP_ACTIVE_DEGREE, stats.kvp_active_degree),
+                            (names.KV_BLOCKS_CACHED, stats.kv_blocks_cached)):
             yield GaugeMetricFamily(spec.name, spec.help, value=value)
-        yield CounterMetricFamily(names.PREEMPTIONS.constructor_name, names.PREEMPTIONS.help,
-                                  value=stats.num_preemptions_total)
+        for spec, value in ((names.PREEMPTIONS, stats.num_preemptions_total),
+                            (names.PREFIX_CACHE_QUERIES, stats.prefix_cache_lookup_tokens),
+                            (names.PREFIX_CACHE_HITS, stats.prefix_cache_hit_tokens),
+                            (names.PREFIX_CACHE_EVICTIONS, stats.prefix_cache_evictions)):
+            yield CounterMetricFamily(spec.constructor_name, spec.help, value=value)

@@ -37,6 +37,7 @@ from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
+from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS
 
 BYTES_PER_VALUE = 2  # bf16 activations
 STALLED_RETRY_S = 1e-3  # nothing ran and no wakeup is known: look again after this long
@@ -115,10 +116,11 @@ class RequestRecord:
 
     __slots__ = ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "source",
                  "instance", "ttft_deadline_s", "first_token_s", "finished_s",
-                 "num_preemptions")
+                 "num_preemptions", "hash_ids", "cached_tokens", "serial")
 
     def __init__(self, request_id: str, arrival_s: float, prompt_tokens: int,
-                 output_tokens: int, source: str) -> None:
+                 output_tokens: int, source: str, hash_ids: tuple[int, ...] = (),
+                 serial: int = 0) -> None:
         self.request_id = request_id
         self.arrival_s = arrival_s
         self.prompt_tokens = prompt_tokens
@@ -129,6 +131,22 @@ class RequestRecord:
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
         self.num_preemptions = 0
+        self.hash_ids = hash_ids
+        self.serial = serial  # unique per run: seeds the tokens no other prompt shares
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+
+    def prompt_token_ids(self) -> list[int]:
+        """Stand-in token ids with the trace's sharing: block ``j`` of a hash id ``h`` is
+        ``HASH_BLOCK_TOKENS`` copies of ``h``, so equal hash ids give equal tokens (the block
+        manager's hash chain adds the position); the rest is unique to this request."""
+        tokens: list[int] = []
+        for hash_id in self.hash_ids:
+            if len(tokens) >= self.prompt_tokens:
+                break
+            tokens.extend([hash_id] * HASH_BLOCK_TOKENS)
+        del tokens[self.prompt_tokens:]
+        tokens.extend([-1 - self.serial] * (self.prompt_tokens - len(tokens)))
+        return tokens
 
 
 class SimInstance:
@@ -151,7 +169,7 @@ class SimInstance:
 
     def add(self, record: RequestRecord, ttft_slo_s: float | None) -> None:
         request = Request(request_id=record.request_id,
-                          prompt_token_ids=[0] * record.prompt_tokens,
+                          prompt_token_ids=record.prompt_token_ids(),
                           max_tokens=record.output_tokens, arrival_s=record.arrival_s,
                           slo=RequestSLO(ttft_s=ttft_slo_s))
         self.scheduler.add(request)
@@ -159,7 +177,9 @@ class SimInstance:
         record.instance = self.index
         assert request.ttft_deadline_s is not None, "the scheduler sets it on add()"
         record.ttft_deadline_s = request.ttft_deadline_s - record.arrival_s
-        self.backlog_tokens += record.prompt_tokens + record.output_tokens
+        # The cached part of the prompt is never computed, so it is no backlog.
+        self.backlog_tokens += (record.prompt_tokens - request.prefix_hit_tokens
+                                + record.output_tokens)
 
     @property
     def idle(self) -> bool:
@@ -215,9 +235,21 @@ class SimInstance:
         return now_s + STALLED_RETRY_S if self.scheduler.has_unfinished() else None
 
     def backlog_prompt_tokens(self) -> int:
-        """Prompt tokens still to prefill, counted as the live engine's stats() counts them."""
-        return sum(r.num_uncomputed_tokens for r in self.scheduler.requests.values()
+        """Prompt tokens still to prefill, counted as the live engine's stats() counts them
+        (a waiting request's cached prefix is not work)."""
+        return sum(r.num_uncached_tokens for r in self.scheduler.requests.values()
                    if r.in_prefill)
+
+    def router_backlog_tokens(self, decode_weight_tokens: float) -> float:
+        """The live router's load estimate (router/instances.py): prefill tokens still to
+        compute, plus each decoding request at ``decode_weight_tokens``."""
+        prefill, decodes = 0, 0
+        for request in self.scheduler.requests.values():
+            if request.in_prefill:
+                prefill += request.num_uncached_tokens
+            else:
+                decodes += 1
+        return prefill + decodes * decode_weight_tokens
 
     def _complete(self, now_s: float) -> None:
         assert self._pending is not None
@@ -235,6 +267,7 @@ class SimInstance:
             record = records[request_id]
             if record.first_token_s is None:
                 record.first_token_s = exit_s
+                record.cached_tokens = request.num_cached_tokens
                 # Every simulated request has a deadline (explicit or the scheduler's
                 # default), so all first tokens feed the SLO deviation signal.
                 if record.ttft_deadline_s:

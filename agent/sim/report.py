@@ -20,6 +20,7 @@ import numpy as np
 
 from slipstream.agent.sim.instance import RequestRecord
 from slipstream.agent.sim.simulator import SimResult
+from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS
 
 PERCENTILES = (50, 90, 99)
 
@@ -79,6 +80,40 @@ def class_metrics(records: list[RequestRecord], end_s: float, duration_s: float,
     }
 
 
+def prefix_hit_bound_tokens(records: list[RequestRecord]) -> list[int]:
+    """Per request (in arrival order), the prompt tokens an unbounded prefix cache shared by
+    every instance would hold: the leading blocks of its hash ids that an earlier request
+    had, at most all but its last token."""
+    seen: set[tuple[int, ...]] = set()
+    bounds = []
+    for record in sorted(records, key=lambda r: r.arrival_s):
+        prefix: tuple[int, ...] = ()
+        hit_blocks, hitting = 0, True
+        for hash_id in record.hash_ids:
+            prefix += (hash_id,)
+            if hitting and prefix in seen:
+                hit_blocks += 1
+            else:
+                hitting = False
+                seen.add(prefix)
+        bounds.append(min(hit_blocks * HASH_BLOCK_TOKENS, max(0, record.prompt_tokens - 1)))
+    return bounds
+
+
+def prefix_cache_summary(records: list[RequestRecord]) -> dict:
+    """Prompt tokens found cached at first admission, against the unbounded-cache bound."""
+    admitted = [r for r in records if r.first_token_s is not None]
+    prompt = sum(r.prompt_tokens for r in admitted)
+    hits = sum(r.cached_tokens for r in admitted)
+    bound_by_id = dict(zip((r.request_id for r in sorted(records, key=lambda r: r.arrival_s)),
+                           prefix_hit_bound_tokens(records)))
+    bound = sum(bound_by_id[r.request_id] for r in admitted)
+    return {"prompt_tokens": prompt, "hit_tokens": hits, "bound_tokens": bound,
+            "hit_rate": hits / prompt if prompt else 0.0,
+            "bound_hit_rate": bound / prompt if prompt else 0.0,
+            "fraction_of_bound": hits / bound if bound else 0.0}
+
+
 def summarize(result: SimResult, long_prompt_tokens: int, tpot_slo_ms: float | None) -> dict:
     records = result.records
     if records:
@@ -108,6 +143,7 @@ def summarize(result: SimResult, long_prompt_tokens: int, tpot_slo_ms: float | N
         "long": long_metrics,
         "long_prompt_tokens": long_prompt_tokens,
         "tpot_slo_ms": tpot_slo_ms,
+        "prefix_cache": prefix_cache_summary(records),
         "sim": {"iterations": result.num_iterations, "wall_s": result.wall_s,
                 "simulated_s": result.end_s, "busy_fraction": [
                     b / max(result.end_s, 1e-9) for b in result.busy_s]},

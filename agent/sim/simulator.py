@@ -21,13 +21,19 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
+from slipstream.agent.router.prefix_affinity import (
+    DEFAULT_PREFIX_AFFINITY_WEIGHT, PrefixAffinityIndex)
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, BlockManager
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.scheduler import Scheduler
 from slipstream.agent.sim.instance import InstanceConfig, KvpTimeModel, RequestRecord, SimInstance
 from slipstream.agent.sim.pools import PoolRouter, PoolsConfig
-from slipstream.agent.sim.traces import TraceRequest
+from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS, TraceRequest
+
+
+ROUTINGS = ("least-load", "prefix")
+DECODE_WEIGHT_TOKENS = 32  # the live router's default (RouterConfig.decode_weight_tokens)
 
 
 @dataclass(frozen=True)
@@ -41,12 +47,18 @@ class SimConfig:
     long_prompt_tokens: int = 8192  # class boundary for the report and for the SLO above
     progress: bool = False
     pools: PoolsConfig | None = None  # None: one least-backlog router over all instances
+    # Without pools: "least-load" (least backlog) or "prefix" (least backlog minus the
+    # prefill the instance's cache saves, from an approximate index of what was sent where).
+    routing: str = "least-load"
+    prefix_affinity_weight: float = DEFAULT_PREFIX_AFFINITY_WEIGHT  # as the live router's
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
             raise ValueError("num_instances must be >= 1")
         if self.instance.num_kv_blocks is None:
             raise ValueError("instance.num_kv_blocks must be set (see kv_capacity.py)")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
 
     @property
     def num_kv_blocks(self) -> int:
@@ -74,13 +86,16 @@ def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
         kvp_tokens_per_group=instance.kvp_tokens_per_group if instance.kvp > 1 else None)
     if instance.kvp > 1:
         model = KvpTimeModel(model, instance, config.num_layers)
-    return Scheduler(scheduler_config, BlockManager(config.num_kv_blocks, 0, BLOCK_SIZE),
+    return Scheduler(scheduler_config,
+                     BlockManager(config.num_kv_blocks, 0, BLOCK_SIZE,
+                                  prefix_caching=scheduler_config.prefix_caching),
                      predictor=model)
 
 
 def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeModel) -> SimResult:
     started = time.perf_counter()
-    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source)
+    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source,
+                             r.hash_ids, serial=i)
                for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
     by_id = {record.request_id: record for record in records}
     instances = [SimInstance(i, make_scheduler(config, model), config.instance, by_id)
@@ -95,6 +110,9 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
                     disable=not config.progress, mininterval=1.0)
     iterations = 0
     router = PoolRouter(config.pools, len(instances)) if config.pools is not None else None
+    affinity = None
+    if config.routing == "prefix" and router is None:
+        affinity = PrefixAffinityIndex(HASH_BLOCK_TOKENS, capacity_tokens)
     while True:
         arrival_s = records[next_arrival].arrival_s if next_arrival < len(records) else float("inf")
         event_s = events[0][0] if events else float("inf")
@@ -112,7 +130,10 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
             next_arrival += 1
             if record.prompt_tokens + record.output_tokens + 1 > capacity_tokens:
                 continue  # can never fit one instance: reported as unfinished
-            if router is None:
+            if affinity is not None:
+                target = _prefix_route(affinity, record, instances, capacity_tokens,
+                                       config.prefix_affinity_weight)
+            elif router is None:
                 target = min(instances, key=lambda inst: inst.backlog_tokens)
             else:
                 target = router.route(record, instances)
@@ -150,3 +171,23 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
         pool_moves=router.moves if router is not None else [],
         final_pools=list(router.pools) if router is not None else None,
     )
+
+
+def _prefix_route(affinity: PrefixAffinityIndex, record: RequestRecord,
+                  instances: list[SimInstance], capacity_tokens: int,
+                  weight: float) -> SimInstance:
+    """The instance with the least backlog minus the prefill its cache would save; it then
+    holds the prompt's blocks. This is the live router's rule (agent/router/dispatcher.py)
+    with its load estimate: prefill still to compute plus a fixed weight per decode."""
+    keys: list[int] = []
+    parent = 0
+    for hash_id in record.hash_ids:  # chained, so a key stands for its whole prefix
+        parent = hash((parent, hash_id))
+        keys.append(parent)
+    most = max(0, record.prompt_tokens - 1)
+    loads = [inst.router_backlog_tokens(DECODE_WEIGHT_TOKENS) for inst in instances]
+    target = min(instances, key=lambda inst: (
+        loads[inst.index] - weight * min(most, affinity.cached_tokens(str(inst.index), keys)),
+        loads[inst.index]))
+    affinity.record(str(target.index), keys, capacity_tokens)
+    return target

@@ -21,6 +21,8 @@ import numpy as np
 
 from slipstream.agent.sim.datasets import open_text
 
+HASH_BLOCK_TOKENS = 512  # tokens per Mooncake hash id
+
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
@@ -28,6 +30,9 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     source: str = ""  # which trace or recipe component it came from
+    # Content ids of the prompt's blocks of HASH_BLOCK_TOKENS tokens (Mooncake's hash_ids):
+    # equal ids are equal tokens. Empty: the prompt shares nothing with any other.
+    hash_ids: tuple[int, ...] = ()
 
 
 def read_azure_csv(path: Path, limit: int | None = None) -> list[TraceRequest]:
@@ -50,7 +55,8 @@ def read_azure_csv(path: Path, limit: int | None = None) -> list[TraceRequest]:
 
 
 def read_mooncake_jsonl(path: Path, limit: int | None = None) -> list[TraceRequest]:
-    """Mooncake conversation trace: ``timestamp`` (ms), ``input_length``, ``output_length``."""
+    """Mooncake conversation trace: ``timestamp`` (ms), ``input_length``, ``output_length``
+    and ``hash_ids`` (one per 512-token block of the prompt)."""
     requests = []
     with open_text(Path(path)) as handle:
         for line in handle:
@@ -58,7 +64,8 @@ def read_mooncake_jsonl(path: Path, limit: int | None = None) -> list[TraceReque
                 continue
             row = json.loads(line)
             requests.append(TraceRequest(row["timestamp"] / 1000.0, max(1, row["input_length"]),
-                                         max(1, row["output_length"]), "mooncake"))
+                                         max(1, row["output_length"]), "mooncake",
+                                         tuple(row.get("hash_ids") or ())))
             if limit is not None and len(requests) >= limit:
                 break
     if not requests:

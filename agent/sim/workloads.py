@@ -4,6 +4,7 @@
     --lengths sharegpt[=W] arxiv[=W] ...   lengths drawn from files, synthetic arrivals
     --recipe medha-mixed                   Medha's mixed workload (below)
     --recipe sharegpt-short                ShareGPT requests with short prompts only (below)
+    --recipe multi-turn-docs               conversations over shared long documents (below)
         --> WorkloadSpec --> build_workload() --> list[TraceRequest]
 
 Medha's mixed workload (Medha section 6.2): ShareGPT-length requests with a 5% share of long
@@ -16,6 +17,14 @@ long outputs log-normally with the same median and P90 as Medha-SWE's decodes. E
 ``sharegpt-short``: the ShareGPT rows whose prompt is at most 256 tokens (about 17% of them),
 with their own output lengths, in a Poisson stream. That is the short-prefill regime PLA-Serve
 batches with Adaptive Wait-Depth (its Figure 5 uses prompts under 256 tokens).
+
+``multi-turn-docs``: the workload this project exists for, for prefix caching where a trace
+has no hashes. A few long documents (8K-32K tokens, log-uniform); each conversation picks one
+and asks questions (30-200 tokens) about it, each answered (ShareGPT-like output lengths), the
+next turn's prompt being the whole conversation so far. Conversations start in a Poisson
+stream and take a think time (exponential, 20 s mean) between turns. Prompts carry
+Mooncake-style ``hash_ids`` (one per 512-token block): a block wholly inside the document has
+the document's id for that position, any later block the conversation's.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import numpy as np
 
 from slipstream.agent.sim.datasets import data_path, open_text, trace_format
 from slipstream.agent.sim.traces import (
+    HASH_BLOCK_TOKENS,
     TraceRequest,
     arrival_times,
     first_seconds,
@@ -37,7 +47,7 @@ from slipstream.agent.sim.traces import (
     scale_to_qps,
 )
 
-RECIPES = ("medha-mixed", "sharegpt-short")
+RECIPES = ("medha-mixed", "sharegpt-short", "multi-turn-docs")
 SHORT_PROMPT_MAX_TOKENS = 256
 
 MEDHA_LONG_FRACTION = 0.05
@@ -139,6 +149,8 @@ def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
             requests = medha_mixed(count, qps, spec.seed, spec.burstiness)
         elif spec.recipe == "sharegpt-short":
             requests = sharegpt_short(count, qps, spec.seed, spec.burstiness)
+        elif spec.recipe == "multi-turn-docs":
+            requests = multi_turn_docs(count, qps, spec.seed, **spec.extra)
         else:
             requests = _from_length_files(spec, count, qps)
     if spec.duration_s is not None:
@@ -150,6 +162,32 @@ def build_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     if spec.max_prompt_tokens is not None:
         requests = [r for r in requests if r.prompt_tokens + r.output_tokens <= spec.max_prompt_tokens]
     return requests
+
+
+def multi_turn_docs(count: int, qps: float, seed: int, documents: int = 8,
+                    turns: int = 6, think_s: float = 20.0) -> list[TraceRequest]:
+    """``count`` requests of conversations over shared documents (module docstring);
+    ``qps`` is the mean request rate."""
+    rng = np.random.default_rng(seed)
+    doc_tokens = np.exp(rng.uniform(math.log(8192), math.log(32768), size=documents)).astype(int)
+    conversations = max(1, -(-count // turns))
+    starts = arrival_times(rng, conversations, qps / turns).tolist()
+    requests: list[TraceRequest] = []
+    block = HASH_BLOCK_TOKENS
+    for conversation, start_s in enumerate(starts):
+        doc = int(rng.integers(documents))
+        length, at = int(doc_tokens[doc]), start_s
+        for _ in range(turns):
+            length += int(rng.integers(30, 201))  # the question
+            blocks = -(-length // block)
+            ids = tuple(doc * 1_000_000 + j if (j + 1) * block <= doc_tokens[doc]
+                        else 10**9 + conversation * 10_000 + j for j in range(blocks))
+            output = int(min(2048, max(8, rng.lognormal(math.log(200), 0.8))))
+            requests.append(TraceRequest(at, length, output, "multi-turn-docs", ids))
+            length += output  # the answer is part of the next turn's prompt
+            at += float(rng.exponential(think_s))
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests[:count]
 
 
 def _count_for(spec: WorkloadSpec, qps: float) -> int:

@@ -1,5 +1,5 @@
 """The instance internals dashboard: what one agent's engine is doing each iteration (queues,
-KV cache, preemptions, batch composition, adaptive chunk sizes, predicted against actual
+KV cache, preemptions, prefix-cache hit rate, batch composition, adaptive chunk sizes, predicted against actual
 batch time, scheduling cost, KVP degree)."""
 
 from __future__ import annotations
@@ -40,6 +40,30 @@ def _state_row() -> list[Panel]:
                    "request (progressive KVP).",
                    Target(f"max by (instance) ({names.KVP_ACTIVE_DEGREE.name}{SEL})",
                           "{{instance}}"), width=8),
+    ]
+
+
+def _prefix_cache_row() -> list[Panel]:
+    queries, hits = names.PREFIX_CACHE_QUERIES.name, names.PREFIX_CACHE_HITS.name
+    return [
+        timeseries("Prefix cache hit rate", "Share of prompt tokens whose KV the prefix cache "
+                   "already held at admission (those tokens are not prefilled again).",
+                   Target(f"sum by (instance) (rate({hits}{SEL}[{RATE}])) / sum by (instance) "
+                          f"(rate({queries}{SEL}[{RATE}]))", "{{instance}}"),
+                   unit="percentunit", width=8),
+        timeseries("Prefix cache tokens per second", "Prompt tokens looked up in the cache and "
+                   "found there.",
+                   Target(f"sum by (instance) (rate({queries}{SEL}[{RATE}]))",
+                          "looked up {{instance}}"),
+                   Target(f"sum by (instance) (rate({hits}{SEL}[{RATE}]))", "hit {{instance}}"),
+                   width=8),
+        timeseries("Prefix cache blocks and evictions", "Blocks holding a reusable prefix, "
+                   "and cached blocks evicted per second to make room.",
+                   Target(f"sum by (instance) ({names.KV_BLOCKS_CACHED.name}{SEL})",
+                          "cached {{instance}}"),
+                   Target(f"sum by (instance) "
+                          f"(rate({names.PREFIX_CACHE_EVICTIONS.name}{SEL}[{RATE}]))",
+                          "evicted/s {{instance}}"), width=8),
     ]
 
 
@@ -95,6 +119,6 @@ def build() -> dict:
     roles = table("Instances and their pools", "One row per agent: its pool role.",
                   Target(f"max by (instance, pool) ({role}{SEL})"))
     rows = [("Instances", [roles]), ("Engine state", _state_row()),
-            ("Batches", _batch_row())]
+            ("Prefix cache", _prefix_cache_row()), ("Batches", _batch_row())]
     return dashboard(UID, "Slipstream / Instance internals", "Per-iteration engine behaviour "
                      "of each agent.", rows, variables)

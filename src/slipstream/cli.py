@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("slipstream.agent.server.cli", "Serve a model behind an OpenAI-compatible HTTP API."),
     "make-tiny-model": ("slipstream.agent.engine.tiny_model",
                         "Write a small random-weight Llama in Hugging Face format."),
+    "convert-gguf": ("slipstream.agent.engine.gguf_model",
+                     "Write a Hugging Face model directory from a GGUF file (llama.cpp's format)."),
     "router": ("slipstream.agent.router.cli",
                "Route OpenAI requests to short/long prefill pools by prompt length."),
     "worker": ("slipstream.agent.parallel.launch",

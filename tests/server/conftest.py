@@ -160,3 +160,9 @@ def _run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str
 def run_router():
     """``run_router(model_dir, log_dir, backends, *flags)``: a router for one block."""
     return _run_router
+
+
+@pytest.fixture(scope="session")
+def serve_model():
+    """``with serve_model(model_dir, log_dir, *flags) as handle:`` a server of any model."""
+    return serve

