@@ -81,7 +81,8 @@ def build_workload(rng: np.random.Generator, rate_per_s: float, duration_s: floa
 
 SYSTEMS = {  # name -> (policy, max_space_share_fraction)
     "fcfs": ("fcfs", 0.0),
-    "lars": ("lars", 0.5),
+    "lars": ("lars", 0.5),  # Slipstream's (short lane, late reserve; space sharing unused)
+    "lars-classic": ("lars-classic", 0.5),  # Medha's
     "edf": ("edf", 0.5),
     "fcfs+space-sharing": ("fcfs", 0.5),
 }
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     if "fcfs" in summary and "lars" in summary:
         summary["lars_p99_improvement_x"] = (summary["fcfs"]["short_ttft_p99_s"]
                                              / summary["lars"]["short_ttft_p99_s"])
+    if "edf" in summary and "lars" in summary:
+        summary["lars_p50_over_edf_x"] = (summary["lars"]["short_ttft_p50_s"]
+                                          / summary["edf"]["short_ttft_p50_s"])
     report = {"settings": {**{k: v for k, v in vars(args).items() if k != "out"},
                            "capacity_req_per_s": capacity, "rate_req_per_s": rate,
                            "requests": len(arrivals), "profile": str(profile_dir),

@@ -37,10 +37,10 @@ class SchedulerConfig:
     max_prefill_candidates: int = 64  # prefills examined per iteration that got no chunk
     srpt_preemptible_fraction: float = 0.8  # TRAIL's c
     max_displacements_per_step: int = 1
-    # LARS (policies.py): a request with at most this much prefill work left is in the short
-    # lane, served in deadline order before any other prefill; a late long prefill keeps this
-    # fraction of every batch.
-    lars_short_lane_ms: float = 250.0
+    # LARS (policies.py): a request with at most this much prefill work is in the short lane,
+    # served before any other prefill; the oldest late long prefill keeps this fraction of
+    # every batch.
+    lars_short_lane_ms: float = 500.0
     lars_late_reserve_fraction: float = 0.5
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so
     # running decodes can grow without an immediate preemption.

@@ -13,8 +13,8 @@ requests are sorted once on entry and re-sorted only on those events:
   remaining time (fixed while waiting).
 - LRS: slack ``a + d - now - remaining``. ``now`` is common to all requests, so the order is
   that of ``K = a + d - remaining``, which is time-invariant.
-- LARS (Slipstream's, ``lars``): the lane (short if the prefill work left is at most
-  ``short_lane_work_s``), then the deadline ``a + d``. Both change only when a chunk is
+- LARS (Slipstream's, ``lars``): the lane (short if ``w_total <= short_lane_work_s``), then
+  the deadline plus the work left, ``a + d + remaining``, which changes only when a chunk is
   computed. Its reserve for the oldest late long request is a heap by arrival, pruned lazily.
 - LARS as Medha published it (``lars-classic``): relative slack ``(K - now) / w_total``. Two
   requests with equal ``w_total`` keep their order forever (it is the order of ``K``); with
@@ -51,7 +51,7 @@ class PolicyContext:
     kv_capacity_tokens: int
     decode_step_s: float  # time of one decode iteration, the target batch time
     srpt_preemptible_fraction: float = 0.8
-    short_lane_work_s: float = 0.25  # LARS: prefill work left that puts a request in the short lane
+    short_lane_work_s: float = 0.5  # LARS: the most prefill work a short-lane request has
     late_reserve_fraction: float = 0.5  # LARS: batch share kept for a late long prefill
 
 
@@ -159,12 +159,16 @@ LONG_LANE_OFFSET_S = 1e12
 class LarsPolicy(SchedulingPolicy):
     """LARS with a short lane; docs/scheduling.md ("LARS with a short lane") explains it.
 
-    - Short lane (bucket 0): requests with at most ``short_lane_work_s`` of prefill work
-      left, in deadline order. They come before every other prefill, so a short request is
+    - Short lane (bucket 0): requests whose whole prefill (``w_total``) is at most
+      ``short_lane_work_s``. They come before every other prefill, so a short request is
       served at once instead of waiting out its slack behind a long prefill.
-    - Long lane (bucket 1): the rest, in deadline order, after the short lane (its keys are
-      offset by ``LONG_LANE_OFFSET_S``). Lane and key change only when a chunk is computed,
-      so the order needs no re-sorting between iterations.
+    - Long lane (bucket 1): the rest, after the short lane (its keys are offset by
+      ``LONG_LANE_OFFSET_S``).
+    - In each lane the key is the deadline plus the predicted prefill work left: EDF that
+      lets a smaller request pass a bigger one due a little earlier, and that keeps a started
+      prefill going (its key only falls as chunks complete, where least-slack keys rise and
+      make prefills take turns). The key changes only when a chunk is computed, so the order
+      needs no re-sorting between iterations.
     - Reserve: the oldest long-lane request, once it can no longer meet its deadline, keeps
       ``late_reserve_fraction`` of every batch and the batch's one long-prefill slot. A
       stream of short requests, or of later long ones with earlier deadlines, cannot starve it.
@@ -182,17 +186,19 @@ class LarsPolicy(SchedulingPolicy):
         self._seq = 0
 
     def in_short_lane(self, request: Request) -> bool:
-        return self.urgency_model.remaining_prefill_s(request) <= self.short_lane_work_s
+        assert request.prefill_work_s is not None, "assign() sets it when the request arrives"
+        return request.prefill_work_s <= self.short_lane_work_s
 
     def prefill_key(self, request, now_s):
         assert request.ttft_deadline_s is not None, "assign() sets it when the request arrives"
+        key = request.ttft_deadline_s + self.urgency_model.remaining_prefill_s(request)
         if self.in_short_lane(request):
-            return 0, request.ttft_deadline_s
+            return 0, key
         if request not in self._in_long_lane:
             self._in_long_lane.add(request)
             self._seq += 1
             heapq.heappush(self._long_lane, (request.arrival_s, self._seq, request))
-        return 1, LONG_LANE_OFFSET_S + request.ttft_deadline_s
+        return 1, LONG_LANE_OFFSET_S + key
 
     def space_share_slack(self, request, now_s):
         return 0.0  # short-lane requests are packed first; a long prefill takes what is left
@@ -203,7 +209,7 @@ class LarsPolicy(SchedulingPolicy):
             return None
         while lane:
             request = lane[0][2]
-            if request.is_finished or not request.in_prefill or self.in_short_lane(request):
+            if request.is_finished or not request.in_prefill:
                 heapq.heappop(lane)
                 self._in_long_lane.discard(request)
                 continue
