@@ -1,5 +1,5 @@
 """One process against two: the live server with the engine on a thread of the HTTP process
-(``--no-engine-process``) and with the engine in a process of its own (the default), side by
+(the default) and with the engine in a process of its own (``--engine-process``), side by
 side in one run, on the same machine and model.
 
     for each model, for each concurrency N, for each layout (interleaved):
