@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import re
 import sys
 import threading
 import time
@@ -43,6 +44,12 @@ AGENT_PORT = 8000
 OPERATOR_METRICS_PORT = 8080
 MOVE_TIMEOUT_S = 45.0
 DASHBOARD_QUERIES = inventory.dashboard_queries()
+# Series the operator exports only for a replica with spec.autoscaling, which this test's
+# replica does not have (autoscaling would fight the rebalance move it provokes). The
+# autoscaler's own e2e test drives them; they are left out here, by name, and nothing else is.
+AUTOSCALING_ONLY = re.compile(
+    r"slipstream_operator_(desired_instances|current_instances|max_instances"
+    r"|scale_decisions_total|drains_total)\b")
 
 
 def observed_replica(namespace: str, model_dir: Path) -> dict:
@@ -158,6 +165,9 @@ def test_every_dashboard_panel_has_data(dev_cluster, operator_release, sr_namesp
             time.sleep(3)  # a few scrapes of the after-state
             assert prometheus.wait_for('slipstream_slo_requests_total{slo="ttft"} > 0')
             assert prometheus.wait_for("slipstream_operator_rebalance_moves_total > 0")
-            problems = [problem for query in DASHBOARD_QUERIES
+            checked = [query for query in DASHBOARD_QUERIES
+                       if not AUTOSCALING_ONLY.search(query.promql)]
+            assert len(checked) < len(DASHBOARD_QUERIES)
+            problems = [problem for query in checked
                         if (problem := live_prometheus.missing_data(prometheus, query))]
     assert problems == [], "\n\n".join(problems)

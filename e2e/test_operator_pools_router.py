@@ -15,6 +15,7 @@ empty; its class then falls back to every instance).
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import openai
@@ -145,8 +146,12 @@ def test_router_serves_both_classes_and_follows_a_rebalance_move(dev_cluster, sr
     # between the two idle instances of that pool); before the move none of them did.
     moved, prompt = (short_pod, LONG_PROMPT) if target == "long" else (long_pod, SHORT_PROMPT)
 
+    # Each prompt starts differently: the router's prefix affinity would otherwise keep one
+    # repeated prompt on the instance that already caches it, and never try the moved one.
+    sent = itertools.count()
+
     def served_including_moved() -> set[str] | None:
-        served = {send(router, prompt) for _ in range(6)}
+        served = {send(router, f"Request {next(sent)}. {prompt}") for _ in range(6)}
         return served if moved in served else None
 
     served = dev_cluster.wait_for(served_including_moved, 20,
