@@ -113,11 +113,14 @@ def test_router_serves_both_classes_and_follows_a_rebalance_move(dev_cluster, sr
     dev_cluster.kubectl("patch", "servingreplica", NAME, "-n", namespace, "--type=merge",
                         "-p", '{"spec": {"pools": {"rebalance": {"hysteresis": 0.2}}}}')
     stop, errors = threading.Event(), []
+    # Distinct prompts: a repeated one would be a prefix-cache hit after the first time, too
+    # cheap to put the long pool under pressure.
+    loaded = itertools.count()
 
     def load() -> None:
         while not stop.is_set():
             try:
-                send(router, LONG_PROMPT)
+                send(router, f"Load {next(loaded)}. {LONG_PROMPT}")
             except Exception as error:  # noqa: BLE001 - recorded, asserted on
                 errors.append(repr(error))
 
@@ -154,9 +157,12 @@ def test_router_serves_both_classes_and_follows_a_rebalance_move(dev_cluster, sr
         served = {send(router, f"Request {next(sent)}. {prompt}") for _ in range(6)}
         return served if moved in served else None
 
+    # The router weighs each instance's backlog, so whether the other instance of the pool
+    # also gets some of these depends on what it still has queued; the moved one must get
+    # them, and nothing outside the two goes through.
     served = dev_cluster.wait_for(served_including_moved, 20,
                                   f"long requests to reach {moved} through the router")
-    assert served == {short_pod, long_pod}
+    assert moved in served and served <= {short_pod, long_pod}
     # The router was not restarted to see it: the same pod.
     current = ready_router(dev_cluster, namespace)
     assert current["metadata"]["uid"] == router["metadata"]["uid"]
