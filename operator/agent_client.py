@@ -31,15 +31,23 @@ def control_target(instance: ObservedInstance) -> str | None:
     return f"{host}:{naming.CONTROL_PORT}"
 
 
-def read_signals(instance: ObservedInstance, timeout_s: float = 2.0) -> InstanceSignals | None:
+def _fetch_stats(instance: ObservedInstance, timeout_s: float):
+    """The agent's stats over its control port; None when it has no address or does not
+    answer (logged)."""
     target = control_target(instance)
     if target is None:
         return None
     try:
         with ControlClient(target, timeout_s=timeout_s) as client:
-            stats = client.stats()
+            return client.stats()
     except grpc.RpcError as error:
         log.warning("no stats from %s at %s: %s", instance.name, target, error.code())
+        return None
+
+
+def read_signals(instance: ObservedInstance, timeout_s: float = 2.0) -> InstanceSignals | None:
+    stats = _fetch_stats(instance, timeout_s)
+    if stats is None:
         return None
     return InstanceSignals(instance=instance.name, pool=instance.pool,
                            queue_backlog_s=stats.queue_backlog_seconds,
@@ -50,14 +58,8 @@ def read_load(instance: ObservedInstance, timeout_s: float = 2.0
               ) -> tuple[InstanceLoad, int] | None:
     """The instance's load window for the autoscaler, and its requests in flight (waiting
     plus running); None when the agent does not answer."""
-    target = control_target(instance)
-    if target is None:
-        return None
-    try:
-        with ControlClient(target, timeout_s=timeout_s) as client:
-            stats = client.stats()
-    except grpc.RpcError as error:
-        log.warning("no stats from %s at %s: %s", instance.name, target, error.code())
+    stats = _fetch_stats(instance, timeout_s)
+    if stats is None:
         return None
     load = InstanceLoad(
         instance=instance.name, pool=instance.pool, first_tokens=stats.ttft_first_tokens,
