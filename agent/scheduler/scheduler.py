@@ -288,7 +288,8 @@ class Scheduler:
             copy = self.preemptor.swap_in(request, reserve_blocks=reserve + 1)
             if copy is None:
                 break
-            copies.append(copy)
+            if copy.src_block_ids:  # empty when every block was still cached on the device
+                copies.append(copy)
             self.swapped.remove(request)
             self.running.append(request)
             if request.in_prefill:

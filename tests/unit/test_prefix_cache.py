@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slipstream.agent.scheduler.batch import Batch, BlockCopy
 from slipstream.agent.scheduler.block_manager import (
     BLOCK_SIZE, BlockManager, BlockPool, chain_block_hashes)
-from slipstream.agent.scheduler.offline_driver import Arrival, drive, make_request
+from slipstream.agent.scheduler.offline_driver import Arrival, FakeKvRunner, drive, make_request
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.scheduler.request import FinishReason
+from slipstream.agent.scheduler.request import FinishReason, RequestStatus
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
 
 MODEL = AnalyticModel(ms_per_token=0.05, ms_per_attended_pair=1e-7, ms_per_decode_kv_token=1e-5,
@@ -200,8 +201,85 @@ def test_preemption_with_shared_blocks_keeps_outputs_and_canaries_intact(mode):
         assert scheduler.block_manager.kv_blocks_used == 0
         assert scheduler.block_manager.host.num_used == 0
         assert min(scheduler.block_manager.device.ref_counts) == 0
+        if mode == "swap":  # swap-in found blocks still cached only with the cache on
+            assert (scheduler.block_manager.swap_in_reused_blocks > 0) == caching
         results[caching] = {rid: r.output_token_ids for rid, r in result.finished.items()}
     assert results[True] == results[False]
+
+
+def test_swap_in_reuses_the_device_blocks_still_cached_for_its_prefix():
+    # a and b share a 64-token prefix (4 blocks). b is swapped out while a keeps running, so
+    # the shared blocks stay on the device and b's own full blocks stay cached (free but not
+    # evicted). Swapping b back in takes all of them again and copies only its partial last
+    # block; the fake runner's canary check on b's next tokens then passes.
+    prefix = tuple(range(100, 164))
+    scheduler = scheduler_with(host_blocks=64, preemption="swap", policy="fcfs")
+    manager = scheduler.block_manager
+    runner = FakeKvRunner(BLOCK_SIZE, ref_counts=manager.device.ref_counts,
+                          sequences=lambda rid, end: scheduler.requests[rid].token_ids(0, end))
+    now = 0.0
+
+    def step() -> Batch:
+        nonlocal now
+        batch = scheduler.schedule(now)
+        sampled = runner.execute(batch)
+        now += 0.01
+        scheduler.update(batch, sampled, now)
+        return batch
+
+    scheduler.add(make_request(Arrival("a", 0.0, 0, 500, prompt=prefix + (7,) * 5)))
+    while scheduler.requests["a"].num_output_tokens < 2:
+        step()
+    scheduler.add(make_request(Arrival("b", now, 0, 500, prompt=prefix + tuple(range(40)))))
+    a, b = scheduler.requests["a"], scheduler.requests["b"]
+    while b.num_output_tokens < 3:
+        step()
+    shared = a.block_ids[:4]
+    assert b.block_ids[:4] == shared
+    full_blocks = b.num_computed_tokens // BLOCK_SIZE  # 106 tokens: 6 full blocks, 1 partial
+    assert (full_blocks, len(b.block_ids)) == (6, 7)
+    before = list(b.block_ids)
+    out: list[BlockCopy] = []
+    scheduler._preempt(b, now, out)  # as KV pressure would
+    runner.execute(Batch(chunks=(), swap_out=tuple(out)))
+    assert b.status is RequestStatus.SWAPPED and b.block_ids == []
+    assert all(manager.device.ref_counts[block] == 1 for block in shared)  # a still holds them
+    assert all(manager.device.ref_counts[block] == 0 for block in before[4:])
+
+    batch = step()  # swaps b back in, then runs its next decode
+    assert b.status is RequestStatus.RUNNING
+    assert b.block_ids[:full_blocks] == before[:full_blocks]  # the same physical blocks
+    assert manager.swap_in_reused_blocks == full_blocks
+    (copy,) = batch.swap_in
+    assert len(copy.src_block_ids) == 1 and copy.dst_block_ids == (b.block_ids[full_blocks],)
+    assert all(manager.device.ref_counts[block] == 2 for block in shared)
+    assert manager.host.num_used == 0
+    while b.num_output_tokens < 8:  # every sampled token checks every earlier position
+        step()
+    scheduler.finish("a", FinishReason.ABORT, now)
+    scheduler.finish("b", FinishReason.ABORT, now)
+    assert manager.kv_blocks_used == 0 and min(manager.device.ref_counts) == 0
+
+
+def test_swap_in_copies_everything_back_when_the_cached_blocks_were_evicted():
+    prompt = tuple(range(200, 264)) + (5,) * 8
+    scheduler = scheduler_with(blocks=8, host_blocks=16, preemption="swap", policy="fcfs")
+    manager = scheduler.block_manager
+    scheduler.add(make_request(Arrival("a", 0.0, 0, 500, prompt=prompt)))
+    a = scheduler.requests["a"]
+    now = 0.0
+    while a.num_output_tokens < 2:
+        batch = scheduler.schedule(now)
+        scheduler.update(batch, {c.request_id: 1 for c in batch.chunks if c.sample}, now)
+        now += 0.01
+    scheduler._preempt(a, now, [])
+    # Something else takes every device block, evicting a's cached ones.
+    taken = manager.device.allocate(manager.kv_blocks_free)
+    assert manager.kv_blocks_cached == 0
+    manager.device.free(taken)
+    copy = scheduler.preemptor.swap_in(a)
+    assert copy is not None and manager.swap_in_reused_blocks == 0
+    assert len(copy.dst_block_ids) == len(a.block_ids) == 5
 
 
 @settings(max_examples=40, deadline=None)
