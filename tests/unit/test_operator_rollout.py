@@ -217,3 +217,20 @@ def test_reconcile_and_the_world_take_a_replica_through_a_whole_rollout(surge_fi
     assert {i.template_hash for i in final.values()} == {builders.template_hash(NEW)}
     assert cluster.created == 2
     assert min(cluster.serving_history) == (2 if surge_fits else 1)
+
+
+def test_a_surge_instance_takes_the_pool_of_the_instance_it_replaces():
+    """Pools full (short 1, long 1): the surge instance would otherwise go to the long
+    pool; it replaces r-0 of the short pool, so it is short."""
+    pooled_old = spec(pools={"short": 1}, instances=2)
+    pooled_new = spec(pools={"short": 1}, instances=2, image="a:2")
+
+    def in_pool(index: int, pool: str, incarnation: str) -> dict:
+        manifest = pod(index, pooled_old, incarnation=incarnation)
+        manifest["metadata"]["labels"][naming.POOL_LABEL] = pool
+        return manifest
+
+    step = plan_step(pooled_new, live(in_pool(0, "short", "aaaaa"), in_pool(1, "long", "bbbbb")),
+                     {}, "r", autoscaler_desired=None,
+                     template_hash=builders.template_hash(pooled_new), surge_fits=lambda: True)
+    assert step.plan.create == ((2, "short"),)
