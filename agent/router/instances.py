@@ -87,9 +87,10 @@ class Instance:
         return self.own_in_flight + self._foreign_prefill_requests + self._foreign_decode_requests
 
     def healthy(self, now_s: float) -> bool:
-        """May take traffic: not cooling down after a failure, and its last poll did not say
-        it is down (that holds until a poll says otherwise, not just for the cooldown)."""
-        return now_s >= self.unhealthy_until_s and self.poll_state != NOT_SERVING
+        """May take traffic: not cooling down after a failure. After the cooldown a refused
+        instance is tried again (a request that cannot connect is retried elsewhere);
+        /health (``health_state``) keeps it out until a poll finds it serving."""
+        return now_s >= self.unhealthy_until_s
 
     def health_state(self, now_s: float) -> str:
         """What the router's /health says of it (see the constants above)."""

@@ -7,7 +7,8 @@
 ``/health`` is the agent's readiness (engine and every worker rank answer, not draining) and
 ``/metrics`` is what every agent serves already, so the router needs no second protocol. An
 agent that refuses the connection, cannot be reached (a connect timeout) or answers 503 gets
-no traffic until a poll finds it serving again. An agent that is merely slow to answer (a
+no traffic for the cooldown after each such poll, and the router's /health does not count
+it until a poll finds it serving again. An agent that is merely slow to answer (a
 loaded machine, a long /metrics) keeps its traffic: slowness is not death, and treating it so
 would empty the pool exactly under load; the router's /health stops counting it only after
 UNRESPONSIVE_AFTER_S without any answer. Each verdict is kept per instance for /health. The
@@ -109,8 +110,8 @@ class StatsPoller:
     def _not_serving(self, instance: Instance, why: str) -> None:
         if self._table.get(instance.name) is instance:
             if instance.poll_state != NOT_SERVING or instance.poll_reason != why:
-                log.info("%s is not serving (%s); no traffic until it answers again",
-                         instance.name, why)
+                log.info("%s is not serving (%s); no traffic for %.0f s", instance.name, why,
+                         self._cooldown_s)
             instance.mark_failed(time.monotonic(), self._cooldown_s)
             instance.polled(NOT_SERVING, time.monotonic(), why)
 
