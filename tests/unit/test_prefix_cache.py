@@ -315,3 +315,100 @@ def test_property_shared_prefixes_random_chunks_and_eviction_pressure(
         outputs.append({rid: r.output_token_ids for rid, r in result.finished.items()})
     assert outputs[0] == outputs[1]
     assert set(outputs[0]) == {a.request_id for a in arrivals}
+
+
+# -- choices of one request (n > 1) share the prompt's prefill --------------------------------
+
+def choices(prompt: tuple[int, ...], n: int, output_tokens: int = 3, share: bool = True,
+            at: float = 0.0) -> list[Arrival]:
+    return [Arrival(f"c{i}", at, 0, output_tokens, prompt=prompt,
+                    share_prompt_with="c0" if share and i else None) for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lars", "edf", "srpt"])
+def test_choices_of_one_request_compute_their_prompt_once(policy):
+    prompt = tuple(range(3000, 3000 + 10 * BLOCK_SIZE + 5))  # 10 full blocks and 5 tokens
+    scheduler = scheduler_with(policy=policy, max_batched_tokens=48, predictor=None)
+    batches = []
+    result = drive(scheduler, choices(prompt, 4),
+                   on_batch=lambda batch, now: batches.append(batch))
+    counts = computed_tokens(batches)
+    assert counts["c0"] == len(prompt) + 2  # in chunks of at most 48 tokens, then two decodes
+    for name in ("c1", "c2", "c3"):
+        assert counts[name] == 5 + 2  # only the partial last block (the canaries check the KV)
+        assert result.finished[name].num_cached_tokens == 10 * BLOCK_SIZE
+    manager = scheduler.block_manager
+    assert manager.prefix_hit_tokens == 3 * 10 * BLOCK_SIZE
+    assert manager.kv_blocks_used == 0 and min(manager.device.ref_counts) == 0
+    assert not scheduler.prompt_waiters
+
+
+def test_without_sharing_choices_admitted_together_each_compute_the_prompt():
+    # The control for the test above: same arrivals, no share_prompt_with.
+    prompt = tuple(range(3000, 3000 + 10 * BLOCK_SIZE + 5))
+    scheduler = scheduler_with(max_batched_tokens=2048, predictor=None)
+    batches = []
+    drive(scheduler, choices(prompt, 4, share=False),
+          on_batch=lambda batch, now: batches.append(batch))
+    assert computed_tokens(batches) == {f"c{i}": len(prompt) + 2 for i in range(4)}
+    assert scheduler.block_manager.prefix_hit_tokens == 0
+
+
+def step(scheduler: Scheduler, now: float) -> None:
+    batch = scheduler.schedule(now)
+    scheduler.update(batch, {c.request_id: 7 for c in batch.chunks if c.sample}, now)
+
+
+def test_held_choices_are_released_when_the_first_leaves_and_their_own_abort_leaks_nothing():
+    prompt = tuple(range(200))
+    scheduler = scheduler_with(max_batched_tokens=32, predictor=None)
+    for arrival in choices(prompt, 3):
+        scheduler.add(make_request(arrival))
+    c0, c1, c2 = (scheduler.requests[f"c{i}"] for i in range(3))
+    assert scheduler.num_waiting == 3 and len(scheduler.prompt_waiters["c0"]) == 2
+    step(scheduler, 0.0)
+    assert c0.num_computed_tokens == 32 and c1.num_computed_tokens == c2.num_computed_tokens == 0
+    scheduler.finish("c2", FinishReason.ABORT, 0.01)  # a held choice goes away
+    assert scheduler.prompt_waiters["c0"] == [c1]
+    scheduler.finish("c0", FinishReason.ABORT, 0.02)  # the first goes before its prefill ends
+    assert not scheduler.prompt_waiters and scheduler.num_waiting == 1
+    now = 0.03
+    while c1.num_output_tokens < 2:
+        step(scheduler, now)
+        now += 0.01
+    assert c1.num_cached_tokens == 32  # the two blocks c0 computed before it left
+    scheduler.finish("c1", FinishReason.ABORT, now)
+    assert scheduler.block_manager.kv_blocks_used == 0 and not scheduler.requests
+
+
+def test_choices_are_not_held_without_a_full_block_to_share_or_without_caching():
+    short = tuple(range(16))  # its only full block holds the last token, computed by each
+    scheduler = scheduler_with()
+    for arrival in choices(short, 2):
+        scheduler.add(make_request(arrival))
+    assert not scheduler.prompt_waiters
+    uncached = scheduler_with(caching=False)
+    for arrival in choices(tuple(range(100)), 2):
+        uncached.add(make_request(arrival))
+    assert not uncached.prompt_waiters and uncached.num_waiting == 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_choices_sharing_a_prompt_under_preemption_keep_their_outputs(mode):
+    rng = random.Random(5)
+    arrivals = []
+    for group in range(4):
+        prompt = tuple(rng.randrange(32_000) for _ in range(150 + 37 * group))
+        arrivals += [Arrival(f"g{group}c{i}", 0.002 * group, 0, 40, prompt=prompt,
+                             share_prompt_with=f"g{group}c0" if i else None) for i in range(3)]
+    results = {}
+    for share in (False, True):
+        runs = arrivals if share else [
+            Arrival(a.request_id, a.arrival_s, 0, 40, prompt=a.prompt) for a in arrivals]
+        scheduler = scheduler_with(blocks=70, host_blocks=70 if mode == "swap" else 0,
+                                   preemption=mode, policy="fcfs")
+        result = drive(scheduler, runs, max_steps=50_000)
+        assert scheduler.num_preemptions_total > 0
+        assert scheduler.block_manager.kv_blocks_used == 0 and not scheduler.prompt_waiters
+        results[share] = {rid: r.output_token_ids for rid, r in result.finished.items()}
+    assert results[True] == results[False] and len(results[True]) == 12
