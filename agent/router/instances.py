@@ -12,16 +12,34 @@ router knows its own requests exactly and at once. So the estimate is this route
 counts plus the *foreign* part of the last report (reported minus what this router had there
 at that moment), in prefill tokens: own pending prompt tokens exactly, foreign prefills at the
 pool's mean prompt length, and each decode as ``decode_weight_tokens``.
+
+How much of that backlog a *new* request waits behind depends on the order the instance
+serves queued prefills in. Under FCFS it is all of it. Slipstream's LARS serves a request
+whose prefill is short in a lane ahead of longer ones (docs/scheduling.md), so a request of
+``u`` uncached tokens waits behind at most ``u`` tokens of each queued prefill: smaller ones
+finish before it, larger ones take turns with it or wait. ``predicted_backlog_tokens(...,
+ahead_of=u)`` counts each prefill as ``min(its tokens, u)``. That is what lets a short
+follow-up go home to the instance that holds its long document even when that instance is
+busy with other long prefills: there it is a short request, elsewhere a long one.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from slipstream.agent.router.config import DECODE_POOL, LONG_POOL, SHORT_POOL, UNIFIED_POOL
 
+# An instance's health as the router sees it (its /health lists one per instance).
+UNKNOWN = "unknown"  # not polled yet
+SERVING = "serving"  # its /health said 200 and its /metrics parsed
+NOT_SERVING = "not_serving"  # refused, unreachable, or its /health said no (draining...)
+LATE = "late"  # did not answer the last poll in time; still gets traffic
+UNRESPONSIVE = "unresponsive"  # late for UNRESPONSIVE_AFTER_S: not counted as serving
+COOLING_DOWN = "cooling_down"  # a request to it just failed; no traffic for the cooldown
+UNRESPONSIVE_AFTER_S = 30.0
 # Which pools may serve a request class, in order of preference.
 _POOLS_FOR_CLASS = {SHORT_POOL: (SHORT_POOL, UNIFIED_POOL), LONG_POOL: (LONG_POOL, UNIFIED_POOL),
                     DECODE_POOL: (DECODE_POOL,)}
@@ -51,12 +69,17 @@ class Instance:
         self.spec = spec
         self.own_prefill_requests = 0
         self.own_prefill_tokens = 0
+        self._own_prefill_sizes: Counter[int] = Counter()  # own pending prefills by tokens
         self.own_decode_requests = 0
         self.own_kv_tokens = 0  # prompt tokens of this router's requests here, any phase
         self._foreign_prefill_requests = 0
         self._foreign_decode_requests = 0
         self.kv_capacity_tokens: int | None = None
         self.unhealthy_until_s = 0.0
+        # The stats poller's last verdict, for dispatch and the router's /health.
+        self.poll_state = UNKNOWN
+        self.poll_reason = ""
+        self.last_answer_s: float | None = None  # when it last answered a poll at all
 
     @property
     def name(self) -> str:
@@ -75,7 +98,36 @@ class Instance:
         return self.own_in_flight + self._foreign_prefill_requests + self._foreign_decode_requests
 
     def healthy(self, now_s: float) -> bool:
+        """May take traffic: not cooling down after a failure. After the cooldown a refused
+        instance is tried again (a request that cannot connect is retried elsewhere);
+        /health (``health_state``) keeps it out until a poll finds it serving."""
         return now_s >= self.unhealthy_until_s
+
+    def health_state(self, now_s: float) -> str:
+        """What the router's /health says of it (see the constants above)."""
+        if self.poll_state == NOT_SERVING:
+            return NOT_SERVING
+        if now_s < self.unhealthy_until_s:
+            return COOLING_DOWN
+        if self.poll_state == LATE and (self.last_answer_s is None
+                                        or now_s - self.last_answer_s >= UNRESPONSIVE_AFTER_S):
+            return UNRESPONSIVE
+        return self.poll_state
+
+    def health_view(self, now_s: float) -> dict:
+        age = None if self.last_answer_s is None else round(now_s - self.last_answer_s, 1)
+        return {"name": self.name, "url": self.spec.url, "pool": self.pool,
+                "state": self.health_state(now_s), "reason": self.poll_reason,
+                "last_answer_seconds_ago": age}
+
+    def polled(self, state: str, now_s: float, reason: str = "") -> None:
+        """Record a poll's outcome: SERVING or NOT_SERVING (an answer, or a refusal), or LATE
+        (no answer in time: it keeps its traffic; slowness is not death)."""
+        if state != LATE:
+            self.last_answer_s = now_s
+        if state == LATE and self.poll_state == UNKNOWN:
+            self.last_answer_s = None
+        self.poll_state, self.poll_reason = state, reason
 
     def mark_failed(self, now_s: float, cooldown_s: float) -> None:
         self.unhealthy_until_s = now_s + cooldown_s
@@ -86,10 +138,18 @@ class Instance:
         foreign = self._foreign_prefill_requests + self._foreign_decode_requests
         return self.own_kv_tokens + foreign * mean_prompt_tokens
 
-    def predicted_backlog_tokens(self, decode_weight_tokens: float,
-                                 mean_prompt_tokens: float) -> float:
-        prefill = self.own_prefill_tokens + self._foreign_prefill_requests * mean_prompt_tokens
+    def predicted_backlog_tokens(self, decode_weight_tokens: float, mean_prompt_tokens: float,
+                                 ahead_of: int | None = None) -> float:
+        """Prefill tokens to compute here, plus each decode at ``decode_weight_tokens``. With
+        ``ahead_of`` (a new request's uncached prompt tokens), only the part a new request
+        that size waits behind on a shorter-first instance: each prefill up to that many."""
         decodes = self.own_decode_requests + self._foreign_decode_requests
+        if ahead_of is None:
+            prefill = self.own_prefill_tokens + self._foreign_prefill_requests * mean_prompt_tokens
+        else:
+            prefill = sum(min(size, ahead_of) * count
+                          for size, count in self._own_prefill_sizes.items())
+            prefill += self._foreign_prefill_requests * min(mean_prompt_tokens, ahead_of)
         return prefill + decodes * decode_weight_tokens
 
     # -- this router's requests (the proxy calls these) ---------------------------------------
@@ -97,11 +157,11 @@ class Instance:
     def start(self, prompt_tokens: int) -> None:
         self.own_prefill_requests += 1
         self.own_prefill_tokens += prompt_tokens
+        self._own_prefill_sizes[prompt_tokens] += 1
         self.own_kv_tokens += prompt_tokens
 
     def first_token(self, prompt_tokens: int) -> None:
-        self.own_prefill_requests -= 1
-        self.own_prefill_tokens -= prompt_tokens
+        self._prefill_done(prompt_tokens)
         self.own_decode_requests += 1
 
     def finish(self, prompt_tokens: int, reached_first_token: bool) -> None:
@@ -109,8 +169,15 @@ class Instance:
         if reached_first_token:
             self.own_decode_requests -= 1
         else:
-            self.own_prefill_requests -= 1
-            self.own_prefill_tokens -= prompt_tokens
+            self._prefill_done(prompt_tokens)
+
+    def _prefill_done(self, prompt_tokens: int) -> None:
+        self.own_prefill_requests -= 1
+        self.own_prefill_tokens -= prompt_tokens
+        sizes = self._own_prefill_sizes
+        sizes[prompt_tokens] -= 1
+        if sizes[prompt_tokens] <= 0:
+            del sizes[prompt_tokens]
 
     # -- the agent's own report ---------------------------------------------------------------
 
@@ -196,9 +263,16 @@ class InstanceTable:
         return any(instance.pool == DECODE_POOL for instance in self._instances.values())
 
     def serving_count(self) -> int:
-        """Instances that may take traffic now (neither failed nor cooling down)."""
+        """Instances that serve now by the last poll: answered 200, or answered late for
+        less than UNRESPONSIVE_AFTER_S; not refused, down, cooling down or not polled yet."""
         now_s = self._clock()
-        return sum(1 for instance in self._instances.values() if instance.healthy(now_s))
+        return sum(1 for instance in self._instances.values()
+                   if instance.health_state(now_s) in (SERVING, LATE))
+
+    def health_view(self) -> list[dict]:
+        now_s = self._clock()
+        return [instance.health_view(now_s)
+                for instance in sorted(self._instances.values(), key=lambda i: i.name)]
 
     def pool_sizes(self) -> dict[str, int]:
         sizes = {pool: 0 for pool in (SHORT_POOL, LONG_POOL, UNIFIED_POOL, DECODE_POOL)}
