@@ -306,7 +306,23 @@ class LLMEngine:
             prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation,
             first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
             tpot_met=load.tpot_met,
-            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s)
+            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s,
+            **self._transfer_stats())
+
+    def _transfer_stats(self) -> dict[str, int]:
+        disagg = self.disagg
+        if disagg is None:
+            return {}
+        exports = disagg.exports
+        return {
+            "kv_transfers_acknowledged": exports.num_released_total if exports is not None else 0,
+            "kv_transfers_expired": exports.num_expired_total if exports is not None else 0,
+            "kv_transfers_completed": disagg.num_completed_total,
+            "kv_transfers_failed": disagg.num_failed_total,
+            "kv_transfer_blocks": disagg.num_blocks_transferred_total,
+            "kv_transfer_cached_blocks": disagg.num_blocks_cached_total,
+            "kv_transfer_bytes": disagg.num_bytes_transferred_total,
+        }
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""
