@@ -235,7 +235,7 @@ class AutoscalingTargets(ApiModel):
                                      "spec.autoscaling.targets.kvUtilization must be within "
                                      "(0, 1]")))
     prefill_load: float = Field(
-        0.5, description="Mean seconds of prefill work arriving per second on each instance "
+        0.65, description="Mean seconds of prefill work arriving per second on each instance "
         "(prompt tokens arriving over the recent prefill rate) to hold below: the load signal "
         "that grows in proportion to the arrival rate, so the one that says how many "
         "instances fewer would still do.",
