@@ -70,6 +70,7 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     priority: int
     slo: RequestSLO | None
     kv_transfer: dict | None = None
+    share_prompt_with: str | None = None
 
 
 class WarmUp(msgspec.Struct, tag="warm_up", array_like=True):
@@ -223,7 +224,8 @@ class _CoreLoop:
                     engine.add_request(command.prompt_token_ids, command.params,
                                        command.request_id, app_id=command.app_id,
                                        priority=command.priority, slo=command.slo,
-                                       kv_transfer=command.kv_transfer)
+                                       kv_transfer=command.kv_transfer,
+                                       share_prompt_with=command.share_prompt_with)
                 except ValueError as error:
                     outputs.append(_error_output(command.request_id, str(error),
                                                  INVALID_REQUEST))
@@ -409,7 +411,8 @@ class EngineCoreClient:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None,
-                 kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
+                 kv_transfer: dict | None = None,
+                 share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         if self.fatal_error is not None:
             raise EngineDeadError("the engine of this instance failed; retry on another "
@@ -426,7 +429,7 @@ class EngineCoreClient:
                                             TextStream(self.tokenizer, prompt_token_ids,
                                                        params.stop))
         self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                       kv_transfer))
+                       kv_transfer, share_prompt_with))
         if self.fatal_error is not None:  # died after the check above: answer now
             queue.put_nowait(_error_output(request_id, "the engine of this instance failed; "
                                                        "retry the request", ENGINE_DEAD))
