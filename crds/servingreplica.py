@@ -482,6 +482,10 @@ class AutoscalingStatus(StatusModel):
     last_scale_reason: str | None = Field(None, description="The reason of the last decision.")
     last_scale_message: str | None = None
     last_scale_time: str | None = Field(None, description="When the count last changed.")
+    add_pools: list[str] = Field(
+        default_factory=list, description="With pools: the pool of each instance the last "
+        "scale-up added, in order (the one under the higher pressure); reconcile creates "
+        "them there.")
 
 
 class ServingReplicaStatus(StatusModel):

@@ -97,8 +97,10 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                            if previous.autoscaling else None, len(observed))
     if spec.autoscaled:
         desired = max(desired, len(observed))  # only the autoscaler scales down (a drain)
+    new_pools = previous.autoscaling.add_pools if spec.autoscaled and previous.autoscaling \
+        else []
     plan = plan_instances(spec, observed, {i.name: i.pool for i in previous.instances}, name,
-                          count=desired, reserved=draining)
+                          count=desired, reserved=draining, new_pools=new_pools)
     recreated = {index for index, _ in plan.create}
     for instance in plan.tear_down:
         _tear_down(kube, namespace, instance, keep_service=instance.index in recreated)
