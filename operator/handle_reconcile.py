@@ -93,27 +93,16 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
 
     resource = spec.placement.gpu_resource
     everything = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
-<<<<<<< HEAD
-    observed = {k: i for k, i in everything.items() if not i.draining}
-    draining = frozenset(i.index for i in everything.values() if i.draining)
-    desired = target_count(spec, previous.autoscaling.desired_instances
-                           if previous.autoscaling else None, len(observed))
-    if spec.autoscaled:
-        desired = max(desired, len(observed))  # only the autoscaler scales down (a drain)
-    new_pools = previous.autoscaling.add_pools if spec.autoscaled and previous.autoscaling \
-        else []
-    plan = plan_instances(spec, observed, {i.name: i.pool for i in previous.instances}, name,
-                          count=desired, reserved=draining, new_pools=new_pools)
-=======
     step = plan_step(spec, everything, {i.name: i.pool for i in previous.instances}, name,
                      autoscaler_desired=(previous.autoscaling.desired_instances
                                          if previous.autoscaling else None),
                      template_hash=builders.template_hash(spec),
-                     surge_fits=lambda: _one_more_fits(kube, spec))
+                     surge_fits=lambda: _one_more_fits(kube, spec),
+                     new_pools=(previous.autoscaling.add_pools
+                                if spec.autoscaled and previous.autoscaling else ()))
     rollout, plan, desired, draining = step.rollout, step.plan, step.desired, step.draining
     if rollout.drain is not None:
         _drain_outdated(kube, body, rollout, event)
->>>>>>> main
     recreated = {index for index, _ in plan.create}
     for instance in plan.tear_down:
         _tear_down(kube, namespace, instance, keep_service=instance.index in recreated)

@@ -263,11 +263,12 @@ class Step:
 def plan_step(spec: ServingReplicaSpec, everything: dict[str, ObservedInstance],
               remembered_pools: dict[str, str], replica: str, *,
               autoscaler_desired: int | None, template_hash: str,
-              surge_fits: Callable[[], bool]) -> Step:
+              surge_fits: Callable[[], bool], new_pools: Sequence[str] = ()) -> Step:
     """Reconcile's whole decision over the observed instances: the rolling update's step
     (which outdated instance to drain, whether to surge), then plan_instances over the
     instances left in rotation. Draining instances are not counted and keep their indices;
-    the autoscaler's loop deletes them."""
+    the autoscaler's loop deletes them. ``new_pools``: the autoscaler's choice for the
+    instances its last scale-up added (plan_instances)."""
     observed = {k: i for k, i in everything.items() if not i.draining}
     draining = frozenset(i.index for i in everything.values() if i.draining)
     desired = target_count(spec, autoscaler_desired, len(observed))
@@ -282,7 +283,7 @@ def plan_step(spec: ServingReplicaSpec, everything: dict[str, ObservedInstance],
         if not rollout.outdated:
             desired = max(desired, len(observed))
     plan = plan_instances(spec, observed, remembered_pools, replica, count=count,
-                          reserved=draining)
+                          reserved=draining, new_pools=new_pools)
     if rollout.surge_pool is not None:  # the surge instance (a new index) takes its pool
         known = {i.index for i in observed.values()}
         plan = dataclasses.replace(plan, create=tuple(
