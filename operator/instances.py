@@ -308,6 +308,11 @@ def _surviving_slots(spec: ServingReplicaSpec, instances: list[ObservedInstance]
         prefill = [i for i in instances if i.pool != DECODE_POOL]
         victims = _victims(spec, decode, len(decode) - spec.disaggregation.decode.instances) + \
             _victims(spec, prefill, len(prefill) - spec.disaggregation.prefill.instances)
+        # A rolling update's surge instance (count above the roles' sum) keeps its slot
+        # beyond its role's count until the outdated instance it replaces has drained.
+        surge = max(0, count - spec.disaggregation.instances)
+        spared = [i for i in victims if not i.failed][:surge]
+        victims = [i for i in victims if i not in spared]
     else:
         victims = _victims(spec, instances, len(instances) - count)
     return [i for i in instances if i not in victims]
