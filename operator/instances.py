@@ -273,7 +273,9 @@ def plan_step(spec: ServingReplicaSpec, everything: dict[str, ObservedInstance],
             desired = max(desired, len(observed))
     plan = plan_instances(spec, observed, remembered_pools, replica, count=count,
                           reserved=draining)
-    if rollout.surge_pool is not None:  # the surge instance (a new index) takes its pool
+    # The surge instance (a new index) takes its pool, unless the spec no longer has that
+    # pool (spec.pools or spec.disaggregation was dropped): then the pool plan_instances chose.
+    if rollout.surge_pool is not None and _valid_pool(rollout.surge_pool, spec):
         known = {i.index for i in observed.values()}
         plan = dataclasses.replace(plan, create=tuple(
             (index, pool if index in known else rollout.surge_pool)

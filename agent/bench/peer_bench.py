@@ -16,9 +16,9 @@ same prompts, side by side in one run (``make bench-peer``; docs/peers.md).
 
 Both servers get the same thread count. llama.cpp runs with ``--parallel 32`` slots over one
 unified KV buffer that holds a full-context request. Slipstream runs with a runtime profile (the
-time-budget packer), made once and cached like ``sim_vs_live`` does. Building llama.cpp takes
-about 10 minutes on 2 cores the first time (agent/bench/llamacpp.py); it is never part of
-``make test``.
+time-budget packer), made once and cached like ``sim_vs_live`` does, unless ``--profile none``.
+Building llama.cpp takes about 10 minutes on 2 cores the first time (agent/bench/llamacpp.py);
+it is never part of ``make test``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def f32_gguf(quantized: Path) -> Path:
 
 
 @contextmanager
-def serving(system: System, threads: int, profile_dir: Path, log: Path,
+def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
             long_threshold_tokens: int) -> Iterator[str]:
     """A healthy server for ``system``; yields its /v1 base URL and stops it on exit."""
     port = free_port()
@@ -94,7 +94,8 @@ def serving(system: System, threads: int, profile_dir: Path, log: Path,
                 "--port", str(port), "--control-port", "0", "--served-model-name", MODEL_NAME,
                 "--max-model-len", str(CONTEXT_TOKENS),
                 "--num-kv-blocks", str(2 * CONTEXT_TOKENS // 16),
-                "--profile", str(profile_dir), "--policy", system.policy,
+                *(["--profile", str(profile_dir)] if profile_dir else []),
+                "--policy", system.policy,
                 "--max-space-share-fraction", space_share,
                 "--long-request-threshold-tokens", str(long_threshold_tokens),
                 "--log-level", "warning"]
@@ -212,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: "
                         "throughput, convoy, q4_1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="auto",
+                        help="Slipstream's runtime profile: 'auto' (`slipstream profile --grid "
+                             "small`, made once and cached), a profile directory, or 'none' "
+                             "(no time-budget packer: a fixed token budget per iteration, "
+                             "what `slipstream serve` does without --profile)")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     quantized = packaged_default_gguf()
@@ -221,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     full = f32_gguf(quantized)
     model_dir = cached_model_dir(quantized, slipstream_cache_dir())
     started = time.monotonic()
-    profile_dir = cached_profile(model_dir, "small", args.threads, refresh=False)
+    profile_dir = (None if args.profile == "none" else
+                   cached_profile(model_dir, "small", args.threads, refresh=False)
+                   if args.profile == "auto" else Path(args.profile))
     profile_s = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
@@ -273,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {**{k: v for k, v in vars(args).items() if k != "out"},
                           "model": quantized.name, "f32_model": full.name,
                           "llama_cpp": str(bin_dir().parent.name), "slots": SLOTS,
+                          "profile_dir": str(profile_dir) if profile_dir else None,
                           "profile_s": profile_s, "cpu_count": os.cpu_count(),
                           "long_arrivals_s": [r.arrival_s for r in requests
                                               if r.source == "long"],
