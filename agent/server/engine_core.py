@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Protocol, cast
 import msgspec
 import zmq
 
-from slipstream.agent.engine.async_engine import DRAINED_MESSAGE
+from slipstream.agent.engine.async_engine import (
+    DRAINED_MESSAGE, check_admission, dead_output, error_output)
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
-    DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
+    DRAINED, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError)
 from slipstream.agent.engine.grammar import GrammarCompiler
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
@@ -243,7 +244,7 @@ class _CoreLoop:
                                        priority=command.priority, slo=command.slo,
                                        kv_transfer=command.kv_transfer)
                 except ValueError as error:
-                    outputs.append(_error_output(command.request_id, str(error),
+                    outputs.append(error_output(command.request_id, str(error),
                                                  INVALID_REQUEST))
             elif isinstance(command, Abort):
                 for request_id in command.request_ids:
@@ -399,6 +400,9 @@ class EngineCoreClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     async def shutdown(self) -> None:
         """Let the core fail what is left (drained), then stop it."""
         if self.fatal_error is None and self._process.is_alive():
@@ -429,16 +433,7 @@ class EngineCoreClient:
                  slo: RequestSLO | None = None,
                  kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
-        if self.fatal_error is not None:
-            raise EngineDeadError("the engine of this instance failed; retry on another "
-                                  "instance")
-        if self.draining:
-            raise EngineUnavailable("this instance is shutting down; retry on another instance")
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        self.limits.validate(prompt_token_ids, params)
+        check_admission(self, request_id, prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = _Stream(asyncio.get_running_loop(), queue,
                                             TextStream(self.tokenizer, prompt_token_ids,
@@ -446,8 +441,7 @@ class EngineCoreClient:
         self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
                        kv_transfer))
         if self.fatal_error is not None:  # died after the check above: answer now
-            queue.put_nowait(_error_output(request_id, "the engine of this instance failed; "
-                                                       "retry the request", ENGINE_DEAD))
+            queue.put_nowait(dead_output(request_id))
         return self._iterate(request_id, queue)
 
     async def _iterate(self, request_id: str,
@@ -519,9 +513,7 @@ class EngineCoreClient:
         log.error("the engine core is dead, failing every request: %s", reason)
         self.fatal_error = reason
         self.healthy = False  # before the failures are delivered: they must read as 503
-        self._deliver([_error_output(request_id, "the engine of this instance failed; retry "
-                                                 "the request", ENGINE_DEAD)
-                       for request_id in list(self._streams)])
+        self._deliver([dead_output(request_id) for request_id in list(self._streams)])
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -562,11 +554,6 @@ def _add_text(text: TextStream, output: RequestOutput) -> tuple[RequestOutput, b
         pieces.append(text.flush())  # the length limit, or a grammar that is complete
     output.new_text = "".join(pieces)
     return output, False
-
-
-def _error_output(request_id: str, message: str, code: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", 0, 0, finished=True, finish_reason="error",
-                         error=message, error_code=code)
 
 
 if TYPE_CHECKING:
