@@ -32,6 +32,15 @@ class AgentPools(ApiModel):
     long_prefill_threshold_tokens: int = Field(8192, gt=0)
 
 
+class AgentDisaggregation(ApiModel):
+    """The KV transfer settings shared by both roles; the role itself is per pod
+    ($SLIPSTREAM_ROLE, set by the operator)."""
+
+    transport: str = "mooncake"
+    hold_timeout_seconds: float = Field(120.0, gt=0)
+    blocks_per_read: int = Field(8, ge=1)
+
+
 class AgentServer(ApiModel):
     drain_timeout_seconds: float = Field(DEFAULT_DRAIN_TIMEOUT_SECONDS, ge=0, le=3600)
 
@@ -43,6 +52,7 @@ class AgentConfig(ApiModel):
     slo: Slo = Field(default_factory=Slo)
     pools: AgentPools | None = None
     server: AgentServer = Field(default_factory=AgentServer)
+    disaggregation: AgentDisaggregation | None = None
 
     @classmethod
     def from_spec(cls, spec: ServingReplicaSpec, model_path: str) -> AgentConfig:
@@ -55,7 +65,8 @@ class AgentConfig(ApiModel):
                                     max_model_len=spec.model.max_model_len),
                    parallelism=spec.parallelism, scheduler=spec.scheduler, slo=spec.slo,
                    pools=pools,
-                   server=AgentServer(drain_timeout_seconds=spec.drain_timeout_seconds))
+                   server=AgentServer(drain_timeout_seconds=spec.drain_timeout_seconds),
+                   disaggregation=_disaggregation(spec))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_api(), sort_keys=True)
@@ -68,3 +79,11 @@ class AgentConfig(ApiModel):
         except yaml.YAMLError as error:
             raise ValueError(f"not YAML: {error}") from None
         return cls.model_validate(tree or {})
+
+
+def _disaggregation(spec: ServingReplicaSpec) -> AgentDisaggregation | None:
+    if spec.disaggregation is None:
+        return None
+    return AgentDisaggregation(transport=spec.disaggregation.transport,
+                               hold_timeout_seconds=spec.disaggregation.hold_timeout_seconds,
+                               blocks_per_read=spec.disaggregation.blocks_per_read)

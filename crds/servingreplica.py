@@ -34,6 +34,13 @@ POOL_NAMES = ("short", "long")
 SHORT_PREFILL_PROMPT_LIMITS = tuple(AWD_SHORTEST_BUCKET_TOKENS << i for i in range(11))
 DEFAULT_DRAIN_TIMEOUT_SECONDS = 30  # as `slipstream serve --drain-timeout-s`
 UNIFIED_POOL = "unified"  # the pool label of every instance when spec.pools is absent
+# The pool label of decode instances (spec.disaggregation); the router chains prefill
+# instances (short/long/unified) to them.
+DECODE_POOL = "decode"
+PREFILL_ROLE, DECODE_ROLE = "prefill", "decode"
+# `slipstream serve --kv-transport` (agent/engine/disagg_config.py; the operator may not import
+# the engine, a unit test keeps the two lists equal).
+KV_TRANSPORTS = ("mooncake", "zmq")
 
 
 class ApiModel(BaseModel):
@@ -282,22 +289,64 @@ class Autoscaling(ApiModel):
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
 
 
+class PrefillRole(ApiModel):
+    instances: int = Field(description="Prefill instances: they compute prompts and first "
+                           "tokens (split into short/long pools by spec.pools, if set).",
+                           json_schema_extra=rules(positive(
+                               "spec.disaggregation.prefill.instances")))
+
+
+class DecodeRole(ApiModel):
+    instances: int = Field(description="Decode instances: they fetch a prompt's KV from a "
+                           "prefill instance and generate the rest.",
+                           json_schema_extra=rules(positive(
+                               "spec.disaggregation.decode.instances")))
+
+
+class Disaggregation(ApiModel):
+    """Prefill/decode disaggregation (docs/disaggregation.md): the router sends each request
+    to a prefill instance, then to a decode instance that pulls the KV."""
+
+    prefill: PrefillRole
+    decode: DecodeRole
+    transport: str = Field("mooncake", max_length=16, description="How KV moves: mooncake "
+                           "(Mooncake Transfer Engine: TCP, or RDMA on GPU hosts) or zmq (over "
+                           "the ZeroMQ side channel).", json_schema_extra=rules(one_of(
+                               "spec.disaggregation.transport", KV_TRANSPORTS)))
+    hold_timeout_seconds: int = Field(
+        120, description="A prefill instance frees KV no decode instance fetched after this "
+        "long.", json_schema_extra=rules(positive("spec.disaggregation.holdTimeoutSeconds",
+                                                  "seconds")))
+    blocks_per_read: int = Field(
+        8, description="KV blocks a decode instance fetches per transfer-engine read.",
+        json_schema_extra=rules(positive("spec.disaggregation.blocksPerRead")))
+
+    @property
+    def instances(self) -> int:
+        return self.prefill.instances + self.decode.instances
+
+
 # spec.instances is ignored while autoscaling (the rules on it hold against minInstances).
 _AUTOSCALED = "(has(self.autoscaling) && self.autoscaling.enabled)"
+# The instances that prefill pools split: with disaggregation the prefill role's, else all.
+_PREFILL_INSTANCES = ("(has(self.disaggregation) ? self.disaggregation.prefill.instances : "
+                      "self.instances)")
 
 _SPEC_RULES = rules(
     Rule("self.parallelism.tp <= self.placement.gpusPerNode",
          "spec.parallelism.tp must not exceed spec.placement.gpusPerNode: a TP group never "
          "spans nodes", field_path=".parallelism.tp"),
     Rule("!has(self.pools) || " + _AUTOSCALED + " || "
-         "self.pools.short <= self.instances",
-         "spec.pools.short must not exceed spec.instances (the long pool gets instances - "
-         "short)", field_path=".pools.short"),
+         "self.pools.short <= " + _PREFILL_INSTANCES,
+         "spec.pools.short must not exceed spec.instances, or with spec.disaggregation "
+         "spec.disaggregation.prefill.instances (the long pool gets the rest)",
+         field_path=".pools.short"),
     Rule("!has(self.pools) || !self.pools.rebalance.enabled || "
          "(self.pools.short >= self.pools.rebalance.minPerPool && "
          "(" + _AUTOSCALED + " || "
-         "self.instances - self.pools.short >= self.pools.rebalance.minPerPool))",
-         "spec.pools.short and the long pool (spec.instances - short) must each hold at least "
+         + _PREFILL_INSTANCES + " - self.pools.short >= self.pools.rebalance.minPerPool))",
+         "spec.pools.short and the long pool (spec.instances, or with spec.disaggregation "
+         "its prefill.instances, minus short) must each hold at least "
          "spec.pools.rebalance.minPerPool instances when rebalancing is enabled",
          field_path=".pools.short"),
     # While autoscaling, spec.instances is ignored and the count starts at minInstances, so
@@ -317,6 +366,15 @@ _SPEC_RULES = rules(
          "spec.scheduler.shortPrefillMaxPromptTokens must be below "
          "spec.pools.longPrefillThresholdTokens, so that AWD only ever holds the short pool's "
          "prompts", field_path=".scheduler.shortPrefillMaxPromptTokens"),
+    Rule("!has(self.disaggregation) || !" + _AUTOSCALED,
+         "spec.autoscaling cannot be enabled with spec.disaggregation: size the roles with "
+         "spec.disaggregation.prefill.instances and spec.disaggregation.decode.instances",
+         field_path=".autoscaling"),
+    # The agent's prefill and decode roles keep the KV in the controller process.
+    Rule("!has(self.disaggregation) || "
+         "(self.parallelism.tp == 1 && self.parallelism.spp == 1 && self.parallelism.kvp == 1)",
+         "spec.disaggregation needs spec.parallelism.tp, spp and kvp of 1 (prefill and decode "
+         "instances are single-process for now)", field_path=".disaggregation"),
 )
 
 
@@ -327,7 +385,7 @@ class ServingReplicaSpec(ApiModel):
     image: str = Field(min_length=1, description="Agent container image.")
     instances: int = Field(1, ge=0, description="Serving instances (scale subresource); each "
                            "is tp x spp x kvp GPUs. Ignored while spec.autoscaling is "
-                           "enabled.")
+                           "enabled or spec.disaggregation is set.")
     parallelism: Parallelism = Field(default_factory=Parallelism)
     placement: Placement = Field(default_factory=Placement)
     pools: Pools | None = Field(None, description="Optional short/long prefill pools "
@@ -341,10 +399,19 @@ class ServingReplicaSpec(ApiModel):
                     "an error. The pods' terminationGracePeriodSeconds is set above it.")
     autoscaling: Autoscaling | None = Field(None, description="The built-in SLO autoscaler; "
                                             "absent or disabled: spec.instances holds.")
+    disaggregation: Disaggregation | None = Field(
+        None, description="Prefill/decode disaggregation: separate prefill and decode "
+        "instances with the KV moved between them. While set, the instance count is "
+        "prefill.instances + decode.instances and spec.instances is ignored; spec.pools "
+        "splits the prefill instances.")
 
     @property
     def initial_short_instances(self) -> int:
         return self.pools.short if self.pools else 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.disaggregation is not None
 
     @property
     def autoscaled(self) -> bool:
@@ -380,6 +447,8 @@ class InstanceStatus(StatusModel):
     name: str
     pool: str
     ready: bool
+    role: str | None = Field(None, description="prefill or decode (spec.disaggregation); "
+                             "absent for mixed instances.")
     ranks: list[RankStatus] = Field(default_factory=list)
 
 
@@ -393,6 +462,17 @@ class PoolsStatus(StatusModel):
     long: int
     pressure: PoolPressure | None = None
     last_rebalance_time: str | None = None
+
+
+class RoleStatus(StatusModel):
+    instances: int = Field(description="Instances of this role placed.")
+    ready_instances: int
+    ready: str = Field(description="Ready/desired instances of this role, for kubectl get.")
+
+
+class DisaggregationStatus(StatusModel):
+    prefill: RoleStatus
+    decode: RoleStatus
 
 
 class AutoscalingStatus(StatusModel):
@@ -416,4 +496,5 @@ class ServingReplicaStatus(StatusModel):
     instances: list[InstanceStatus] = Field(default_factory=list)
     pools: PoolsStatus | None = None
     autoscaling: AutoscalingStatus | None = None
+    disaggregation: DisaggregationStatus | None = None
     endpoint: str | None = None

@@ -12,7 +12,9 @@ from typing import Any
 
 from slipstream.crds.agent_config import AgentConfig
 from slipstream.crds.servingreplica import ServingReplicaSpec
+from slipstream.crds.servingreplica import PREFILL_ROLE
 from slipstream.operator import naming
+from slipstream.operator.instances import instance_role
 from slipstream.operator.placement import NodeShare
 
 CONFIG_MOUNT_DIR = "/etc/slipstream"
@@ -153,16 +155,21 @@ def termination_grace_seconds(spec: ServingReplicaSpec) -> int:
     return PRE_STOP_SLEEP_SECONDS + spec.drain_timeout_seconds + DRAIN_MARGIN_SECONDS
 
 
-def agent_command(*, rank: int) -> list[str]:
+def agent_command(*, rank: int, role: str | None = None) -> list[str]:
     """Pod 0 runs the controller (HTTP, scheduler) and its node's ranks; every further pod
     runs `slipstream worker` for its node's ranks. The rank layout comes from the
     SLIPSTREAM_* variables (see ``parallel_env``). Everything the spec says about the engine
     is in the mounted ConfigMap; the flags are only the ports the pod declares (the address
-    to bind is $POD_IP, which the agent reads itself)."""
+    to bind is $POD_IP, which the agent reads itself) and, with disaggregation, the role."""
     if rank > 0:
         return ["slipstream", "worker"]
-    return ["slipstream", "serve", "--config", f"{CONFIG_MOUNT_DIR}/{ENGINE_CONFIG_FILE}",
-            "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT)]
+    command = ["slipstream", "serve", "--config", f"{CONFIG_MOUNT_DIR}/{ENGINE_CONFIG_FILE}",
+               "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT)]
+    if role is not None:
+        command += ["--role", role]
+    if role == PREFILL_ROLE:
+        command += ["--kv-side-channel-port", str(naming.KV_SIDE_CHANNEL_PORT)]
+    return command
 
 
 def parallel_env(spec: ServingReplicaSpec, namespace: str, instance: str, share: NodeShare,
@@ -188,10 +195,17 @@ def parallel_env(spec: ServingReplicaSpec, namespace: str, instance: str, share:
 def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, instance: str,
                      share: NodeShare, rank: int, num_ranks: int, pool: str) -> dict:
     gpu_resource = spec.placement.gpu_resource
+    role = instance_role(spec, pool)
+    ports = [{"name": "http", "containerPort": naming.HTTP_PORT},
+             {"name": "grpc-control", "containerPort": naming.CONTROL_PORT},
+             {"name": "parallel", "containerPort": naming.PARALLEL_CONTROLLER_PORT},
+             {"name": "rendezvous", "containerPort": naming.RENDEZVOUS_PORT}]
+    if role == PREFILL_ROLE and rank == 0:
+        ports.append({"name": "kv-side", "containerPort": naming.KV_SIDE_CHANNEL_PORT})
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.image,
-        "command": agent_command(rank=rank),
+        "command": agent_command(rank=rank, role=role),
         "env": [
             _field_env("POD_IP", "status.podIP"),
             _field_env("POD_NAME", "metadata.name"),
@@ -204,10 +218,7 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
             {"name": "SLIPSTREAM_INSTANCE", "value": instance},
             *parallel_env(spec, namespace, instance, share, num_ranks),
         ],
-        "ports": [{"name": "http", "containerPort": naming.HTTP_PORT},
-                  {"name": "grpc-control", "containerPort": naming.CONTROL_PORT},
-                  {"name": "parallel", "containerPort": naming.PARALLEL_CONTROLLER_PORT},
-                  {"name": "rendezvous", "containerPort": naming.RENDEZVOUS_PORT}],
+        "ports": ports,
         "resources": {"requests": {gpu_resource: str(share.gpus)},
                       "limits": {gpu_resource: str(share.gpus)}},
         "volumeMounts": _volume_mounts(spec),

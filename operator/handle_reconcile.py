@@ -2,7 +2,8 @@
 
     trigger (create/update/resume, timer, a child pod changed) --reconcile()-->
       GET the replica (under a per-replica lock), ensure ConfigMap + client Services
-        (+ with spec.pools: the router's ServiceAccount, RoleBinding and Deployment)
+        (+ with spec.pools or spec.disaggregation: the router's ServiceAccount, RoleBinding
+        and Deployment)
       pods --observe_pods--> plan_instances --> tear down failed/excess instances
         (with spec.autoscaling: the autoscaler's desired count; its draining instances are
         left to it, handle_autoscale.py)
@@ -85,8 +86,8 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
     namespace, name = metadata["namespace"], metadata["name"]
     spec = ServingReplicaSpec.model_validate(body["spec"])
     previous = ServingReplicaStatus.model_validate(body.get("status") or {})
-    _ensure_shared_children(kube, body, spec, adopt,
-                            previous_had_pools=previous.pools is not None)
+    _ensure_shared_children(kube, body, spec, adopt, previous_had_router=(
+        previous.pools is not None or previous.disaggregation is not None))
 
     resource = spec.placement.gpu_resource
     everything = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
@@ -148,24 +149,25 @@ def placement_request(spec: ServingReplicaSpec) -> PlacementRequest:
 
 
 def _ensure_shared_children(kube: Kube, body: dict, spec: ServingReplicaSpec,
-                            adopt: Adopt, *, previous_had_pools: bool) -> None:
+                            adopt: Adopt, *, previous_had_router: bool) -> None:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    with_router = spec.pools is not None
+    with_router = router.wants_router(spec)
     wanted = [builders.build_config_map_spec(name, namespace, spec)]
     if with_router:
         # The identity and its read grant first: the router's pods need both to start.
         wanted += [router.build_router_service_account_spec(name, namespace),
                    router.build_router_role_binding_spec(name, namespace),
                    router.build_router_deployment_spec(name, namespace, spec)]
-        wanted += [builders.build_client_service_spec(name, namespace, pool)
-                   for pool in ("short", "long")]
+        if spec.pools is not None:
+            wanted += [builders.build_client_service_spec(name, namespace, pool)
+                       for pool in ("short", "long")]
     wanted.append(builders.build_client_service_spec(name, namespace, via_router=with_router))
     for manifest in wanted:
         adopt(manifest, body)
         kube.ensure(manifest)
-    if not with_router and previous_had_pools:
-        # Pools were dropped from the spec: the client Service now selects the agents, and
-        # the router goes (the next status no longer shows pools, so this runs once).
+    if not with_router and previous_had_router:
+        # Pools and disaggregation were dropped from the spec: the client Service now selects
+        # the agents, and the router goes (the next status shows neither, so this runs once).
         for kind in ("Deployment", "RoleBinding", "ServiceAccount"):
             kube.delete(kind, namespace, naming.router_name(name))
 

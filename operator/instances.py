@@ -15,7 +15,8 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from slipstream.crds.servingreplica import POOL_NAMES, UNIFIED_POOL, ServingReplicaSpec
+from slipstream.crds.servingreplica import (
+    DECODE_POOL, DECODE_ROLE, POOL_NAMES, PREFILL_ROLE, UNIFIED_POOL, ServingReplicaSpec)
 from slipstream.operator import naming
 from slipstream.operator.capacity import pod_gpu_request
 
@@ -165,12 +166,20 @@ def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstanc
     free_indices = (i for i in itertools.count() if i not in used)
     for index in itertools.islice(free_indices, max(0, count - len(slots))):
         remembered = remembered_pools.get(naming.instance_name(replica, index))
-        pool = remembered if remembered and _valid_pool(remembered, spec) else \
-            _pool_for_new(spec, pools)
+        pool = remembered if remembered and _valid_pool(remembered, spec) and \
+            _role_has_room(spec, pools, remembered) else _pool_for_new(spec, pools)
         pools[pool] += 1
         create.append((index, pool))
     return InstancePlan(keep=tuple(keep), tear_down=tuple(sorted(tear_down, key=lambda i: i.index)),
                         restarts=tuple(restarts), create=tuple(sorted(create)))
+
+
+def instance_role(spec: ServingReplicaSpec, pool: str) -> str | None:
+    """prefill or decode for an instance of a disaggregated replica (decode instances are
+    the ``decode`` pool; every prefill pool is the prefill role); None for mixed instances."""
+    if spec.disaggregation is None:
+        return None
+    return DECODE_ROLE if pool == DECODE_POOL else PREFILL_ROLE
 
 
 def target_count(spec: ServingReplicaSpec, desired: int | None, live: int) -> int:
@@ -179,6 +188,8 @@ def target_count(spec: ServingReplicaSpec, desired: int | None, live: int) -> in
     (``desired`` None), the instances already running, within [minInstances, maxInstances]
     (switching autoscaling on never scales down without a drain). Only the autoscaler scales
     down, by draining: a lowered maxInstances is not enforced here."""
+    if spec.disaggregation is not None:  # the CRD rules out autoscaling with it
+        return spec.disaggregation.instances
     autoscaling = spec.autoscaling
     if autoscaling is None or not autoscaling.enabled:
         return spec.instances
@@ -191,9 +202,22 @@ def _surviving_slots(spec: ServingReplicaSpec, instances: list[ObservedInstance]
                      count: int) -> list[ObservedInstance]:
     """The instances that keep their slot when scaling down: failed ones go first, then the
     highest indices, but never taking a pool below minPerPool while another choice exists."""
-    excess = len(instances) - count
+    if spec.disaggregation is not None:
+        # Each role keeps at most its own count: a changed prefill:decode ratio removes
+        # instances of the role that shrank even when the total stays.
+        decode = [i for i in instances if i.pool == DECODE_POOL]
+        prefill = [i for i in instances if i.pool != DECODE_POOL]
+        victims = _victims(spec, decode, len(decode) - spec.disaggregation.decode.instances) + \
+            _victims(spec, prefill, len(prefill) - spec.disaggregation.prefill.instances)
+    else:
+        victims = _victims(spec, instances, len(instances) - count)
+    return [i for i in instances if i not in victims]
+
+
+def _victims(spec: ServingReplicaSpec, instances: list[ObservedInstance],
+             excess: int) -> list[ObservedInstance]:
     if excess <= 0:
-        return instances
+        return []
     counts = Counter(i.pool for i in instances)
     floor = spec.pools.rebalance.min_per_pool if spec.pools and spec.pools.rebalance.enabled \
         else 0
@@ -206,16 +230,32 @@ def _surviving_slots(spec: ServingReplicaSpec, instances: list[ObservedInstance]
     for instance in candidates:  # the floor could not be kept: highest indices go anyway
         if len(victims) < excess and instance not in victims:
             victims.append(instance)
-    return [i for i in instances if i not in victims]
+    return victims
 
 
 def _valid_pool(pool: str, spec: ServingReplicaSpec) -> bool:
+    if pool == DECODE_POOL:
+        return spec.disaggregation is not None
     return pool in POOL_NAMES if spec.pools is not None else pool == UNIFIED_POOL
 
 
+def _role_has_room(spec: ServingReplicaSpec, pools: Counter[str], pool: str) -> bool:
+    """Whether one more instance of ``pool``'s role stays within its count."""
+    if spec.disaggregation is None:
+        return True
+    decode = pools[DECODE_POOL]
+    if pool == DECODE_POOL:
+        return decode < spec.disaggregation.decode.instances
+    return sum(pools.values()) - decode < spec.disaggregation.prefill.instances
+
+
 def _pool_for_new(spec: ServingReplicaSpec, pools: Counter[str]) -> str:
-    """Fill the short pool up to spec.pools.short, then the long pool (the CRD's rules make
-    sure that leaves the long pool its minPerPool on a fresh rollout)."""
-    if spec.pools is None:
-        return UNIFIED_POOL
-    return "short" if pools["short"] < spec.pools.short else "long"
+    """With disaggregation, prefill instances first, then decode ones. Prefill (or mixed)
+    instances fill the short pool up to spec.pools.short, then the long pool (the CRD's rules
+    make sure that leaves the long pool its minPerPool on a fresh rollout)."""
+    prefill_pool = UNIFIED_POOL
+    if spec.pools is not None:
+        prefill_pool = "short" if pools["short"] < spec.pools.short else "long"
+    if spec.disaggregation is not None and not _role_has_room(spec, pools, prefill_pool):
+        return DECODE_POOL
+    return prefill_pool

@@ -46,6 +46,10 @@ CONTROL_PORT = 50051
 # rendezvous, both in the rank-0 pod, reached through the instance's headless Service.
 PARALLEL_CONTROLLER_PORT = 29400
 RENDEZVOUS_PORT = 29500
+# Prefill instances of a disaggregated replica: the KV side channel decode instances ask for
+# blocks and acknowledge on (the Mooncake engine's own RPC port is chosen at start and
+# travels in each transfer's handle).
+KV_SIDE_CHANNEL_PORT = 5570
 # Kubernetes object names are DNS labels for pods' hostnames and services: 63 characters.
 MAX_NAME_LENGTH = 63
 

@@ -1,14 +1,16 @@
-"""Pure builders of the length-aware router of a ServingReplica with ``spec.pools``.
+"""Pure builders of the router of a ServingReplica with ``spec.pools`` or ``spec.disaggregation``.
 
-    spec.pools set --handle_reconcile--> ServiceAccount <replica>-router
+    spec.pools or spec.disaggregation set
+                   --handle_reconcile--> ServiceAccount <replica>-router
                                          RoleBinding <replica>-router -> ClusterRole
                                            slipstream-router (pods get/list/watch; the chart)
                                          Deployment <replica>-router: `slipstream router`
                                          client Service <replica> --selects--> router pods
     router pods --watch agent pods (slipstream.dev/replica=<replica>, role=controller)-->
-      route by prompt length to the pod labelled slipstream.dev/pool=short|long
+      route by prompt length to the pod labelled slipstream.dev/pool=short|long (or unified);
+      with pods labelled slipstream.dev/pool=decode, continue each request on one of them
 
-Without pools the client Service selects the agents' rank-0 pods directly (builders.py). The
+Without either, the client Service selects the agents' rank-0 pods directly (builders.py). The
 router pods carry no ``slipstream.dev/replica`` label on purpose: the operator counts every
 pod with that label as part of an instance, and the router is not one.
 """
@@ -40,14 +42,23 @@ def agent_selector(replica: str) -> str:
     return f"{naming.REPLICA_LABEL}={replica},{naming.ROLE_LABEL}={naming.ROLE_CONTROLLER}"
 
 
+def wants_router(spec: ServingReplicaSpec) -> bool:
+    """Pools need the length-aware choice; disaggregation needs the prefill -> decode chain."""
+    return spec.pools is not None or spec.disaggregation is not None
+
+
 def router_command(replica: str, namespace: str, spec: ServingReplicaSpec) -> list[str]:
-    assert spec.pools is not None  # only replicas with pools get a router
-    return ["slipstream", "router", "--namespace", namespace,
-            "--selector", agent_selector(replica),
-            "--long-prefill-threshold-tokens", str(spec.pools.long_prefill_threshold_tokens),
-            # The tokenizer makes the length classes match the agents' token counts.
-            "--model", builders.model_path(spec),
-            "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT)]
+    assert wants_router(spec)
+    command = ["slipstream", "router", "--namespace", namespace,
+               "--selector", agent_selector(replica)]
+    if spec.pools is not None:
+        command += ["--long-prefill-threshold-tokens",
+                    str(spec.pools.long_prefill_threshold_tokens)]
+    # The tokenizer makes the length classes match the agents' token counts. Decode
+    # instances (pool label "decode") make the router chain each request through a prefill
+    # and a decode instance.
+    return command + ["--model", builders.model_path(spec),
+                      "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT)]
 
 
 def build_router_service_account_spec(replica: str, namespace: str) -> dict:

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import (
-    Condition, InstanceStatus, PoolPressure, PoolsStatus, RankStatus, ServingReplicaSpec,
-    ServingReplicaStatus)
+    DECODE_ROLE, PREFILL_ROLE, Condition, DisaggregationStatus, InstanceStatus, PoolPressure,
+    PoolsStatus, RankStatus, RoleStatus, ServingReplicaSpec, ServingReplicaStatus)
 from slipstream.operator import naming
-from slipstream.operator.instances import ObservedInstance
+from slipstream.operator.instances import ObservedInstance, instance_role
 from slipstream.operator.placement import InstancePlacement, PlacementFailure
 from slipstream.decisions.pools import BALANCED, MOVED, NO_STATS, RebalanceDecision
 
@@ -59,7 +59,9 @@ def build_status(*, replica: str, namespace: str, spec: ServingReplicaSpec, gene
     when it is on). Draining instances are not in ``kept``: they no longer serve."""
     instances = sorted([instance_status(i) for i in kept] + [created_status(c) for c in created],
                        key=lambda s: _index(s.name))
-    desired = spec.instances if desired is None else desired
+    instances = [i.model_copy(update={"role": instance_role(spec, i.pool)}) for i in instances]
+    if desired is None:
+        desired = spec.disaggregation.instances if spec.disaggregation else spec.instances
     placed = len(instances)
     ready = sum(1 for i in instances if i.ready)
     conditions = list(previous.conditions)
@@ -102,7 +104,23 @@ def build_status(*, replica: str, namespace: str, spec: ServingReplicaSpec, gene
         ready_instances=ready, ready=f"{ready}/{desired}",
         selector=naming.replica_selector(replica), instances=instances, pools=pools,
         autoscaling=previous.autoscaling if spec.autoscaled else None,
+        disaggregation=_disaggregation(spec, instances),
         endpoint=naming.endpoint(replica, namespace))
+
+
+def _disaggregation(spec: ServingReplicaSpec,
+                    instances: list[InstanceStatus]) -> DisaggregationStatus | None:
+    if spec.disaggregation is None:
+        return None
+
+    def role(name: str, desired: int) -> RoleStatus:
+        members = [i for i in instances if i.role == name]
+        ready = sum(1 for i in members if i.ready)
+        return RoleStatus(instances=len(members), ready_instances=ready,
+                          ready=f"{ready}/{desired}")
+    return DisaggregationStatus(
+        prefill=role(PREFILL_ROLE, spec.disaggregation.prefill.instances),
+        decode=role(DECODE_ROLE, spec.disaggregation.decode.instances))
 
 
 def _degraded(previous: ServingReplicaStatus, failure: PlacementFailure | None, placed: int,

@@ -102,6 +102,7 @@ class _Add:
     priority: int
     slo: RequestSLO | None
     kv_transfer: dict | None = None
+    share_prompt_with: str | None = None
 
 
 @dataclass(frozen=True)
@@ -208,13 +209,14 @@ class AsyncEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None,
-                 kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
+                 kv_transfer: dict | None = None,
+                 share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         check_admission(self, request_id, prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                                kv_transfer))
+                                kv_transfer, share_prompt_with))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
             self._deliver(dead_output(request_id))
         return self._iterate(request_id, stream)
@@ -298,7 +300,8 @@ class AsyncEngine:
                     self.engine.add_request(command.prompt_token_ids, command.params,
                                             command.request_id, app_id=command.app_id,
                                             priority=command.priority, slo=command.slo,
-                                            kv_transfer=command.kv_transfer)
+                                            kv_transfer=command.kv_transfer,
+                                            share_prompt_with=command.share_prompt_with)
                 except ValueError as error:
                     self._deliver(error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))

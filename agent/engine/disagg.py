@@ -36,7 +36,8 @@ from slipstream.agent.engine.kv_transfer.layout import KVLayout, regions_of
 from slipstream.agent.engine.kv_transfer.side_channel import SideChannelClient, SideChannelServer
 from slipstream.agent.engine.kv_transfer.transport import (
     KVHandle, KVTransferError, KVTransport, make_transport, prompt_digest)
-from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.block_manager import (
+    BlockManager, blocks_for_tokens, chain_block_hashes)
 from slipstream.agent.scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ class KVImport:
     request: Request
     handle: KVHandle
     block_ids: list[int] = field(default_factory=list)
+    # The first ``cached_blocks`` of ``block_ids`` are this instance's own prefix-cache blocks
+    # holding the same tokens: only the blocks after them are transferred.
+    cached_blocks: int = 0
+    blocks_read: int = 0
     cancelled: bool = False
     error: str | None = None
     transfer_s: float = 0.0
@@ -170,15 +175,29 @@ class KVImports:
         return item
 
     def start_transfers(self, block_manager: BlockManager) -> None:
-        """Give waiting imports blocks, in arrival order, and start their transfers."""
+        """Give waiting imports blocks, in arrival order, and start their transfers. A prompt
+        prefix this instance's prefix cache already holds is shared, not transferred: the
+        request takes those cached blocks and only the rest is read."""
+        block_size = block_manager.block_size
         while self.waiting:
             item = self.waiting[0]
-            needed = blocks_for_tokens(item.handle.num_tokens, block_manager.block_size)
-            if needed > block_manager.kv_blocks_free:
+            request = item.request
+            needed = blocks_for_tokens(item.handle.num_tokens, block_size)
+            hashes = chain_block_hashes(b"", request.prompt_token_ids, block_size) \
+                if block_manager.prefix_caching else []
+            prefix = block_manager.match_prefix(hashes, item.handle.num_tokens)
+            fresh = needed - len(prefix)
+            if fresh + block_manager.device.num_reviving(prefix) > block_manager.kv_blocks_free:
                 return  # running requests will finish and free blocks
             self.waiting.popleft()
-            item.block_ids = block_manager.device.allocate(needed)
-            self.transferring[item.request.request_id] = item
+            block_manager.device.acquire(prefix)
+            item.block_ids = prefix + block_manager.device.allocate(fresh)
+            item.cached_blocks = len(prefix)
+            # The scheduler offers the received blocks to the prefix cache after its first
+            # step; the shared prefix is registered already.
+            request.block_hashes = hashes
+            request.num_registered_blocks = len(prefix)
+            self.transferring[request.request_id] = item
             self._todo.put(item)
 
     def poll(self) -> list[KVImport]:
@@ -211,7 +230,8 @@ class KVImports:
             self._done.put(item)
 
     def _transfer(self, item: KVImport) -> None:
-        remote, local = list(item.handle.block_ids), item.block_ids
+        skip = item.cached_blocks
+        remote, local = list(item.handle.block_ids[skip:]), item.block_ids[skip:]
         step = self._blocks_per_read
         for start in range(0, len(remote), step):
             if item.cancelled:
@@ -219,6 +239,7 @@ class KVImports:
             read_started = self._clock()
             self._transport.read_blocks(item.handle, remote[start:start + step],
                                         local[start:start + step])
+            item.blocks_read += len(remote[start:start + step])
             self.read_log.append((self._clock() - read_started, len(remote[start:start + step])))
         self._release_remote(item)
 
@@ -257,6 +278,11 @@ class Disaggregation:
         elif config.role == "decode":
             self.imports = KVImports(self.transport, client, config.blocks_per_read, clock)
         self._ids = itertools.count()
+        # Decode side, cumulative (engine thread): the metrics' source.
+        self.num_completed_total = 0
+        self.num_failed_total = 0
+        self.num_blocks_transferred_total = 0
+        self.num_blocks_cached_total = 0
         log.info("disaggregation: role %s, %s transport%s", config.role, self.transport.name,
                  f", side channel {self.server.address}" if self.server else "")
 
@@ -298,7 +324,19 @@ class Disaggregation:
         if self.imports is None:
             return []
         self.imports.start_transfers(self.block_manager)
-        return self.imports.poll()
+        finished = self.imports.poll()
+        for item in finished:
+            self.num_blocks_transferred_total += item.blocks_read
+            if item.error is not None:
+                self.num_failed_total += 1
+            elif not item.cancelled:
+                self.num_completed_total += 1
+                self.num_blocks_cached_total += item.cached_blocks
+        return finished
+
+    @property
+    def num_bytes_transferred_total(self) -> int:
+        return self.num_blocks_transferred_total * self.layout.bytes_per_block
 
     @property
     def num_pending(self) -> int:

@@ -174,10 +174,13 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, app_id: str = "default",
                     priority: int = 0, slo: RequestSLO | None = None,
-                    kv_transfer: dict | None = None) -> str:
+                    kv_transfer: dict | None = None,
+                    share_prompt_with: str | None = None) -> str:
         """Queue a request. ``kv_transfer`` (disaggregation, see disagg.py) is
         ``{"do_remote_decode": true}`` on a prefill instance, or the handle a prefill instance
-        returned (with ``"do_remote_prefill": true``) on a decode instance."""
+        returned (with ``"do_remote_prefill": true``) on a decode instance.
+        ``share_prompt_with`` names a request just added with the same prompt (another choice
+        of an ``n > 1`` request): this one waits for its prefill and reuses that KV."""
         self.validate(prompt_token_ids, params)
         matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
@@ -185,7 +188,8 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
-            slo=slo or RequestSLO(), sampling=params.options())
+            slo=slo or RequestSLO(), sampling=params.options(),
+            share_prompt_with=share_prompt_with)
         if kv_transfer and kv_transfer.get("do_remote_prefill"):
             self._add_remote_prefilled(request, kv_transfer)
         else:
@@ -300,7 +304,23 @@ class LLMEngine:
             prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation,
             first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
             tpot_met=load.tpot_met,
-            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s)
+            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s,
+            **self._transfer_stats())
+
+    def _transfer_stats(self) -> dict[str, int]:
+        disagg = self.disagg
+        if disagg is None:
+            return {}
+        exports = disagg.exports
+        return {
+            "kv_transfers_acknowledged": exports.num_released_total if exports is not None else 0,
+            "kv_transfers_expired": exports.num_expired_total if exports is not None else 0,
+            "kv_transfers_completed": disagg.num_completed_total,
+            "kv_transfers_failed": disagg.num_failed_total,
+            "kv_transfer_blocks": disagg.num_blocks_transferred_total,
+            "kv_transfer_cached_blocks": disagg.num_blocks_cached_total,
+            "kv_transfer_bytes": disagg.num_bytes_transferred_total,
+        }
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""

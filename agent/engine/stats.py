@@ -45,6 +45,15 @@ class EngineStats:
     finished: int = 0
     tpot_met: int = 0
     arrival_prompt_tokens_per_s: float = 0.0
+    # Disaggregation (cumulative; zero in the mixed role): KV hand-offs by outcome, and the
+    # prompt blocks a decode instance transferred or found in its own prefix cache.
+    kv_transfers_acknowledged: int = 0
+    kv_transfers_expired: int = 0
+    kv_transfers_completed: int = 0
+    kv_transfers_failed: int = 0
+    kv_transfer_blocks: int = 0
+    kv_transfer_cached_blocks: int = 0
+    kv_transfer_bytes: int = 0
 
     @property
     def queue_backlog_s(self) -> float:

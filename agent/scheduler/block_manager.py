@@ -158,6 +158,7 @@ class BlockManager:
         # Prompt tokens looked up in the cache at first admission, and those found there.
         self.prefix_lookup_tokens = 0
         self.prefix_hit_tokens = 0
+        self.swap_in_reused_blocks = 0  # swapped-in blocks found cached, so not copied back
 
     @property
     def kv_blocks_total(self) -> int:
@@ -205,6 +206,14 @@ class BlockManager:
             return []
         return self.device.match(block_hashes, (num_tokens - 1) // self.block_size)
 
+    def match_blocks(self, block_hashes: Sequence[bytes], max_blocks: int) -> list[int]:
+        """Cached device blocks for the longest prefix of ``block_hashes`` (at most
+        ``max_blocks``): a sequence whose first ``max_blocks`` blocks are computed already
+        (a swapped-in request) may take them all."""
+        if not self.prefix_caching:
+            return []
+        return self.device.match(block_hashes, max_blocks)
+
     def register(self, block_ids: Sequence[int], block_hashes: Sequence[bytes],
                  start_block: int, end_block: int) -> None:
         """Blocks ``[start_block, end_block)`` of a request are full and computed."""
@@ -219,11 +228,6 @@ class BlockManager:
         if len(block_ids) > self.host.num_free:
             return None
         return self.host.allocate(len(block_ids))
-
-    def swap_in(self, host_block_ids: list[int]) -> list[int] | None:
-        if len(host_block_ids) > self.device.num_free:
-            return None
-        return self.device.allocate(len(host_block_ids))
 
     def release_host(self, host_block_ids: list[int]) -> None:
         self.host.free(host_block_ids)

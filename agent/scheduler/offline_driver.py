@@ -34,6 +34,7 @@ class Arrival:
     app_id: str = "default"
     ttft_s: float | None = None
     prompt: tuple[int, ...] | None = None  # explicit prompt token ids (shared prefixes)
+    share_prompt_with: str | None = None  # another choice of an n > 1 request (Request)
 
 
 @dataclass
@@ -119,6 +120,7 @@ def make_request(arrival: Arrival) -> Request:
         arrival_s=arrival.arrival_s,
         app_id=arrival.app_id,
         slo=RequestSLO(ttft_s=arrival.ttft_s),
+        share_prompt_with=arrival.share_prompt_with,
     )
 
 

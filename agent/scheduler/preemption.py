@@ -10,6 +10,11 @@ produces the same output. Swap falls back to recompute when the host pool is ful
 The runner must apply a batch's ``swap_out`` copies before its ``swap_in`` copies and before
 the forward: device blocks freed by a swap-out may be handed to a chunk of the same batch.
 The scheduler never swaps in and out in the same batch.
+
+With prefix caching, swap-in first looks for the request's full, computed blocks in the
+device cache (by their hashes): blocks another request still holds, or cached free blocks not
+yet evicted, hold the same KV. The request takes those again, and only the rest is copied
+back from host memory. A shared document prefix is then never held twice after a swap.
 """
 
 from __future__ import annotations
@@ -42,16 +47,27 @@ class Preemptor:
         return None
 
     def swap_in(self, request: Request, reserve_blocks: int = 0) -> BlockCopy | None:
-        """Bring a swapped request back to the device if its blocks fit above the reserve."""
-        if len(request.host_block_ids) + reserve_blocks > self.block_manager.kv_blocks_free:
+        """Bring a swapped request back to the device if its blocks fit above the reserve.
+
+        Its leading full blocks still cached on the device are reused; the copy moves only
+        the others (it is empty when every block was found)."""
+        manager = self.block_manager
+        host = request.host_block_ids
+        full_blocks = min(len(host), request.num_computed_tokens // manager.block_size)
+        reused = manager.match_blocks(request.block_hashes, full_blocks)
+        fresh_count = len(host) - len(reused)
+        needed = fresh_count + manager.device.num_reviving(reused)
+        if needed + reserve_blocks > manager.kv_blocks_free:
             return None
-        device_block_ids = self.block_manager.swap_in(request.host_block_ids)
-        if device_block_ids is None:
-            return None
-        copy = BlockCopy(tuple(request.host_block_ids), tuple(device_block_ids))
-        self.block_manager.release_host(request.host_block_ids)
-        request.block_ids = device_block_ids
-        request.num_registered_blocks = 0  # fresh copies; registered again as they are used
+        manager.device.acquire(reused)  # before allocating, so that allocation cannot evict them
+        fresh = manager.device.allocate(fresh_count)
+        manager.swap_in_reused_blocks += len(reused)
+        copy = BlockCopy(tuple(host[len(reused):]), tuple(fresh))
+        manager.release_host(host)
+        request.block_ids = reused + fresh
+        # The reused blocks are registered already; the copies are registered again as the
+        # request runs.
+        request.num_registered_blocks = len(reused)
         request.status = RequestStatus.RUNNING
         return copy
 

@@ -74,6 +74,10 @@ class Request:
     # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
     # while it is set.
     in_flight: bool = False
+    # n > 1 (the API's choices): the id of a request with the same prompt, added just before
+    # this one. While that request prefills, this one is held back; it is queued once those
+    # prompt blocks are in the prefix cache, so the prompt is computed once (scheduler.py).
+    share_prompt_with: str | None = None
     # Set by the scheduler at add(): absolute TTFT deadline and total prefill work (urgency.py).
     ttft_deadline_s: float | None = None
     prefill_work_s: float | None = None

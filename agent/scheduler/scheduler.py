@@ -27,6 +27,12 @@ admitted with its longest cached prefix already computed (its shared blocks acqu
 packer prices its first chunk at that KV length; ``update`` registers every block that a step
 filled, so later requests (and this one, after a recompute preemption) can reuse it.
 
+Shared prompts (the API's ``n > 1``): a request added with ``share_prompt_with`` naming a
+request of the same prompt that has not yet computed it is held back, outside the queue,
+until that request's prompt blocks are registered (or it leaves: finished or preempted). It is
+then queued and admitted like any other, finding those blocks in the cache, so the prompt's
+full blocks are computed once; only its last, partial block is computed per request.
+
 With ``short_prefill_batching="awd"``, ``add`` holds new short prompts back until AWD releases
 them as a group, so a step can schedule nothing while requests wait. The engine then sleeps
 until ``next_wakeup_s(now_s)`` (or a new request) instead of calling ``schedule`` in a loop.
@@ -90,6 +96,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.short_prefills: ShortPrefillHold | None = None
+        # Requests held until the request they share a prompt with has computed it.
+        self.prompt_waiters: dict[str, list[Request]] = {}
         if config.short_prefill_batching == "awd":
             # A token-budget iteration caps the group, so a released group fits one step.
             cap = config.max_batched_tokens if predictor is None else None
@@ -113,7 +121,10 @@ class Scheduler:
                 self.block_manager.match_prefix(request.block_hashes, request.num_tokens))
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
-        if self.short_prefills is not None and self.short_prefills.accepts(request):
+        source = self._prompt_source(request)
+        if source is not None:
+            self.prompt_waiters.setdefault(source.request_id, []).append(request)
+        elif self.short_prefills is not None and self.short_prefills.accepts(request):
             self.short_prefills.hold(request)  # queued when AWD releases its group
         else:
             self.queue.add_waiting(request, request.arrival_s)
@@ -149,6 +160,12 @@ class Scheduler:
             self.swapped.remove(request)
         if self.short_prefills is not None:
             self.short_prefills.remove(request)
+        self._release_prompt_waiters(request, now_s if now_s is not None else request.arrival_s)
+        waiters = self.prompt_waiters.get(request.share_prompt_with or "")
+        if waiters is not None and request in waiters:
+            waiters.remove(request)
+            if not waiters:
+                del self.prompt_waiters[request.share_prompt_with or ""]
         self.queue.remove(request)
         self.preemptor.release(request)
         self.urgency.forget(request)
@@ -175,6 +192,7 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests not yet admitted: queued, or held for short-prefill batching."""
         held = len(self.short_prefills) if self.short_prefills is not None else 0
+        held += sum(len(waiters) for waiters in self.prompt_waiters.values())
         return len(self.queue.waiting) + held
 
     @property
@@ -224,6 +242,9 @@ class Scheduler:
             request.num_computed_tokens = chunk.end_pos
             if caching and chunk.end_pos // block_size > request.num_registered_blocks:
                 self._register_blocks(request)
+            if self.prompt_waiters and request.request_id in self.prompt_waiters and \
+                    request.num_registered_blocks >= _shared_prompt_blocks(request, block_size):
+                self._release_prompt_waiters(request, now_s)
             token = sampled.get(chunk.request_id)
             if chunk.sample and token is not None:
                 request.output_token_ids.append(token)
@@ -267,7 +288,8 @@ class Scheduler:
             copy = self.preemptor.swap_in(request, reserve_blocks=reserve + 1)
             if copy is None:
                 break
-            copies.append(copy)
+            if copy.src_block_ids:  # empty when every block was still cached on the device
+                copies.append(copy)
             self.swapped.remove(request)
             self.running.append(request)
             if request.in_prefill:
@@ -432,6 +454,7 @@ class Scheduler:
         return self._chunk(request, size)
 
     def _preempt(self, request: Request, now_s: float, swap_out: list[BlockCopy] | None) -> None:
+        self._release_prompt_waiters(request, now_s)
         self.running.remove(request)
         self.queue.remove(request)
         computed_tokens = request.num_computed_tokens
@@ -466,6 +489,31 @@ class Scheduler:
                          request.num_registered_blocks, full)
         request.num_registered_blocks = full
 
+    def _prompt_source(self, request: Request) -> Request | None:
+        """The request whose prefill ``request`` should wait for, if any: the one it shares a
+        prompt with, while there are full prompt blocks it has not computed yet."""
+        source_id = request.share_prompt_with
+        if source_id is None or not self.block_manager.prefix_caching:
+            return None
+        source = self.requests.get(source_id)
+        if source is None or source is request or source.prompt_token_ids != request.prompt_token_ids:
+            return None
+        shared = _shared_prompt_blocks(request, self.block_manager.block_size)
+        if shared == 0 or source.num_registered_blocks >= shared:
+            return None
+        return source
+
+    def _release_prompt_waiters(self, source: Request, now_s: float) -> None:
+        """Queue the requests held for ``source``'s prompt; each looks up the cache again."""
+        waiters = self.prompt_waiters.pop(source.request_id, None)
+        if not waiters:
+            return
+        manager = self.block_manager
+        for request in waiters:
+            request.prefix_hit_tokens = manager.block_size * len(
+                manager.match_prefix(request.block_hashes, request.num_tokens))
+            self.queue.add_waiting(request, now_s)
+
     def _take_prefix(self, request: Request, prefix: list[int]) -> None:
         """Admit ``request`` with the cached blocks ``prefix`` as its computed prefix."""
         self.block_manager.device.acquire(prefix)
@@ -495,6 +543,12 @@ class Scheduler:
             num_generated=request.num_output_tokens,
             history=_penalty_history(request) if sample else (),
         )
+
+
+def _shared_prompt_blocks(request: Request, block_size: int) -> int:
+    """Prompt blocks another request of the same prompt can take from the cache (the last
+    prompt token is always computed, see ``BlockManager.match_prefix``)."""
+    return (request.prompt_len - 1) // block_size
 
 
 def _penalty_history(request: Request) -> tuple[int, ...]:

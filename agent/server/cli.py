@@ -288,6 +288,9 @@ CONFIG_FLAGS: dict[str, str] = {
     "slo.attainmentTarget": "slo_attainment_target",
     "pools.longPrefillThresholdTokens": "long_prompt_threshold_tokens",
     "server.drainTimeoutSeconds": "drain_timeout_s",
+    "disaggregation.transport": "kv_transport",
+    "disaggregation.holdTimeoutSeconds": "kv_hold_timeout_seconds",
+    "disaggregation.blocksPerRead": "kv_blocks_per_read",
 }
 
 

@@ -72,6 +72,7 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     priority: int
     slo: RequestSLO | None
     kv_transfer: dict | None = None
+    share_prompt_with: str | None = None
 
 
 class WarmUp(msgspec.Struct, tag="warm_up", array_like=True):
@@ -242,7 +243,8 @@ class _CoreLoop:
                     engine.add_request(command.prompt_token_ids, command.params,
                                        command.request_id, app_id=command.app_id,
                                        priority=command.priority, slo=command.slo,
-                                       kv_transfer=command.kv_transfer)
+                                       kv_transfer=command.kv_transfer,
+                                       share_prompt_with=command.share_prompt_with)
                 except ValueError as error:
                     outputs.append(error_output(command.request_id, str(error),
                                                  INVALID_REQUEST))
@@ -431,7 +433,8 @@ class EngineCoreClient:
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None,
-                 kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
+                 kv_transfer: dict | None = None,
+                 share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         check_admission(self, request_id, prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -439,7 +442,7 @@ class EngineCoreClient:
                                             TextStream(self.tokenizer, prompt_token_ids,
                                                        params.stop))
         self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                       kv_transfer))
+                       kv_transfer, share_prompt_with))
         if self.fatal_error is not None:  # died after the check above: answer now
             queue.put_nowait(dead_output(request_id))
         return self._iterate(request_id, queue)

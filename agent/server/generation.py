@@ -75,10 +75,12 @@ class PreparedRequest:
     include_usage_in_stream: bool
     kv_transfer: dict | None = None  # disaggregation (engine/disagg.py)
     num_choices: int = 1
+    share_prompt_with: str | None = None  # choices 1.. of n > 1: choice 0's request id
 
     def choices(self) -> list[PreparedRequest]:
         """One engine request per choice. Choice 0 is this request itself (so ``n=1`` is
-        unchanged); choice ``i`` gets its own id and, when seeded, its own seed stream."""
+        unchanged); choice ``i`` gets its own id and, when seeded, its own seed stream, and
+        reuses choice 0's prompt KV (the engine computes the prompt once)."""
         if self.num_choices == 1:
             return [self]
         result = []
@@ -86,8 +88,9 @@ class PreparedRequest:
             params = self.params
             if params.seed is not None and index:
                 params = dataclasses.replace(params, seed=choice_seed(params.seed, index))
-            result.append(dataclasses.replace(self, request_id=f"{self.request_id}-{index}",
-                                              params=params, num_choices=1))
+            result.append(dataclasses.replace(
+                self, request_id=f"{self.request_id}-{index}", params=params, num_choices=1,
+                share_prompt_with=f"{self.request_id}-0" if index else None))
         return result
 
 
@@ -384,7 +387,8 @@ async def start_generation(ctx: ServingContext, http_request: Request,
         outputs = ctx.engine.generate(prepared.request_id, prepared.prompt_token_ids,
                                       prepared.params, app_id=prepared.app_id,
                                       priority=prepared.priority, slo=prepared.slo,
-                                      kv_transfer=prepared.kv_transfer)
+                                      kv_transfer=prepared.kv_transfer,
+                                      share_prompt_with=prepared.share_prompt_with)
     except ValueError as error:
         raise bad_request(str(error)) from None
     except EngineUnavailable as error:
@@ -416,6 +420,8 @@ async def start_choices(ctx: ServingContext, http_request: Request,
     choices = prepared.choices()
     if len(choices) == 1:
         return Choices([await start_generation(ctx, http_request, prepared)])
+    # gather starts its tasks in order, so choice 0 reaches the engine first and the others
+    # (share_prompt_with) wait for its prefill.
     started = await asyncio.gather(*(start_generation(ctx, http_request, choice)
                                      for choice in choices), return_exceptions=True)
     failures = [result for result in started if isinstance(result, BaseException)]

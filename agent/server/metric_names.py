@@ -83,6 +83,18 @@ PREFIX_CACHE_EVICTIONS = _spec("slipstream_prefix_cache_evicted_blocks_total", "
                                "Cached prefix blocks evicted to make room for new KV.")
 KV_BLOCKS_CACHED = _spec("slipstream_kv_cache_blocks_cached", "gauge", (),
                          "Paged KV blocks holding a reusable prefix block (in use or free).")
+KV_TRANSFERS = _spec("slipstream_kv_transfers_total", "counter", ("outcome",),
+                     "KV hand-offs between disaggregated instances by outcome: on a prefill "
+                     "instance acknowledged (a decode instance fetched the KV) or expired; on a "
+                     "decode instance completed or failed.")
+KV_TRANSFER_BLOCKS = _spec("slipstream_kv_transfer_blocks_total", "counter", ("source",),
+                           "Prompt KV blocks a decode instance needed, by source: transferred "
+                           "from a prefill instance, or prefix_cache (already held here, not "
+                           "transferred).")
+KV_TRANSFER_BYTES = _spec("slipstream_kv_transfer_bytes_total", "counter", (),
+                          "KV bytes a decode instance read from prefill instances.")
+KV_TRANSFER_OUTCOMES = ("acknowledged", "expired", "completed", "failed")
+KV_TRANSFER_SOURCES = ("transferred", "prefix_cache")
 
 # -- agent: per engine step (recorded by the step observer) -------------------------------------
 PREFILL_CHUNK_TOKENS = _spec("slipstream_prefill_chunk_tokens", "histogram", (),
@@ -113,7 +125,7 @@ AGENT_METRICS: tuple[MetricSpec, ...] = (
     TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, SLO_REQUESTS,
     REQUESTS_IN_FLIGHT, QUEUE_DEPTH, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, PREEMPTIONS,
     KVP_ACTIVE_DEGREE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_EVICTIONS,
-    KV_BLOCKS_CACHED, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
+    KV_BLOCKS_CACHED, KV_TRANSFERS, KV_TRANSFER_BLOCKS, KV_TRANSFER_BYTES, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
     BATCH_TIME_PREDICTED, SCHEDULE_TIME, SCHEDULED_TOKENS, POOL_ROLE, SLO_TTFT_TARGET,
     SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET)
 

@@ -241,5 +241,17 @@ class EngineStatsCollector(Collector):
         for spec, value in ((names.PREEMPTIONS, stats.num_preemptions_total),
                             (names.PREFIX_CACHE_QUERIES, stats.prefix_cache_lookup_tokens),
                             (names.PREFIX_CACHE_HITS, stats.prefix_cache_hit_tokens),
-                            (names.PREFIX_CACHE_EVICTIONS, stats.prefix_cache_evictions)):
+                            (names.PREFIX_CACHE_EVICTIONS, stats.prefix_cache_evictions),
+                            (names.KV_TRANSFER_BYTES, stats.kv_transfer_bytes)):
             yield CounterMetricFamily(spec.constructor_name, spec.help, value=value)
+        transfers = CounterMetricFamily(names.KV_TRANSFERS.constructor_name,
+                                        names.KV_TRANSFERS.help, labels=names.KV_TRANSFERS.labels)
+        for outcome in names.KV_TRANSFER_OUTCOMES:
+            transfers.add_metric([outcome], getattr(stats, f"kv_transfers_{outcome}"))
+        yield transfers
+        blocks = CounterMetricFamily(names.KV_TRANSFER_BLOCKS.constructor_name,
+                                     names.KV_TRANSFER_BLOCKS.help,
+                                     labels=names.KV_TRANSFER_BLOCKS.labels)
+        blocks.add_metric(["transferred"], stats.kv_transfer_blocks)
+        blocks.add_metric(["prefix_cache"], stats.kv_transfer_cached_blocks)
+        yield blocks

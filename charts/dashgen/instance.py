@@ -67,6 +67,25 @@ def _prefix_cache_row() -> list[Panel]:
     ]
 
 
+def _kv_transfer_row() -> list[Panel]:
+    transfers, blocks = names.KV_TRANSFERS.name, names.KV_TRANSFER_BLOCKS.name
+    return [
+        timeseries("KV transfers per second", "Disaggregation: hand-offs acknowledged or "
+                   "expired on prefill instances, completed or failed on decode instances. "
+                   "Zero on mixed instances.",
+                   Target(f"sum by (instance, outcome) (rate({transfers}{SEL}[{RATE}]))",
+                          "{{outcome}} {{instance}}"), width=8),
+        timeseries("KV transfer blocks per second", "Prompt blocks decode instances needed: "
+                   "transferred from a prefill instance, or found in their own prefix cache.",
+                   Target(f"sum by (instance, source) (rate({blocks}{SEL}[{RATE}]))",
+                          "{{source}} {{instance}}"), width=8),
+        timeseries("KV transfer bytes per second", "Bytes decode instances read from prefill "
+                   "instances.",
+                   Target(f"sum by (instance) (rate({names.KV_TRANSFER_BYTES.name}{SEL}"
+                          f"[{RATE}]))", "{{instance}}"), unit="Bps", width=8),
+    ]
+
+
 def _batch_row() -> list[Panel]:
     actual, predicted = names.BATCH_TIME_ACTUAL, names.BATCH_TIME_PREDICTED
     return [
@@ -119,6 +138,7 @@ def build() -> dict:
     roles = table("Instances and their pools", "One row per agent: its pool role.",
                   Target(f"max by (instance, pool) ({role}{SEL})"))
     rows = [("Instances", [roles]), ("Engine state", _state_row()),
-            ("Prefix cache", _prefix_cache_row()), ("Batches", _batch_row())]
+            ("Prefix cache", _prefix_cache_row()), ("Batches", _batch_row()),
+            ("KV transfer (disaggregation)", _kv_transfer_row())]
     return dashboard(UID, "Slipstream / Instance internals", "Per-iteration engine behaviour "
                      "of each agent.", rows, variables)

@@ -17,6 +17,7 @@ from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.errors import KV_TRANSFER_FAILED
 from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.scheduler.config import SchedulerConfig
 
 from tests.engine.test_kv_transfer import TRANSPORTS
 
@@ -163,3 +164,75 @@ def test_an_unacknowledged_hold_is_freed_after_its_timeout(tiny_model_dir):
         assert prefill.disagg.exports.num_expired_total == 1
     finally:
         prefill.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_decode_instance_holding_a_prefix_receives_only_the_rest(tiny_model_dir, transport):
+    """With prefix caching, a prompt whose first blocks the decode instance already holds
+    (from an earlier request it decoded) shares them and transfers only the blocks after
+    them; the output still equals a mixed engine's, and every block comes back."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 250) for _ in range(48)]  # three full 16-token blocks
+    prompts = {"first": shared + [rng.randrange(3, 250) for _ in range(10)],  # 58 tokens
+               "other": shared + [rng.randrange(3, 250) for _ in range(20)]}  # 68 tokens
+    prompts["again"] = list(prompts["first"])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    mixed = _engine(tiny_model_dir)
+    try:
+        expected = dict(zip(prompts, mixed.generate(list(prompts.values()), params)))
+    finally:
+        mixed.close()
+    prefill = _engine(tiny_model_dir, "prefill", transport)
+    decode = _engine(tiny_model_dir, "decode", transport, blocks_per_read=1)
+    try:
+        received = {}
+        for name, prompt in prompts.items():  # one after the other: each finds the last's KV
+            before = decode.stats()
+            out: dict = {}
+            prefill.add_request(prompt, params, f"p-{name}", kv_transfer={"do_remote_decode": True})
+            _run(prefill, {f"p-{name}"}, out)
+            handle = {**out[f"p-{name}"][-1].kv_transfer, "do_remote_prefill": True}
+            decode_out: dict = {}
+            decode.add_request(prompt, params, name, kv_transfer=handle)
+            _run(decode, {name}, decode_out)
+            assert [t for o in decode_out[name] for t in o.new_token_ids] == expected[name], name
+            after = decode.stats()
+            received[name] = (after.kv_transfer_blocks - before.kv_transfer_blocks,
+                              after.kv_transfer_cached_blocks - before.kv_transfer_cached_blocks)
+        # 58 tokens are 4 blocks: none cached at first. The other prompt (5 blocks) shares the
+        # three full blocks of the common prefix; the repeated prompt shares them too (its
+        # last block, holding the final prompt token, is always transferred).
+        assert received == {"first": (4, 0), "other": (2, 3), "again": (1, 3)}
+        stats = decode.stats()
+        assert stats.kv_transfers_completed == 3 and stats.kv_transfers_failed == 0
+        assert stats.kv_transfer_bytes == 7 * decode.disagg.layout.bytes_per_block
+        assert decode.block_manager.kv_blocks_used == 0
+        _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
+                  "the prefill instance to free acknowledged KV", prefill)
+        assert prefill.stats().kv_transfers_acknowledged == 3
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_without_prefix_caching_every_block_is_transferred(tiny_model_dir):
+    prompt = list(range(5, 55))  # 50 tokens: 4 blocks
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prefill = _engine(tiny_model_dir, "prefill")
+    decode = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+                                    disagg=DisaggConfig(role="decode", transport="zmq")),
+                       SchedulerConfig(prefix_caching=False))
+    try:
+        for name in ("a", "b"):
+            out: dict = {}
+            prefill.add_request(prompt, params, f"p{name}", kv_transfer={"do_remote_decode": True})
+            _run(prefill, {f"p{name}"}, out)
+            decode.add_request(prompt, params, name,
+                               kv_transfer={**out[f"p{name}"][-1].kv_transfer,
+                                            "do_remote_prefill": True})
+            _run(decode, {name}, {})
+        stats = decode.stats()
+        assert (stats.kv_transfer_blocks, stats.kv_transfer_cached_blocks) == (8, 0)
+    finally:
+        prefill.close()
+        decode.close()

@@ -126,3 +126,26 @@ def test_openapi_document_describes_the_request_fields(server):
     assert body["content"]["application/json"]["schema"]["$ref"].endswith(
         "/ChatCompletionRequest")
     assert "ResponseFormat" in schemas and "ToolSpec" in schemas
+
+
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_n_choices_compute_the_prompt_once(server, start_server, engine):
+    if engine == "process":  # the engine core in its own process: the same over its wire
+        server = start_server("--engine-process")
+    # A prompt no earlier test sent, so only this request's choices can hit the cache.
+    words = ["river", "lantern", "copper", "meadow", "orbit", "velvet", "signal", "harbor"]
+    prompt = " ".join(words[(i * 5 + 3) % len(words)] + str(i) for i in range(60))
+    queries = server.metric("slipstream_prefix_cache_query_tokens_total")
+    hits = server.metric("slipstream_prefix_cache_hit_tokens_total")
+    result = server.openai_client().completions.create(
+        model=server.model, prompt=prompt, n=4, max_tokens=4, temperature=1.0,
+        extra_body={"ignore_eos": True})
+    assert len(result.choices) == 4
+    prompt_tokens = result.usage.prompt_tokens
+    assert prompt_tokens > 2 * 16
+    # Choice 0 computes the prompt; the other three wait for it and take its full blocks from
+    # the cache (all but the block of the last prompt token, which each computes itself).
+    shared = (prompt_tokens - 1) // 16 * 16
+    assert server.wait_for_metric("slipstream_prefix_cache_query_tokens_total",
+                                  queries + 4 * prompt_tokens) == queries + 4 * prompt_tokens
+    assert server.metric("slipstream_prefix_cache_hit_tokens_total") - hits == 3 * shared

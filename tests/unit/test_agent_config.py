@@ -33,7 +33,8 @@ SPEC = ServingReplicaSpec.model_validate({
 })
 
 
-def serve_args_in_pod(spec: ServingReplicaSpec, mount_dir: Path, pod_ip: str = "10.0.0.7"):
+def serve_args_in_pod(spec: ServingReplicaSpec, mount_dir: Path, pod_ip: str = "10.0.0.7",
+                      pool: str = "short"):
     """What `slipstream serve` parses in the controller pod: the ConfigMap's file at its mount
     path, the pod's command, and the downward-API environment."""
     config_map = builders.build_config_map_spec("chat", "ns", spec)
@@ -41,7 +42,7 @@ def serve_args_in_pod(spec: ServingReplicaSpec, mount_dir: Path, pod_ip: str = "
         (mount_dir / key).write_text(text)
     pod = builders.build_agent_pod_spec("chat", "ns", spec, instance="chat-0", index=0,
                                         incarnation="abcde", share=NodeShare("node-a", 8, 0),
-                                        rank=0, num_ranks=2, pool="short")
+                                        rank=0, num_ranks=2, pool=pool)
     container = pod["spec"]["containers"][0]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == builders.CONFIG_VOLUME]
     command = [part.replace(mount["mountPath"], str(mount_dir)) for part in container["command"]]
@@ -86,6 +87,32 @@ def test_a_spec_with_defaults_only_gives_the_agents_defaults(tmp_path):
     server, plain_server = (serve_cli.server_config_from_args(a) for a in (args, plain))
     assert server.long_prompt_threshold_tokens == plain_server.long_prompt_threshold_tokens
     assert server.slo_attainment_target == plain_server.slo_attainment_target
+
+
+DISAGGREGATED = ServingReplicaSpec.model_validate({
+    "model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image": "agent:1",
+    "disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 2},
+                       "transport": "zmq", "holdTimeoutSeconds": 45, "blocksPerRead": 4}})
+
+
+@pytest.mark.parametrize(("pool", "role"), [("unified", "prefill"), ("decode", "decode")])
+def test_disaggregation_reaches_each_roles_agent(tmp_path, monkeypatch, pool, role):
+    monkeypatch.setenv("POD_IP", "10.0.0.7")
+    monkeypatch.delenv("SLIPSTREAM_ROLE", raising=False)
+    args = serve_args_in_pod(DISAGGREGATED, tmp_path, pool=pool)
+    disagg = serve_cli.engine_config_from_args(args).disagg
+    assert (disagg.role, disagg.transport, disagg.host, disagg.hold_timeout_s,
+            disagg.blocks_per_read) == (role, "zmq", "10.0.0.7", 45.0, 4)
+    # Prefill instances listen for decode instances on the port their pod declares.
+    expected_port = naming.KV_SIDE_CHANNEL_PORT if role == "prefill" else 0
+    assert disagg.side_channel_port == expected_port
+
+
+def test_the_crd_offers_exactly_the_agents_kv_transports():
+    from slipstream.agent.engine.disagg_config import TRANSPORTS
+    from slipstream.crds.servingreplica import KV_TRANSPORTS
+
+    assert KV_TRANSPORTS == TRANSPORTS
 
 
 def test_every_field_of_the_file_has_a_flag():

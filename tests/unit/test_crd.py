@@ -269,7 +269,8 @@ def test_examples_parse_into_the_models(example):
     assert manifest["kind"] == "ServingReplica"
     spec = ServingReplicaSpec.model_validate(manifest["spec"])
     assert spec.instances >= 2 or (spec.autoscaling is not None
-                                   and spec.autoscaling.max_instances >= 2)
+                                   and spec.autoscaling.max_instances >= 2) or \
+        (spec.disaggregation is not None and spec.disaggregation.instances >= 2)
     assert spec.to_api()["model"]["name"] == manifest["spec"]["model"]["name"]
 
 
@@ -291,3 +292,72 @@ def test_wire_names_are_camel_case_and_python_names_snake_case():
     assert spec.parallelism.kvp_tokens_per_group == 4096
     assert spec.to_api()["parallelism"]["kvpTokensPerGroup"] == 4096
     assert spec.parallelism.gpus_per_instance == 8
+
+
+# -- disaggregation -----------------------------------------------------------------------------
+
+DISAGGREGATED = {
+    "model": {"name": "m", "source": {"hostPath": {"path": "/models/m"}}},
+    "image": "agent:1",
+    "disaggregation": {"prefill": {"instances": 2}, "decode": {"instances": 3}},
+}
+
+
+def disaggregated(**changes) -> dict:
+    spec = copy.deepcopy(DISAGGREGATED)
+    spec.update(changes)
+    return spec
+
+
+def test_disaggregated_spec_passes_and_gets_the_documented_defaults():
+    assert validate(DISAGGREGATED) == []
+    schema = openapi_schema()["properties"]["spec"]
+    parsed = ServingReplicaSpec.model_validate(apply_defaults(schema, copy.deepcopy(DISAGGREGATED)))
+    assert parsed.disaggregation is not None and parsed.disaggregation.instances == 5
+    assert (parsed.disaggregation.transport, parsed.disaggregation.hold_timeout_seconds,
+            parsed.disaggregation.blocks_per_read) == ("mooncake", 120, 8)
+    # Pools split the prefill instances: 1 short + 1 long of the 2.
+    assert validate(disaggregated(pools={"short": 1})) == []
+
+
+DISAGGREGATION_INVALID = [
+    ({"disaggregation": {"prefill": {"instances": 0}, "decode": {"instances": 1}}},
+     "spec.disaggregation.prefill.instances"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 0}}},
+     "spec.disaggregation.decode.instances"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 1},
+                         "transport": "carrier-pigeon"}}, "spec.disaggregation.transport"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 1},
+                         "blocksPerRead": 0}}, "spec.disaggregation.blocksPerRead"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 1},
+                         "holdTimeoutSeconds": 0}}, "spec.disaggregation.holdTimeoutSeconds"),
+    ({"autoscaling": {"maxInstances": 4}}, "spec.autoscaling"),
+    ({"parallelism": {"tp": 2}}, "spec.disaggregation"),
+    # 2 prefill instances cannot hold 3 short ones, nor leave the long pool its minPerPool.
+    ({"pools": {"short": 3}}, "spec.disaggregation.prefill.instances"),
+    ({"pools": {"short": 2}}, "minPerPool"),
+]
+
+
+@pytest.mark.parametrize(("changes", "named_field"), DISAGGREGATION_INVALID,
+                         ids=[str(c) for c, _ in DISAGGREGATION_INVALID])
+def test_invalid_disaggregation_is_rejected_naming_the_field(changes, named_field):
+    errors = validate(disaggregated(**changes))
+    assert errors, f"{changes} passed every rule"
+    assert any(named_field in error for error in errors), errors
+
+
+def test_pool_rules_count_prefill_instances_not_spec_instances():
+    # spec.instances (default 1) is ignored with disaggregation: 2 prefill instances hold a
+    # short and a long pool even though spec.instances alone could not.
+    assert validate(disaggregated(instances=1, pools={"short": 1})) == []
+    assert validate(disaggregated(instances=9, pools={"short": 3}))
+
+
+def test_printer_columns_show_both_roles():
+    version = generate.crd_manifest()["spec"]["versions"][0]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Prefill"] == ".status.disaggregation.prefill.ready"
+    assert columns["Decode"] == ".status.disaggregation.decode.ready"
+    status = openapi_schema()["properties"]["status"]["properties"]
+    assert set(status["disaggregation"]["properties"]) == {"prefill", "decode"}

@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slipstream.agent.scheduler.batch import Batch, BlockCopy
 from slipstream.agent.scheduler.block_manager import (
     BLOCK_SIZE, BlockManager, BlockPool, chain_block_hashes)
-from slipstream.agent.scheduler.offline_driver import Arrival, drive, make_request
+from slipstream.agent.scheduler.offline_driver import Arrival, FakeKvRunner, drive, make_request
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.scheduler.request import FinishReason
+from slipstream.agent.scheduler.request import FinishReason, RequestStatus
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
 
 MODEL = AnalyticModel(ms_per_token=0.05, ms_per_attended_pair=1e-7, ms_per_decode_kv_token=1e-5,
@@ -200,8 +201,85 @@ def test_preemption_with_shared_blocks_keeps_outputs_and_canaries_intact(mode):
         assert scheduler.block_manager.kv_blocks_used == 0
         assert scheduler.block_manager.host.num_used == 0
         assert min(scheduler.block_manager.device.ref_counts) == 0
+        if mode == "swap":  # swap-in found blocks still cached only with the cache on
+            assert (scheduler.block_manager.swap_in_reused_blocks > 0) == caching
         results[caching] = {rid: r.output_token_ids for rid, r in result.finished.items()}
     assert results[True] == results[False]
+
+
+def test_swap_in_reuses_the_device_blocks_still_cached_for_its_prefix():
+    # a and b share a 64-token prefix (4 blocks). b is swapped out while a keeps running, so
+    # the shared blocks stay on the device and b's own full blocks stay cached (free but not
+    # evicted). Swapping b back in takes all of them again and copies only its partial last
+    # block; the fake runner's canary check on b's next tokens then passes.
+    prefix = tuple(range(100, 164))
+    scheduler = scheduler_with(host_blocks=64, preemption="swap", policy="fcfs")
+    manager = scheduler.block_manager
+    runner = FakeKvRunner(BLOCK_SIZE, ref_counts=manager.device.ref_counts,
+                          sequences=lambda rid, end: scheduler.requests[rid].token_ids(0, end))
+    now = 0.0
+
+    def step() -> Batch:
+        nonlocal now
+        batch = scheduler.schedule(now)
+        sampled = runner.execute(batch)
+        now += 0.01
+        scheduler.update(batch, sampled, now)
+        return batch
+
+    scheduler.add(make_request(Arrival("a", 0.0, 0, 500, prompt=prefix + (7,) * 5)))
+    while scheduler.requests["a"].num_output_tokens < 2:
+        step()
+    scheduler.add(make_request(Arrival("b", now, 0, 500, prompt=prefix + tuple(range(40)))))
+    a, b = scheduler.requests["a"], scheduler.requests["b"]
+    while b.num_output_tokens < 3:
+        step()
+    shared = a.block_ids[:4]
+    assert b.block_ids[:4] == shared
+    full_blocks = b.num_computed_tokens // BLOCK_SIZE  # 106 tokens: 6 full blocks, 1 partial
+    assert (full_blocks, len(b.block_ids)) == (6, 7)
+    before = list(b.block_ids)
+    out: list[BlockCopy] = []
+    scheduler._preempt(b, now, out)  # as KV pressure would
+    runner.execute(Batch(chunks=(), swap_out=tuple(out)))
+    assert b.status is RequestStatus.SWAPPED and b.block_ids == []
+    assert all(manager.device.ref_counts[block] == 1 for block in shared)  # a still holds them
+    assert all(manager.device.ref_counts[block] == 0 for block in before[4:])
+
+    batch = step()  # swaps b back in, then runs its next decode
+    assert b.status is RequestStatus.RUNNING
+    assert b.block_ids[:full_blocks] == before[:full_blocks]  # the same physical blocks
+    assert manager.swap_in_reused_blocks == full_blocks
+    (copy,) = batch.swap_in
+    assert len(copy.src_block_ids) == 1 and copy.dst_block_ids == (b.block_ids[full_blocks],)
+    assert all(manager.device.ref_counts[block] == 2 for block in shared)
+    assert manager.host.num_used == 0
+    while b.num_output_tokens < 8:  # every sampled token checks every earlier position
+        step()
+    scheduler.finish("a", FinishReason.ABORT, now)
+    scheduler.finish("b", FinishReason.ABORT, now)
+    assert manager.kv_blocks_used == 0 and min(manager.device.ref_counts) == 0
+
+
+def test_swap_in_copies_everything_back_when_the_cached_blocks_were_evicted():
+    prompt = tuple(range(200, 264)) + (5,) * 8
+    scheduler = scheduler_with(blocks=8, host_blocks=16, preemption="swap", policy="fcfs")
+    manager = scheduler.block_manager
+    scheduler.add(make_request(Arrival("a", 0.0, 0, 500, prompt=prompt)))
+    a = scheduler.requests["a"]
+    now = 0.0
+    while a.num_output_tokens < 2:
+        batch = scheduler.schedule(now)
+        scheduler.update(batch, {c.request_id: 1 for c in batch.chunks if c.sample}, now)
+        now += 0.01
+    scheduler._preempt(a, now, [])
+    # Something else takes every device block, evicting a's cached ones.
+    taken = manager.device.allocate(manager.kv_blocks_free)
+    assert manager.kv_blocks_cached == 0
+    manager.device.free(taken)
+    copy = scheduler.preemptor.swap_in(a)
+    assert copy is not None and manager.swap_in_reused_blocks == 0
+    assert len(copy.dst_block_ids) == len(a.block_ids) == 5
 
 
 @settings(max_examples=40, deadline=None)
@@ -237,3 +315,100 @@ def test_property_shared_prefixes_random_chunks_and_eviction_pressure(
         outputs.append({rid: r.output_token_ids for rid, r in result.finished.items()})
     assert outputs[0] == outputs[1]
     assert set(outputs[0]) == {a.request_id for a in arrivals}
+
+
+# -- choices of one request (n > 1) share the prompt's prefill --------------------------------
+
+def choices(prompt: tuple[int, ...], n: int, output_tokens: int = 3, share: bool = True,
+            at: float = 0.0) -> list[Arrival]:
+    return [Arrival(f"c{i}", at, 0, output_tokens, prompt=prompt,
+                    share_prompt_with="c0" if share and i else None) for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lars", "edf", "srpt"])
+def test_choices_of_one_request_compute_their_prompt_once(policy):
+    prompt = tuple(range(3000, 3000 + 10 * BLOCK_SIZE + 5))  # 10 full blocks and 5 tokens
+    scheduler = scheduler_with(policy=policy, max_batched_tokens=48, predictor=None)
+    batches = []
+    result = drive(scheduler, choices(prompt, 4),
+                   on_batch=lambda batch, now: batches.append(batch))
+    counts = computed_tokens(batches)
+    assert counts["c0"] == len(prompt) + 2  # in chunks of at most 48 tokens, then two decodes
+    for name in ("c1", "c2", "c3"):
+        assert counts[name] == 5 + 2  # only the partial last block (the canaries check the KV)
+        assert result.finished[name].num_cached_tokens == 10 * BLOCK_SIZE
+    manager = scheduler.block_manager
+    assert manager.prefix_hit_tokens == 3 * 10 * BLOCK_SIZE
+    assert manager.kv_blocks_used == 0 and min(manager.device.ref_counts) == 0
+    assert not scheduler.prompt_waiters
+
+
+def test_without_sharing_choices_admitted_together_each_compute_the_prompt():
+    # The control for the test above: same arrivals, no share_prompt_with.
+    prompt = tuple(range(3000, 3000 + 10 * BLOCK_SIZE + 5))
+    scheduler = scheduler_with(max_batched_tokens=2048, predictor=None)
+    batches = []
+    drive(scheduler, choices(prompt, 4, share=False),
+          on_batch=lambda batch, now: batches.append(batch))
+    assert computed_tokens(batches) == {f"c{i}": len(prompt) + 2 for i in range(4)}
+    assert scheduler.block_manager.prefix_hit_tokens == 0
+
+
+def step(scheduler: Scheduler, now: float) -> None:
+    batch = scheduler.schedule(now)
+    scheduler.update(batch, {c.request_id: 7 for c in batch.chunks if c.sample}, now)
+
+
+def test_held_choices_are_released_when_the_first_leaves_and_their_own_abort_leaks_nothing():
+    prompt = tuple(range(200))
+    scheduler = scheduler_with(max_batched_tokens=32, predictor=None)
+    for arrival in choices(prompt, 3):
+        scheduler.add(make_request(arrival))
+    c0, c1, c2 = (scheduler.requests[f"c{i}"] for i in range(3))
+    assert scheduler.num_waiting == 3 and len(scheduler.prompt_waiters["c0"]) == 2
+    step(scheduler, 0.0)
+    assert c0.num_computed_tokens == 32 and c1.num_computed_tokens == c2.num_computed_tokens == 0
+    scheduler.finish("c2", FinishReason.ABORT, 0.01)  # a held choice goes away
+    assert scheduler.prompt_waiters["c0"] == [c1]
+    scheduler.finish("c0", FinishReason.ABORT, 0.02)  # the first goes before its prefill ends
+    assert not scheduler.prompt_waiters and scheduler.num_waiting == 1
+    now = 0.03
+    while c1.num_output_tokens < 2:
+        step(scheduler, now)
+        now += 0.01
+    assert c1.num_cached_tokens == 32  # the two blocks c0 computed before it left
+    scheduler.finish("c1", FinishReason.ABORT, now)
+    assert scheduler.block_manager.kv_blocks_used == 0 and not scheduler.requests
+
+
+def test_choices_are_not_held_without_a_full_block_to_share_or_without_caching():
+    short = tuple(range(16))  # its only full block holds the last token, computed by each
+    scheduler = scheduler_with()
+    for arrival in choices(short, 2):
+        scheduler.add(make_request(arrival))
+    assert not scheduler.prompt_waiters
+    uncached = scheduler_with(caching=False)
+    for arrival in choices(tuple(range(100)), 2):
+        uncached.add(make_request(arrival))
+    assert not uncached.prompt_waiters and uncached.num_waiting == 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_choices_sharing_a_prompt_under_preemption_keep_their_outputs(mode):
+    rng = random.Random(5)
+    arrivals = []
+    for group in range(4):
+        prompt = tuple(rng.randrange(32_000) for _ in range(150 + 37 * group))
+        arrivals += [Arrival(f"g{group}c{i}", 0.002 * group, 0, 40, prompt=prompt,
+                             share_prompt_with=f"g{group}c0" if i else None) for i in range(3)]
+    results = {}
+    for share in (False, True):
+        runs = arrivals if share else [
+            Arrival(a.request_id, a.arrival_s, 0, 40, prompt=a.prompt) for a in arrivals]
+        scheduler = scheduler_with(blocks=70, host_blocks=70 if mode == "swap" else 0,
+                                   preemption=mode, policy="fcfs")
+        result = drive(scheduler, runs, max_steps=50_000)
+        assert scheduler.num_preemptions_total > 0
+        assert scheduler.block_manager.kv_blocks_used == 0 and not scheduler.prompt_waiters
+        results[share] = {rid: r.output_token_ids for rid, r in result.finished.items()}
+    assert results[True] == results[False] and len(results[True]) == 12
