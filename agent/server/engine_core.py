@@ -120,9 +120,10 @@ _core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp)
 
 # -- the engine-core process ------------------------------------------------------------------
 
-def core_threads(requested: int = 0) -> int:
-    """The torch CPU threads of the engine-core process: ``requested`` if positive, else every
-    CPU this process may use but one, which the API process keeps.
+def core_threads(requested: int = 0) -> int | None:
+    """The torch CPU threads of the engine-core process: ``requested`` if positive; else None
+    (torch's own choice) where ``OMP_NUM_THREADS`` says; else every CPU this process may use
+    but one, which the API process keeps.
 
     Why not torch's default (one thread per CPU): the API process is busy on a CPU of its
     own, and an intra-op parallel region waits for its slowest thread; a thread that has to
@@ -131,6 +132,8 @@ def core_threads(requested: int = 0) -> int:
     """
     if requested > 0:
         return requested
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
@@ -147,7 +150,8 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(core_threads(threads))
+    if (count := core_threads(threads)) is not None:
+        torch.set_num_threads(count)
     # The engine first: a parallel executor forks its workers, and they must not inherit
     # this process's ZeroMQ context (its I/O threads do not survive a fork).
     engine: LLMEngine | None = None
