@@ -99,12 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
-    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                        help="run the engine (scheduler, KV blocks, model or workers) in a "
                             "process of its own, so HTTP, tokenization and detokenization "
-                            "never stretch its steps; --no-engine-process runs it on a thread "
-                            "of the server process (default: its own process, except with "
-                            "--role prefill/decode, which needs the thread for now)")
+                            "never stretch its steps (default: on a thread of the server "
+                            "process)")
     model.add_argument("--engine-threads", type=int, default=0, metavar="N",
                        help="torch CPU threads of the engine-core process with "
                             "--engine-process (0: OMP_NUM_THREADS if set, else every CPU but one, "
@@ -418,9 +417,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--engine-threads must be 0 (automatic) or more")
         if args.engine_process and engine_config.disagg.enabled:
             raise ValueError("--engine-process does not support --role prefill/decode yet")
-        engine_process = (not engine_config.disagg.enabled if args.engine_process is None
-                          else args.engine_process)
-        if engine_process:
+        if args.engine_process:
             engine = EngineCoreClient(engine_config, scheduler_config_from_args(args),
                                       threads=args.engine_threads)
         else:
