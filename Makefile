@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= agent,operator,router,dev,kv-transfer
 PORT ?= 8000
 RESULTS ?= results
+# Simulations each bench-sim part runs at once (one process each; the numbers do not change).
+SIM_JOBS ?= 1
+# Extra arguments for bench-policy-live, e.g. LIVE_ARGS="--duration-s 20 --profile DIR".
+LIVE_ARGS ?=
 
 BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
 
@@ -114,19 +118,26 @@ bench-predictor: setup  ## runtime-predictor accuracy on this machine's CPU engi
 
 bench-policy-live: setup  ## LARS vs Medha's LARS, FCFS and EDF on the live CPU engine: short TTFT
 	$(BIN)/python -m slipstream.agent.bench.policy_live_bench --out $(RESULTS)/policy-live \
-	  --systems fcfs,lars-classic,lars,edf --load 0.25
+	  --systems fcfs,lars-classic,lars,edf --load 0.25 $(LIVE_ARGS)
 
 bench-sched: setup  ## schedule() cost per policy, 10,000 waiting + 256 running
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
 
-bench-sim: setup  ## simulator: Medha's mixed workload, Mooncake, an hour of Azure (docs/simulation.md)
+bench-sim: bench-sim-medha bench-sim-mooncake bench-sim-azure  ## simulator: Medha's mixed workload, Mooncake, an hour of Azure (docs/scheduling.md)
+
+bench-sim-medha: setup  ## bench-sim's first part: Medha's mixed workload at 0.4, 0.8, 1.2 QPS
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
-	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary --out $(RESULTS)/sim
+	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary \
+	  --jobs $(SIM_JOBS) --out $(RESULTS)/sim
+
+bench-sim-mooncake: setup  ## bench-sim's second part: the Mooncake trace at 3.4 and 6 QPS
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
 	  --loads 3.4 6 --spp 2 --duration-s 1800 --horizon-s 2400 --long-prompt-tokens 32768 \
-	  --out $(RESULTS)/sim
+	  --jobs $(SIM_JOBS) --out $(RESULTS)/sim
+
+bench-sim-azure: setup  ## bench-sim's third part: an hour of the Azure conversation trace
 	$(BIN)/python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 \
-	  --out $(RESULTS)/sim
+	  --jobs $(SIM_JOBS) --out $(RESULTS)/sim
 
 bench-prefix: setup  ## prefix caching: Mooncake sim (4 systems, 4 instances) and the live CPU engine (docs/prefix-caching.md)
 	$(BIN)/python -m slipstream.agent.bench.prefix_bench --out $(RESULTS)/prefix
@@ -149,6 +160,9 @@ bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's ow
 
 bench-cuda-graphs: setup  ## short-prefill latency per (length, batch) bucket, eager vs CUDA graph (GPU only)
 	$(BIN)/python -m slipstream.agent.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs
+
+bench-peer: setup default-model  ## Slipstream vs llama.cpp's llama-server, same GGUF, this CPU: tok/s at 1/8/32 streams, convoy TTFT (docs/peers.md; builds llama.cpp once, ~10 min)
+	$(BIN)/python -m slipstream.agent.bench.peer_bench --out $(RESULTS)/peer
 
 bench-router: setup  ## latency the router adds (TTFT, E2E), direct vs through it
 	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router

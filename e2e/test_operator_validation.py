@@ -30,6 +30,17 @@ INVALID = [
     ({"slo": {"tpotMilliseconds": -1}}, "spec.slo.tpotMilliseconds"),
     ({"scheduler": {"maxSpaceShareFraction": 2}}, "spec.scheduler.maxSpaceShareFraction"),
     ({"instances": -1}, "spec.instances"),
+    # Prefill/decode disaggregation.
+    ({"disaggregation": {"prefill": {"instances": 0}, "decode": {"instances": 1}}},
+     "spec.disaggregation.prefill.instances"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 1},
+                         "transport": "nfs"}}, "spec.disaggregation.transport"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 1}},
+      "autoscaling": {"maxInstances": 4}}, "spec.autoscaling"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 1}},
+      "parallelism": {"tp": 2}}, "spec.disaggregation"),
+    ({"disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 3}},
+      "instances": 4, "pools": {"short": 2}}, "spec.disaggregation.prefill.instances"),
 ]
 
 

@@ -8,6 +8,8 @@ add owner references (``kopf.adopt``) and create or patch.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from slipstream.crds.agent_config import AgentConfig
@@ -37,6 +39,20 @@ def model_path(spec: ServingReplicaSpec) -> str:
 def agent_config(spec: ServingReplicaSpec) -> AgentConfig:
     """What every agent of the replica reads at start (``slipstream serve --config``)."""
     return AgentConfig.from_spec(spec, model_path(spec))
+
+
+def template_hash(spec: ServingReplicaSpec) -> str:
+    """A short hash of every spec field an agent pod is built from or reads at start: the
+    engine config (model, parallelism, scheduler, SLO, pools threshold, drain), the image,
+    the model's volume and the placement rules. Pods carry it as a label; a spec change that
+    alters it makes reconcile replace the instances one at a time (a rolling update). Fields
+    that only count or move instances (instances, autoscaling, pool sizes, rebalance) leave it
+    unchanged, so scaling never restarts anything."""
+    shaping = {"config": agent_config(spec).to_yaml(), "image": spec.image,
+               "model": spec.model.model_dump(mode="json", by_alias=True),
+               "placement": spec.placement.model_dump(mode="json", by_alias=True)}
+    text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec) -> dict:
@@ -111,6 +127,7 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
         naming.NUM_RANKS_LABEL: str(num_ranks),
         naming.ROLE_LABEL: role,
         naming.POOL_LABEL: pool,
+        naming.TEMPLATE_HASH_LABEL: template_hash(spec),
     }
     annotations = {}
     if is_controller:

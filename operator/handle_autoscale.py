@@ -31,7 +31,8 @@ from slipstream.crds.servingreplica import (
 from slipstream.decisions.autoscale import (
     AT_MAX, InstanceLoad, ScaleDecision, ScaleHistory, ScaleSignals, Starting, decide_scale)
 from slipstream.operator import agent_client, metrics, naming
-from slipstream.operator.handle_reconcile import EventSink, now_rfc3339, replica_lock
+from slipstream.operator.handle_reconcile import (
+    EventSink, mark_draining, now_rfc3339, replica_lock)
 from slipstream.operator.handle_rebalance import Stopped
 from slipstream.operator.instances import ObservedInstance, observe_pods
 from slipstream.operator.kube import Kube
@@ -103,17 +104,6 @@ def scale_signals(observed: dict[str, ObservedInstance], previous: ServingReplic
     for k in range(max(0, desired - len(live))):
         starting.append(Starting(f"{replica}-unplaced-{k}"))
     return ScaleSignals(loads=tuple(loads), starting=tuple(starting))
-
-
-def mark_draining(kube: Kube, namespace: str, instance: ObservedInstance, now_s: float) -> None:
-    """Step 2 of the drain: stop routing to it. Every pod is marked; the controller's role
-    label changes so that the Service and the router (role=controller) drop it."""
-    for pod in instance.pods:
-        labels = {naming.DRAINING_LABEL: "true"}
-        if pod.rank == 0:
-            labels[naming.ROLE_LABEL] = naming.ROLE_DRAINING
-        kube.patch_pod_labels(namespace, pod.name, labels,
-                              annotations={naming.DRAINING_SINCE_ANNOTATION: f"{now_s:.3f}"})
 
 
 def finish_drains(kube: Kube, body: dict, spec: ServingReplicaSpec,

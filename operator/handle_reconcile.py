@@ -4,9 +4,11 @@
       GET the replica (under a per-replica lock), ensure ConfigMap + client Services
         (+ with spec.pools or spec.disaggregation: the router's ServiceAccount, RoleBinding
         and Deployment)
-      pods --observe_pods--> plan_instances --> tear down failed/excess instances
-        (with spec.autoscaling: the autoscaler's desired count; its draining instances are
-        left to it, handle_autoscale.py)
+      pods --observe_pods--> plan_rollout (rolling update: instances whose template hash
+        is not the spec's are drained one at a time, after a surge instance is Ready)
+        --> plan_instances --> tear down failed/excess instances
+        (with spec.autoscaling: the autoscaler's desired count; draining instances, its own
+        and the rolling update's, are left to its loop, handle_autoscale.py)
       nodes + pods everywhere --gpu_nodes--> place_instances --> create pods
       build_status --> PATCH status; Events for restarts and placement failures
 
@@ -28,7 +30,7 @@ from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaSta
 from slipstream.operator import builders, metrics, naming, router
 from slipstream.operator.capacity import gpu_nodes, toleration_rules
 from slipstream.operator.instances import (
-    ObservedInstance, observe_pods, plan_instances, target_count)
+    ObservedInstance, Rollout, observe_pods, plan_step)
 from slipstream.operator.kube import Kube
 from slipstream.operator.placement import (
     InstancePlacement, PlacementFailure, PlacementRequest, place_instances)
@@ -91,14 +93,14 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
 
     resource = spec.placement.gpu_resource
     everything = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
-    observed = {k: i for k, i in everything.items() if not i.draining}
-    draining = frozenset(i.index for i in everything.values() if i.draining)
-    desired = target_count(spec, previous.autoscaling.desired_instances
-                           if previous.autoscaling else None, len(observed))
-    if spec.autoscaled:
-        desired = max(desired, len(observed))  # only the autoscaler scales down (a drain)
-    plan = plan_instances(spec, observed, {i.name: i.pool for i in previous.instances}, name,
-                          count=desired, reserved=draining)
+    step = plan_step(spec, everything, {i.name: i.pool for i in previous.instances}, name,
+                     autoscaler_desired=(previous.autoscaling.desired_instances
+                                         if previous.autoscaling else None),
+                     template_hash=builders.template_hash(spec),
+                     surge_fits=lambda: _one_more_fits(kube, spec))
+    rollout, plan, desired, draining = step.rollout, step.plan, step.desired, step.draining
+    if rollout.drain is not None:
+        _drain_outdated(kube, body, rollout, event)
     recreated = {index for index, _ in plan.create}
     for instance in plan.tear_down:
         _tear_down(kube, namespace, instance, keep_service=instance.index in recreated)
@@ -114,6 +116,8 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
         outcomes = place_instances(placement_request(spec), nodes, len(plan.create))
         for (index, pool), outcome in zip(plan.create, outcomes):
             if isinstance(outcome, PlacementFailure):
+                if rollout.outdated and draining:
+                    continue  # a rolling update without room to spare: the drain frees it
                 failure = outcome
                 metrics.PLACEMENT_FAILURES.inc()
             else:
@@ -128,6 +132,39 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
     if status != previous:
         kube.patch_replica_status(namespace, name, status.model_dump(mode="json", by_alias=True))
     return Reconciled(status, failure)
+
+
+def mark_draining(kube: Kube, namespace: str, instance: ObservedInstance, now_s: float) -> None:
+    """Take an instance out of rotation (scale-down or rolling update): every pod is marked;
+    the controller's role label changes so that the client Service and the router (both
+    select role=controller) drop it. The autoscaler's loop deletes it once idle
+    (handle_autoscale.finish_drains)."""
+    for pod in instance.pods:
+        labels = {naming.DRAINING_LABEL: "true"}
+        if pod.rank == 0:
+            labels[naming.ROLE_LABEL] = naming.ROLE_DRAINING
+        kube.patch_pod_labels(namespace, pod.name, labels,
+                              annotations={naming.DRAINING_SINCE_ANNOTATION: f"{now_s:.3f}"})
+
+
+def _drain_outdated(kube: Kube, body: dict, rollout: Rollout, event: EventSink) -> None:
+    instance = rollout.drain
+    assert instance is not None
+    mark_draining(kube, body["metadata"]["namespace"], instance, time.time())
+    left = len(rollout.outdated) - 1
+    how = ("its replacement is Ready" if rollout.surged else
+           "no room for one more instance: its replacement starts in its place")
+    event(body, "Normal", "RollingUpdate",
+          f"{instance.name} was built from an older spec (template {instance.template_hash}); "
+          f"draining it, {how} ({left} more outdated)")
+
+
+def _one_more_fits(kube: Kube, spec: ServingReplicaSpec) -> bool:
+    """Whether the cluster has room for one more instance now (a rolling update's surge)."""
+    nodes = gpu_nodes(kube.list_nodes(), kube.list_active_pods_everywhere(),
+                      spec.placement.gpu_resource)
+    return not isinstance(place_instances(placement_request(spec), nodes, 1)[0],
+                          PlacementFailure)
 
 
 def owner_of(event_type: str | None, pod: dict) -> tuple[str, str] | None:

@@ -11,8 +11,10 @@ and the instance comes back under the same name and pool with a new incarnation.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import (
@@ -36,7 +38,8 @@ class ObservedPod:
     deleting: bool
     gpus: int
     ip: str | None = None
-    draining_since_s: float | None = None  # set once the autoscaler chose it for removal
+    draining_since_s: float | None = None  # set once chosen for removal (scale-down, update)
+    template_hash: str | None = None  # builders.template_hash of the spec it was built from
 
     @property
     def failed(self) -> bool:
@@ -88,6 +91,12 @@ class ObservedInstance:
     def draining(self) -> bool:
         return self.draining_since_s is not None
 
+    @property
+    def template_hash(self) -> str | None:
+        """The spec hash its pods were built from (None: built before pods carried one)."""
+        lead = self.controller or self.pods[0]
+        return lead.template_hash
+
 
 @dataclass(frozen=True)
 class InstancePlan:
@@ -123,7 +132,8 @@ def observe_pod(pod: dict, gpu_resource: str) -> ObservedPod | None:
         ready=conditions.get("Ready") == "True",
         deleting=metadata.get("deletionTimestamp") is not None,
         gpus=pod_gpu_request(pod, gpu_resource), ip=status.get("podIP"),
-        draining_since_s=draining_since_s)
+        draining_since_s=draining_since_s,
+        template_hash=labels.get(naming.TEMPLATE_HASH_LABEL))
 
 
 def observe_pods(pods: list[dict], gpu_resource: str) -> dict[str, ObservedInstance]:
@@ -182,6 +192,95 @@ def instance_role(spec: ServingReplicaSpec, pool: str) -> str | None:
     return DECODE_ROLE if pool == DECODE_POOL else PREFILL_ROLE
 
 
+@dataclass(frozen=True)
+class Rollout:
+    """One reconcile's step of a rolling update (see ``plan_rollout``)."""
+
+    count: int  # live instances to run now (the drained one not counted): desired, or one
+    #             more while a surge instance starts
+    drain: ObservedInstance | None  # the outdated instance to take out of rotation now
+    outdated: tuple[str, ...]  # live instances built from an older spec
+    surged: bool = False  # the drain comes after a surge instance is Ready (room to spare)
+    # The pool (and so the role) of a surge instance: that of the outdated instance it will
+    # replace, so that pool sizes and prefill/decode counts hold through the rollout.
+    surge_pool: str | None = None
+
+
+def plan_rollout(live: dict[str, ObservedInstance], desired: int, template_hash: str, *,
+                 any_draining: bool, surge_fits: Callable[[], bool]) -> Rollout:
+    """Replace instances built from an older spec one at a time, never below ``desired``
+    serving instances where the cluster has room for one more.
+
+    ``live``: the instances not draining. Each step waits until every live instance is
+    Ready and no instance is still draining (so an instance's requests have moved before
+    the next goes). Then, if one more instance fits (``surge_fits``, asked only then), the
+    count goes to desired + 1: a new instance built from the current spec starts beside the
+    old ones. Once it is Ready, the lowest-indexed outdated instance is drained (the
+    autoscaler's drain: out of the Service and the router at once, deleted when idle, then
+    the agent's own SIGTERM drain). Without room for a surge, the outdated instance is
+    drained first and its replacement is placed where it was. A failed outdated instance
+    needs no drain: reconcile recreates it from the current spec anyway."""
+    outdated = sorted((i for i in live.values()
+                       if i.template_hash != template_hash and not i.failed),
+                      key=lambda i: i.index)
+    names = tuple(i.name for i in outdated)
+    if not outdated or desired <= 0:
+        return Rollout(count=desired, drain=None, outdated=names)
+    all_ready = all(i.ready for i in live.values())
+    if len(live) > desired:  # a surge instance runs (or starts): keep it until it is Ready
+        if all_ready and not any_draining:  # then the oldest goes and the count is back
+            return Rollout(count=desired, drain=outdated[0], outdated=names, surged=True)
+        return Rollout(count=desired + 1, drain=None, outdated=names,
+                       surge_pool=outdated[0].pool)
+    if any_draining or not all_ready or len(live) < desired:
+        return Rollout(count=desired, drain=None, outdated=names)
+    if surge_fits():
+        return Rollout(count=desired + 1, drain=None, outdated=names,
+                       surge_pool=outdated[0].pool)
+    return Rollout(count=desired, drain=outdated[0], outdated=names)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one reconcile does to the instances (``plan_step``)."""
+
+    rollout: Rollout
+    plan: InstancePlan
+    desired: int  # the count the status reports against
+    draining: frozenset[int]  # indices held by draining instances (with rollout.drain's)
+
+
+def plan_step(spec: ServingReplicaSpec, everything: dict[str, ObservedInstance],
+              remembered_pools: dict[str, str], replica: str, *,
+              autoscaler_desired: int | None, template_hash: str,
+              surge_fits: Callable[[], bool]) -> Step:
+    """Reconcile's whole decision over the observed instances: the rolling update's step
+    (which outdated instance to drain, whether to surge), then plan_instances over the
+    instances left in rotation. Draining instances are not counted and keep their indices;
+    the autoscaler's loop deletes them."""
+    observed = {k: i for k, i in everything.items() if not i.draining}
+    draining = frozenset(i.index for i in everything.values() if i.draining)
+    desired = target_count(spec, autoscaler_desired, len(observed))
+    rollout = plan_rollout(observed, desired, template_hash, any_draining=bool(draining),
+                           surge_fits=surge_fits)
+    count = rollout.count
+    if rollout.drain is not None:
+        del observed[rollout.drain.name]
+        draining = draining | {rollout.drain.index}
+    if spec.autoscaled:  # only the autoscaler scales down (a drain)
+        count = max(count, len(observed))
+        if not rollout.outdated:
+            desired = max(desired, len(observed))
+    plan = plan_instances(spec, observed, remembered_pools, replica, count=count,
+                          reserved=draining)
+    if rollout.surge_pool is not None:  # the surge instance (a new index) takes its pool
+        known = {i.index for i in observed.values()}
+        plan = dataclasses.replace(plan, create=tuple(
+            (index, pool if index in known else rollout.surge_pool)
+            for index, pool in plan.create))
+    return Step(rollout=rollout, plan=plan, desired=desired, draining=draining)
+
+
 def target_count(spec: ServingReplicaSpec, desired: int | None, live: int) -> int:
     """How many instances reconcile runs. Without autoscaling, spec.instances. With it, the
     autoscaler's last desired count, never below minInstances; before its first decision
@@ -209,6 +308,11 @@ def _surviving_slots(spec: ServingReplicaSpec, instances: list[ObservedInstance]
         prefill = [i for i in instances if i.pool != DECODE_POOL]
         victims = _victims(spec, decode, len(decode) - spec.disaggregation.decode.instances) + \
             _victims(spec, prefill, len(prefill) - spec.disaggregation.prefill.instances)
+        # A rolling update's surge instance (count above the roles' sum) keeps its slot
+        # beyond its role's count until the outdated instance it replaces has drained.
+        surge = max(0, count - spec.disaggregation.instances)
+        spared = [i for i in victims if not i.failed][:surge]
+        victims = [i for i in victims if i not in spared]
     else:
         victims = _victims(spec, instances, len(instances) - count)
     return [i for i in instances if i not in victims]

@@ -39,6 +39,9 @@ ROLE_WORKER = "worker"
 DRAINING_LABEL = f"{PREFIX}/draining"
 DRAINING_SINCE_ANNOTATION = f"{PREFIX}/draining-since"  # Unix seconds, when the drain began
 ROLE_DRAINING = "draining"
+# A hash of everything in the spec that shapes an agent pod (builders.template_hash). When the
+# spec changes it, the running instances are outdated and are replaced one at a time.
+TEMPLATE_HASH_LABEL = f"{PREFIX}/template-hash"
 
 HTTP_PORT = 8000
 CONTROL_PORT = 50051

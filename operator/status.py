@@ -75,16 +75,18 @@ def build_status(*, replica: str, namespace: str, spec: ServingReplicaSpec, gene
         placed_condition = Condition(type=PLACED, status="False", reason=failure.reason,
                                      message=f"{placed} of {desired} instances placed: "
                                              f"{failure.message}")
+    # More ready than desired happens during a rolling update's surge: still all ready.
+    all_ready = ready >= desired
     ready_condition = Condition(
-        type=READY, status="True" if ready == desired else "False",
-        reason="AllInstancesReady" if ready == desired else "InstancesNotReady",
+        type=READY, status="True" if all_ready else "False",
+        reason="AllInstancesReady" if all_ready else "InstancesNotReady",
         message=f"{ready} of {desired} instances ready")
     degraded_condition = _degraded(previous, failure, placed, ready, desired, instances)
     for condition in (placed_condition, ready_condition, degraded_condition):
         conditions = set_condition(conditions, condition.model_copy(
             update={"observed_generation": generation}), now)
 
-    if ready == desired:
+    if all_ready:
         phase = "Ready"
     elif degraded_condition.status == "True":
         phase = "Degraded"

@@ -1,7 +1,8 @@
 """Policies side by side in the simulator, at several loads: Medha's evaluation, reproduced.
 
     workload (recipe or trace) x loads x policies --> simulate() --> summarize()
-        --> OUT/results.json, OUT/tables.md, OUT/<name>_ttft_cdf_q<load>.png,
+        --> OUT/<name>_results.json (settings, commit, a summary per load and policy),
+            OUT/<name>_tables.md, OUT/<name>_ttft_cdf_q<load>.png,
             OUT/<name>_short_ttft_over_time.png (middle load)
 
 The main table compares the systems Medha compares: FCFS as plain chunked prefill (no space
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from multiprocessing import get_context
 from pathlib import Path
 
 from slipstream.agent.scheduler.config import SchedulerConfig
@@ -32,7 +36,7 @@ from slipstream.agent.sim.instance import InstanceConfig
 from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
 from slipstream.agent.sim.plots import short_ttft_over_time, ttft_cdf
 from slipstream.agent.sim.report import summarize
-from slipstream.agent.sim.simulator import SimConfig, simulate
+from slipstream.agent.sim.simulator import SimConfig, SimResult, simulate
 from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
 
 MAIN_POLICIES = ("fcfs@0", "edf", "lrs", "lars-classic", "lars")
@@ -72,6 +76,39 @@ def goals(summaries: dict) -> str:
             f"worst long wait {worst_long:.2f}x FCFS's (goal <= 1.5)")
 
 
+def source_version() -> dict:
+    """The commit these numbers come from, and whether the checkout had local changes, so
+    that tables from different runs are not mixed by accident (None outside a git checkout)."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True,
+                                  text=True, check=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"),
+            "local_changes": None if status is None else bool(status)}
+
+
+# What every simulation of one run shares; set by main() before any worker is forked.
+_RUN: dict = {}
+
+
+def run_one(job: tuple[float | None, str]) -> tuple[SimResult, dict]:
+    """Simulate one policy at one load (in a worker process when ``--jobs`` > 1)."""
+    load, label = job
+    args = _RUN["args"]
+    config = SimConfig(scheduler=scheduler_for(label), instance=_RUN["instance"],
+                       num_layers=_RUN["meta"].num_layers, horizon_s=args.horizon_s,
+                       long_prompt_tokens=args.long_prompt_tokens)
+    started = time.perf_counter()
+    sim = simulate(_RUN["workloads"][load], config, _RUN["model"])
+    summary = summarize(sim, args.long_prompt_tokens, args.slo_tpot_ms)
+    print(f"q={load} {label}: {time.perf_counter() - started:.1f}s wall, short p99 TTFT "
+          f"{summary['short']['ttft_s']['p99']:.3f}s", flush=True)
+    return sim, summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", required=True, help="prefix of the output files")
@@ -87,6 +124,9 @@ def main() -> None:
     parser.add_argument("--secondary", action="store_true",
                         help="also run every policy with and without space sharing")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="simulations run at once, one process each (results do not "
+                             "depend on it: every simulation is deterministic)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -99,24 +139,28 @@ def main() -> None:
                                        if p not in MAIN_POLICIES and p not in aliases]
                                       if args.secondary else [])
     results: dict = {}
-    tables = [f"# {args.name}: H100 Llama-3-8B TP{meta.tp}, SPP {args.spp}, one instance\n"]
+    version = source_version()
+    tables = [f"# {args.name}: H100 Llama-3-8B TP{meta.tp}, SPP {args.spp}, one instance\n",
+              f"Commit {version['commit']}"
+              f"{' (with local changes)' if version['local_changes'] else ''}; the settings "
+              f"are in {args.name}_results.json.\n"]
     middle = args.loads[len(args.loads) // 2]
+    _RUN.update(args=args, model=model, meta=meta, instance=instance, workloads={
+        load: build_workload(WorkloadSpec(trace=args.trace, recipe=args.recipe, qps=load,
+                                          duration_s=args.duration_s, seed=args.seed))
+        for load in args.loads})
+    jobs = [(load, label) for load in args.loads for label in policies]
+    if args.jobs > 1:  # worker processes inherit _RUN by fork
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool:
+            outcomes = dict(zip(jobs, pool.map(run_one, jobs)))
+    else:
+        outcomes = dict(zip(jobs, map(run_one, jobs)))
     for load in args.loads:
-        requests = build_workload(WorkloadSpec(
-            trace=args.trace, recipe=args.recipe, qps=load, duration_s=args.duration_s,
-            seed=args.seed))
+        requests = _RUN["workloads"][load]
         rate = "own rate" if load is None else f"{load:g} QPS"
         tag = "native" if load is None else f"q{load:g}"
-        sims, summaries = {}, {}
-        for label in policies:
-            config = SimConfig(scheduler=scheduler_for(label), instance=instance,
-                               num_layers=meta.num_layers, horizon_s=args.horizon_s,
-                               long_prompt_tokens=args.long_prompt_tokens)
-            started = time.perf_counter()
-            sims[label] = simulate(requests, config, model)
-            summaries[label] = summarize(sims[label], args.long_prompt_tokens, args.slo_tpot_ms)
-            print(f"q={load} {label}: {time.perf_counter() - started:.1f}s wall, short p99 TTFT "
-                  f"{summaries[label]['short']['ttft_s']['p99']:.3f}s", flush=True)
+        sims = {label: outcomes[load, label][0] for label in policies}
+        summaries = {label: outcomes[load, label][1] for label in policies}
         results["native" if load is None else str(load)] = summaries
         long_count = sum(r.prompt_tokens >= args.long_prompt_tokens for r in requests)
         tables.append(f"\n## {rate} ({len(requests)} requests, {long_count} long)\n\n{HEADER}")
@@ -134,7 +178,10 @@ def main() -> None:
             short_ttft_over_time(main_sims, args.out / f"{args.name}_short_ttft_over_time.png",
                                  args.long_prompt_tokens,
                                  f"{args.name}: short-request TTFT over time at {rate}")
-    (args.out / f"{args.name}_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    report = {"settings": {**{k: v for k, v in vars(args).items() if k not in ("out", "jobs")},
+                           "source": version},
+              "loads": results}
+    (args.out / f"{args.name}_results.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"{args.name}_tables.md").write_text("\n".join(tables) + "\n")
     print("\n".join(tables))
 

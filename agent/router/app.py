@@ -3,7 +3,7 @@
     client --POST /v1/completions, /v1/chat/completions--> classify (prompt tokens)
         --> Proxy.forward --> Dispatcher (pool, least backlog, fair queue) --> agent
     client --GET /v1/models--> the first instance that answers
-    kubelet --GET /health--> 200 while some instance can take traffic
+    kubelet --GET /health--> 200 while some instance serves (and each one's state)
     Prometheus --GET /metrics--> RouterMetrics
     people --GET /router/instances--> the membership and load the router sees (JSON)
 
@@ -156,11 +156,13 @@ def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -
 
     @app.get("/health")
     async def health() -> Response:
-        """Ready while some instance can take traffic; counts only those (a dead or
-        draining instance is not counted, though the table still knows it)."""
+        """Ready (200) while at least one instance serves by the stats poller's last look;
+        503 when none does. ``instances`` counts only those; ``backends`` lists every
+        instance the router knows with its state (serving, not_serving, late, unresponsive,
+        cooling_down, unknown), the reason and how long ago it last answered a poll."""
         serving = router.table.serving_count()
         body = {"status": "ok" if serving else "no instances", "instances": serving,
-                "known_instances": len(router.table)}
+                "known_instances": len(router.table), "backends": router.table.health_view()}
         return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")

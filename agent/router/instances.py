@@ -22,6 +22,14 @@ from dataclasses import dataclass
 
 from slipstream.agent.router.config import DECODE_POOL, LONG_POOL, SHORT_POOL, UNIFIED_POOL
 
+# An instance's health as the router sees it (its /health lists one per instance).
+UNKNOWN = "unknown"  # not polled yet
+SERVING = "serving"  # its /health said 200 and its /metrics parsed
+NOT_SERVING = "not_serving"  # refused, unreachable, or its /health said no (draining...)
+LATE = "late"  # did not answer the last poll in time; still gets traffic
+UNRESPONSIVE = "unresponsive"  # late for UNRESPONSIVE_AFTER_S: not counted as serving
+COOLING_DOWN = "cooling_down"  # a request to it just failed; no traffic for the cooldown
+UNRESPONSIVE_AFTER_S = 30.0
 # Which pools may serve a request class, in order of preference.
 _POOLS_FOR_CLASS = {SHORT_POOL: (SHORT_POOL, UNIFIED_POOL), LONG_POOL: (LONG_POOL, UNIFIED_POOL),
                     DECODE_POOL: (DECODE_POOL,)}
@@ -57,6 +65,10 @@ class Instance:
         self._foreign_decode_requests = 0
         self.kv_capacity_tokens: int | None = None
         self.unhealthy_until_s = 0.0
+        # The stats poller's last verdict, for dispatch and the router's /health.
+        self.poll_state = UNKNOWN
+        self.poll_reason = ""
+        self.last_answer_s: float | None = None  # when it last answered a poll at all
 
     @property
     def name(self) -> str:
@@ -75,7 +87,36 @@ class Instance:
         return self.own_in_flight + self._foreign_prefill_requests + self._foreign_decode_requests
 
     def healthy(self, now_s: float) -> bool:
+        """May take traffic: not cooling down after a failure. After the cooldown a refused
+        instance is tried again (a request that cannot connect is retried elsewhere);
+        /health (``health_state``) keeps it out until a poll finds it serving."""
         return now_s >= self.unhealthy_until_s
+
+    def health_state(self, now_s: float) -> str:
+        """What the router's /health says of it (see the constants above)."""
+        if self.poll_state == NOT_SERVING:
+            return NOT_SERVING
+        if now_s < self.unhealthy_until_s:
+            return COOLING_DOWN
+        if self.poll_state == LATE and (self.last_answer_s is None
+                                        or now_s - self.last_answer_s >= UNRESPONSIVE_AFTER_S):
+            return UNRESPONSIVE
+        return self.poll_state
+
+    def health_view(self, now_s: float) -> dict:
+        age = None if self.last_answer_s is None else round(now_s - self.last_answer_s, 1)
+        return {"name": self.name, "url": self.spec.url, "pool": self.pool,
+                "state": self.health_state(now_s), "reason": self.poll_reason,
+                "last_answer_seconds_ago": age}
+
+    def polled(self, state: str, now_s: float, reason: str = "") -> None:
+        """Record a poll's outcome: SERVING or NOT_SERVING (an answer, or a refusal), or LATE
+        (no answer in time: it keeps its traffic; slowness is not death)."""
+        if state != LATE:
+            self.last_answer_s = now_s
+        if state == LATE and self.poll_state == UNKNOWN:
+            self.last_answer_s = None
+        self.poll_state, self.poll_reason = state, reason
 
     def mark_failed(self, now_s: float, cooldown_s: float) -> None:
         self.unhealthy_until_s = now_s + cooldown_s
@@ -196,9 +237,16 @@ class InstanceTable:
         return any(instance.pool == DECODE_POOL for instance in self._instances.values())
 
     def serving_count(self) -> int:
-        """Instances that may take traffic now (neither failed nor cooling down)."""
+        """Instances that serve now by the last poll: answered 200, or answered late for
+        less than UNRESPONSIVE_AFTER_S; not refused, down, cooling down or not polled yet."""
         now_s = self._clock()
-        return sum(1 for instance in self._instances.values() if instance.healthy(now_s))
+        return sum(1 for instance in self._instances.values()
+                   if instance.health_state(now_s) in (SERVING, LATE))
+
+    def health_view(self) -> list[dict]:
+        now_s = self._clock()
+        return [instance.health_view(now_s)
+                for instance in sorted(self._instances.values(), key=lambda i: i.name)]
 
     def pool_sizes(self) -> dict[str, int]:
         sizes = {pool: 0 for pool in (SHORT_POOL, LONG_POOL, UNIFIED_POOL, DECODE_POOL)}

@@ -6,9 +6,12 @@
 
 ``/health`` is the agent's readiness (engine and every worker rank answer, not draining) and
 ``/metrics`` is what every agent serves already, so the router needs no second protocol. An
-agent that refuses the connection or answers 503 gets no traffic until it answers again. An
-agent that is merely slow to answer (a loaded machine, a long /metrics) keeps its traffic:
-slowness is not death, and treating it so would empty the pool exactly under load. The
+agent that refuses the connection, cannot be reached (a connect timeout) or answers 503 gets
+no traffic for the cooldown after each such poll, and the router's /health does not count
+it until a poll finds it serving again. An agent that is merely slow to answer (a
+loaded machine, a long /metrics) keeps its traffic: slowness is not death, and treating it so
+would empty the pool exactly under load; the router's /health stops counting it only after
+UNRESPONSIVE_AFTER_S without any answer. Each verdict is kept per instance for /health. The
 agent's gRPC control API (``Stats``: backlog prompt tokens, queue seconds) would make the
 foreign backlog exact instead of estimated; the router does not depend on it yet.
 """
@@ -22,7 +25,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.agent.router.instances import AgentReport, Instance, InstanceTable
+from slipstream.agent.router.instances import (
+    LATE, NOT_SERVING, SERVING, AgentReport, Instance, InstanceTable)
 from slipstream.agent.server import metric_names as names
 
 log = logging.getLogger(__name__)
@@ -87,17 +91,33 @@ class StatsPoller:
             response = await self._client.get(f"{instance.spec.url}/metrics", timeout=timeout_s)
             response.raise_for_status()
             report = parse_agent_metrics(response.text)
+        except httpx.ConnectTimeout:
+            # Nothing took the connection: a busy process still has the kernel accept it,
+            # so this is a host that is gone (or a network that drops the packets).
+            self._not_serving(instance, "connecting timed out")
+            return
         except httpx.TimeoutException as error:
             log.info("stats of %s are late (%s); keeping its traffic", instance.name,
                      type(error).__name__)
+            instance.polled(LATE, time.monotonic(), f"no answer in {timeout_s:.0f} s")
             return
         except (httpx.HTTPError, ValueError) as error:
-            self._not_serving(instance, type(error).__name__)
+            self._not_serving(instance, _describe(error))
             return
         instance.report(report)
+        instance.polled(SERVING, time.monotonic())
 
     def _not_serving(self, instance: Instance, why: str) -> None:
         if self._table.get(instance.name) is instance:
-            log.info("%s is not serving (%s); no traffic for %.0f s", instance.name, why,
-                     self._cooldown_s)
+            if instance.poll_state != NOT_SERVING or instance.poll_reason != why:
+                log.info("%s is not serving (%s); no traffic for %.0f s", instance.name, why,
+                         self._cooldown_s)
             instance.mark_failed(time.monotonic(), self._cooldown_s)
+            instance.polled(NOT_SERVING, time.monotonic(), why)
+
+
+def _describe(error: Exception) -> str:
+    """A short reason for /health: the error's kind, and its text when it has one."""
+    text = str(error).strip()
+    kind = type(error).__name__
+    return f"{kind}: {text[:160]}" if text else kind

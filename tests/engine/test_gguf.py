@@ -40,6 +40,7 @@ COMPLETIONS = [
     "1, 2, 3, 5, 8, 13,",
 ]
 NEW_TOKENS = 64
+PAD = 2  # <|im_end|>; padding columns are masked out
 CORPUS = [
     "Hello, world!", "  leading spaces and   runs of    blanks\t\ttabs\n\n\nnewlines ",
     "Numbers: 0 7 42 1234567890 3.14159 -2e10 2024-11-25", "naïve café déjà vu Ærøskøbing",
@@ -73,23 +74,41 @@ def prompts(model_dir) -> list[list[int]]:
             + [ours.encode(text) for text in COMPLETIONS])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Both sides on one thread: on a shared 2-core machine, two threads per process spin
+    against each other and against every other process (several times slower, not faster)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def reference(prompts):
-    """Everything the tests compare with, computed by transformers, which is then freed."""
+    """Everything the tests compare with, computed by transformers, which is then freed.
+
+    The eight prompts are generated as one left-padded batch (the attention mask gives each
+    row its own positions), so the 64 steps read the weights 64 times, not 8 x 64."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     assert GGUF is not None
     model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name,
                                                  dtype=torch.float32).eval()
-    generation = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS,
-                                  min_new_tokens=NEW_TOKENS, pad_token_id=2)
-    greedy, logits = [], []
+    # Like the engine's ignore_eos: no stop at <|im_end|> and nothing masked (min_new_tokens
+    # would forbid the end token, where the engine only keeps going after it).
+    model.generation_config.eos_token_id = None
+    generation = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                                  pad_token_id=PAD)
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), generation_config=generation)
-            greedy.append(out[0, len(prompt):].tolist())
-        for prompt, tokens in zip(prompts[:2], greedy[:2]):  # full-sequence logits
-            logits.append(model(torch.tensor([prompt + tokens[:16]])).logits[0].float())
+        out = model.generate(ids, attention_mask=mask, generation_config=generation)
+        greedy = out[:, width:].tolist()
+        assert out.shape[1] == width + NEW_TOKENS
+        logits = [model(torch.tensor([prompt + tokens[:16]])).logits[0].float()
+                  for prompt, tokens in zip(prompts[:2], greedy[:2])]  # full-sequence logits
     del model
     gc.collect()
     return {"greedy": greedy, "logits": logits}
@@ -126,6 +145,26 @@ def test_prefill_and_decode_logits_match_transformers(model_dir, prompts, refere
             step = runner.compute_logits(Batch(chunks=(
                 ScheduledChunk("r", (sequence[position],), position, blocks, True),)))
             torch.testing.assert_close(step[0], expected[position], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_match_transformers_chat_and_completion_batched(model_dir, prompts,
+                                                                     reference):
+    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.engine import LLMEngine
+    from slipstream.agent.engine.sampling_params import SamplingParams
+
+    # Eight requests of at most 64 prompt + 64 new tokens: 8 x 8 blocks of 16, and spare ones.
+    assert max(len(prompt) for prompt in prompts) + NEW_TOKENS <= 8 * 16
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=80,
+                                    max_model_len=256))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = engine.generate(prompts, params)  # all eight prompts batched together
+    assert len(prompts) == 8
+    for prompt, tokens, expected in zip(prompts, ours, reference["greedy"]):
+        assert tokens == expected, engine.tokenizer.decode(prompt)
+    answer = engine.tokenizer.decode(ours[0])
+    assert answer.startswith("The capital of France is Paris."), answer
+    engine.close()
 
 
 def test_tokenizer_encodes_and_decodes_like_transformers(model_dir, hf_tokenizer):

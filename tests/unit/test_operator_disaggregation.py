@@ -134,3 +134,29 @@ def test_status_counts_each_role_and_names_each_instances_role():
         [("r-0", "prefill"), ("r-1", "decode"), ("r-2", "decode")]
     wire = result.model_dump(mode="json", by_alias=True)
     assert wire["disaggregation"]["prefill"]["readyInstances"] == 1
+
+
+def test_a_rolling_update_surges_one_instance_in_the_role_it_replaces():
+    from slipstream.operator.instances import plan_step
+
+    old = spec(1, 1)
+    new = ServingReplicaSpec.model_validate({**old.to_api(), "image": "a:2"})
+    pods = [agent_pod(old, 0, "unified"), agent_pod(old, 1, "decode")]
+    step = plan_step(new, observe_pods(pods, GPU), {}, "r", autoscaler_desired=None,
+                     template_hash=builders.template_hash(new), surge_fits=lambda: True)
+    # One instance more than the roles' sum, in the role of the first outdated instance.
+    assert step.rollout.count == 3 and step.plan.create == ((2, "unified"),)
+    assert step.plan.tear_down == ()
+    # While it starts it keeps its slot beyond the prefill count.
+    pods.append(agent_pod(new, 2, "unified", ready=False))
+    step = plan_step(new, observe_pods(pods, GPU), {}, "r", autoscaler_desired=None,
+                     template_hash=builders.template_hash(new), surge_fits=lambda: True)
+    assert step.rollout.count == 3 and step.rollout.drain is None
+    assert step.plan.tear_down == () and step.plan.create == ()
+    # Once Ready, the outdated prefill instance it replaces is drained.
+    pods[-1] = agent_pod(new, 2, "unified")
+    step = plan_step(new, observe_pods(pods, GPU), {}, "r", autoscaler_desired=None,
+                     template_hash=builders.template_hash(new), surge_fits=lambda: True)
+    assert step.rollout.drain is not None and step.rollout.drain.name == "r-0"
+    assert step.plan.tear_down == () and step.plan.create == ()
+    assert sorted(i.name for i in step.plan.keep) == ["r-1", "r-2"]

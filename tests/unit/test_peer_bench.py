@@ -1,0 +1,54 @@
+"""The peer benchmark's workload and server command lines (the benchmark itself, which builds
+llama.cpp, runs only under ``make bench-peer``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slipstream.agent.bench import peer_bench
+
+
+def test_convoy_workload_has_steady_shorts_and_long_documents_in_the_first_half():
+    requests = peer_bench.convoy_workload(seed=3, duration_s=200.0, rate_per_s=0.5,
+                                          long_count=3, long_tokens=8176)
+    shorts = [r for r in requests if r.source == "short"]
+    longs = [r for r in requests if r.source == "long"]
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    assert 70 <= len(shorts) <= 130  # Poisson, 100 expected
+    assert all(32 <= r.prompt_tokens <= 256 and 16 <= r.output_tokens <= 48 for r in shorts)
+    assert [r.arrival_s for r in longs] == pytest.approx([20.0, 60.0, 100.0])
+    assert all(r.prompt_tokens == 8176 and r.output_tokens == 8 for r in longs)
+    # shorts keep arriving after the last long document
+    assert sum(r.arrival_s > longs[-1].arrival_s for r in shorts) > 20
+    assert peer_bench.convoy_workload(3, 200.0, 0.5, 3, 8176) == requests  # seeded
+
+
+def test_each_server_gets_the_same_threads_and_a_full_context(monkeypatch, tmp_path):
+    started: list[tuple[list[str], dict]] = []
+
+    class Running:
+        def __init__(self, argv, log, url, env, timeout_s):
+            started.append((argv, env))
+
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(peer_bench, "running", Running)
+    gguf = Path("model.gguf")
+    for system in (peer_bench.System("l", "llama.cpp", gguf),
+                   peer_bench.System("s", "slipstream", gguf, "fcfs")):
+        with peer_bench.serving(system, 2, tmp_path, tmp_path / "log", 2048) as url:
+            assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+    (llama, _), (ours, env) = started
+    assert llama[llama.index("-t") + 1] == "2" and env["OMP_NUM_THREADS"] == "2"
+    assert llama[llama.index("--parallel") + 1] == "32" and "--kv-unified" in llama
+    assert int(llama[llama.index("-c") + 1]) >= peer_bench.CONTEXT_TOKENS
+    assert ours[ours.index("--policy") + 1] == "fcfs"
+    assert ours[ours.index("--max-space-share-fraction") + 1] == "0.0"  # FCFS: no sharing
+    assert int(ours[ours.index("--num-kv-blocks") + 1]) * 16 >= peer_bench.CONTEXT_TOKENS
+    assert ours[ours.index("--profile") + 1] == str(tmp_path)
