@@ -150,8 +150,6 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if (count := core_threads(threads)) is not None:
-        torch.set_num_threads(count)
     # The engine first: a parallel executor forks its workers, and they must not inherit
     # this process's ZeroMQ context (its I/O threads do not survive a fork).
     engine: LLMEngine | None = None
@@ -160,6 +158,10 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
         engine = build_engine(config, scheduler_config, output_text=False)
     except Exception as error:  # noqa: BLE001 - tell the API process why, then exit
         failure = str(error) or type(error).__name__
+    # After the build: loading and allocating the KV cache keep all threads; the steps, which
+    # share the machine with the API process, get one CPU fewer (``core_threads``).
+    if (count := core_threads(threads)) is not None:
+        torch.set_num_threads(count)
     context = zmq.Context()
     commands = context.socket(zmq.PULL)
     commands.connect(command_addr)
