@@ -54,6 +54,10 @@ def router_command(replica: str, namespace: str, spec: ServingReplicaSpec) -> li
     if spec.pools is not None:
         command += ["--long-prefill-threshold-tokens",
                     str(spec.pools.long_prefill_threshold_tokens)]
+    if spec.scheduler.policy == "fcfs":
+        # FCFS agents make a new request wait behind their whole backlog; the router's
+        # default assumes the other policies, which serve shorter prefills first.
+        command += ["--instance-queue-order", "fifo"]
     # The tokenizer makes the length classes match the agents' token counts. Decode
     # instances (pool label "decode") make the router chain each request through a prefill
     # and a decode instance.

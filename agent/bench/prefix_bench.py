@@ -4,8 +4,12 @@ engine on a multi-turn workload over long shared documents (docs/prefix-caching.
     simulator: H100 Llama-3-8B tables, Mooncake (hash_ids, 512 tokens each), N instances
         (a) FCFS, no cache, least-load routing
         (b) FCFS, cache, least-load routing          (vLLM's prefix caching behind a plain LB)
-        (c) FCFS, cache, prefix-aware routing        (llm-d)
-        (d) LARS, cache, prefix-aware routing        (Slipstream)
+        (c) FCFS, cache, prefix-aware routing        (llm-d: backlog counted in full)
+        (d) LARS, cache, prefix-aware routing        (Slipstream: the router counts only the
+                                                      backlog a shorter-first instance puts
+                                                      ahead of the request)
+        (x), (y): each of (d)'s two changes alone (LARS behind (c)'s router; (d)'s router in
+                  front of FCFS instances)
         --> hit rate against the unbounded-cache bound, short/long TTFT p50/p99, throughput
     live: the tiny CPU model, in-process engine on the real clock; documents x questions
         arriving open-loop, once with the cache and once without; then one follow-up question
@@ -29,11 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
-SYSTEMS = {  # label: (policy, prefix caching, routing)
-    "a_fcfs_nocache_leastload": ("fcfs", False, "least-load"),
-    "b_fcfs_cache_leastload": ("fcfs", True, "least-load"),
-    "c_fcfs_cache_prefix": ("fcfs", True, "prefix"),
-    "d_lars_cache_prefix": ("lars", True, "prefix"),
+SYSTEMS = {  # label: (policy, prefix caching, routing, the router's instance queue order)
+    "a_fcfs_nocache_leastload": ("fcfs", False, "least-load", "fifo"),
+    "b_fcfs_cache_leastload": ("fcfs", True, "least-load", "fifo"),
+    "c_fcfs_cache_prefix": ("fcfs", True, "prefix", "fifo"),
+    "d_lars_cache_prefix": ("lars", True, "prefix", "shorter-first"),
+}
+# Each of (d)'s two changes alone, to show what each contributes (not part of the goals):
+# LARS behind (c)'s router, and (d)'s router in front of FCFS instances.
+ABLATIONS = {
+    "x_lars_cache_prefix_fifo_router": ("lars", True, "prefix", "fifo"),
+    "y_fcfs_cache_prefix_shorter_first_router": ("fcfs", True, "prefix", "shorter-first"),
 }
 
 
@@ -61,13 +71,19 @@ def run_sim(args: argparse.Namespace) -> dict:
                                 "long_prompt_tokens": args.long_prompt_tokens},
                      "systems": {}}
     sims = {}
-    for label, (policy, caching, routing) in SYSTEMS.items():
+    systems = dict(SYSTEMS, **(ABLATIONS if args.ablations else {}))
+    results["config"]["systems"] = {
+        label: {"policy": policy, "prefix_caching": caching, "routing": routing,
+                "router_instance_queue_order": order}
+        for label, (policy, caching, routing, order) in systems.items()}
+    for label, (policy, caching, routing, queue_order) in systems.items():
         scheduler = SchedulerConfig(policy=policy, prefix_caching=caching)
         if policy == "fcfs":  # plain chunked prefill, as bench-sim's fcfs@0
             scheduler = replace(scheduler, max_space_share_fraction=0.0)
         config = SimConfig(scheduler=scheduler, instance=instance, num_instances=args.instances,
                            num_layers=meta.num_layers, horizon_s=args.horizon_s,
-                           long_prompt_tokens=args.long_prompt_tokens, routing=routing)
+                           long_prompt_tokens=args.long_prompt_tokens, routing=routing,
+                           router_queue_order=queue_order)
         started = time.perf_counter()
         sims[label] = simulate(requests, config, model)
         summary = summarize(sims[label], args.long_prompt_tokens, None)
@@ -261,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--horizon-s", type=float, default=450.0)
     sim.add_argument("--spp", type=int, default=1)
     sim.add_argument("--long-prompt-tokens", type=int, default=16384)
+    sim.add_argument("--no-ablations", dest="ablations", action="store_false",
+                     help="run only systems (a)-(d), not the two that each take one of (d)'s "
+                          "changes alone")
     live = parser.add_argument_group("live CPU engine")
     live.add_argument("--model-preset", default="tiny")
     live.add_argument("--documents", type=int, default=3)

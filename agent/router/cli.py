@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from slipstream.agent.router.config import (
-    CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, POOLS, ROLE_LABEL, FairnessConfig,
-    KubernetesDiscovery, RouterConfig, StaticBackend)
+    CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, INSTANCE_QUEUE_ORDERS, POOLS,
+    ROLE_LABEL, FairnessConfig, KubernetesDiscovery, RouterConfig, StaticBackend)
 from slipstream.agent.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S
 
 DEFAULT_HOST = "127.0.0.1"
@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--prefix-affinity-weight", type=float, default=2.0, metavar="W",
                          help="backlog tokens that one prompt token cached on an instance is "
                               "worth when choosing it (higher keeps conversations home longer)")
+    routing.add_argument("--instance-queue-order", choices=INSTANCE_QUEUE_ORDERS,
+                         default="shorter-first",
+                         help="how the agents order queued prefills, which decides how much of "
+                              "an instance's backlog a new request waits behind: shorter-first "
+                              "(the agents' LARS, SRPT: a queued prefill counts only up to the "
+                              "new request's own uncached prompt) or fifo (agents running FCFS: "
+                              "all of it)")
     routing.add_argument("--decode-weight-tokens", type=int, default=32, metavar="TOKENS",
                          help="prefill tokens a running decode counts as in the backlog")
     routing.add_argument("--stats-interval-seconds", type=float, default=1.0, metavar="S",
@@ -133,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_weight_tokens=args.decode_weight_tokens,
         prefix_block_tokens=args.prefix_block_tokens,
         prefix_affinity_weight=args.prefix_affinity_weight,
+        instance_queue_order=args.instance_queue_order,
         stats_interval_s=args.stats_interval_seconds, max_attempts=args.max_attempts,
         queue_timeout_s=args.queue_timeout_seconds,
         unhealthy_cooldown_s=args.unhealthy_cooldown_seconds,

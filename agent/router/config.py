@@ -58,6 +58,9 @@ class KubernetesDiscovery:
     kubeconfig: str | None = None  # None: in-cluster config, else $KUBECONFIG / ~/.kube/config
 
 
+INSTANCE_QUEUE_ORDERS = ("shorter-first", "fifo")
+
+
 @dataclass(frozen=True)
 class FairnessConfig:
     """The fair queue's demand model: Justitia's cost needs each request's output length."""
@@ -93,6 +96,11 @@ class RouterConfig:
     # minus the prefill its cache would save. 0 turns it off (least backlog only).
     prefix_block_tokens: int = 64
     prefix_affinity_weight: float = 2.0  # backlog tokens one cached prompt token is worth
+    # How the instances order their queued prefills, which decides how much of an instance's
+    # backlog a new request waits behind (instances.py, predicted_backlog_tokens):
+    # "shorter-first" (Slipstream's LARS short lane, SRPT) counts each queued prefill only up
+    # to the new request's own uncached prompt; "fifo" (FCFS instances) counts all of it.
+    instance_queue_order: str = "shorter-first"
     # Limits on one request, as on the agent (server/limits.py): 413 and 408.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
@@ -118,6 +126,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive")
         if self.prefix_affinity_weight < 0:
             raise ValueError("prefix_affinity_weight must be >= 0")
+        if self.instance_queue_order not in INSTANCE_QUEUE_ORDERS:
+            raise ValueError(f"instance_queue_order must be one of {INSTANCE_QUEUE_ORDERS}, "
+                             f"got {self.instance_queue_order!r}")
         if self.prefix_block_tokens < 0:
             raise ValueError("prefix_block_tokens must be >= 0 (0 turns prefix routing off)")
         if self.unhealthy_cooldown_s < 0 or self.decode_weight_tokens < 0:

@@ -189,8 +189,14 @@ class Dispatcher:
                 continue  # an idle instance takes even a request larger than the limit
             # Prefix-aware: the prefill its cache saves counts against its backlog, so a
             # follow-up goes where its conversation is unless that instance is busier by
-            # more than the prefix is worth.
-            score = backlog - config.prefix_affinity_weight * self.cached_tokens(instance, routed)
+            # more than the prefix is worth. On shorter-first instances the backlog is what
+            # this request would wait behind there, given what it still has to compute.
+            cached = self.cached_tokens(instance, routed)
+            if config.instance_queue_order == "shorter-first":
+                backlog = instance.predicted_backlog_tokens(
+                    config.decode_weight_tokens, mean_prompt,
+                    ahead_of=max(1, routed.prompt_tokens - cached))
+            score = backlog - config.prefix_affinity_weight * cached
             key = (score, instance.in_flight, (position - offset) % len(candidates))
             if best_key is None or key < best_key:
                 best, best_key = instance, key

@@ -12,11 +12,21 @@ router knows its own requests exactly and at once. So the estimate is this route
 counts plus the *foreign* part of the last report (reported minus what this router had there
 at that moment), in prefill tokens: own pending prompt tokens exactly, foreign prefills at the
 pool's mean prompt length, and each decode as ``decode_weight_tokens``.
+
+How much of that backlog a *new* request waits behind depends on the order the instance
+serves queued prefills in. Under FCFS it is all of it. Slipstream's LARS serves a request
+whose prefill is short in a lane ahead of longer ones (docs/scheduling.md), so a request of
+``u`` uncached tokens waits behind at most ``u`` tokens of each queued prefill: smaller ones
+finish before it, larger ones take turns with it or wait. ``predicted_backlog_tokens(...,
+ahead_of=u)`` counts each prefill as ``min(its tokens, u)``. That is what lets a short
+follow-up go home to the instance that holds its long document even when that instance is
+busy with other long prefills: there it is a short request, elsewhere a long one.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -59,6 +69,7 @@ class Instance:
         self.spec = spec
         self.own_prefill_requests = 0
         self.own_prefill_tokens = 0
+        self._own_prefill_sizes: Counter[int] = Counter()  # own pending prefills by tokens
         self.own_decode_requests = 0
         self.own_kv_tokens = 0  # prompt tokens of this router's requests here, any phase
         self._foreign_prefill_requests = 0
@@ -127,10 +138,18 @@ class Instance:
         foreign = self._foreign_prefill_requests + self._foreign_decode_requests
         return self.own_kv_tokens + foreign * mean_prompt_tokens
 
-    def predicted_backlog_tokens(self, decode_weight_tokens: float,
-                                 mean_prompt_tokens: float) -> float:
-        prefill = self.own_prefill_tokens + self._foreign_prefill_requests * mean_prompt_tokens
+    def predicted_backlog_tokens(self, decode_weight_tokens: float, mean_prompt_tokens: float,
+                                 ahead_of: int | None = None) -> float:
+        """Prefill tokens to compute here, plus each decode at ``decode_weight_tokens``. With
+        ``ahead_of`` (a new request's uncached prompt tokens), only the part a new request
+        that size waits behind on a shorter-first instance: each prefill up to that many."""
         decodes = self.own_decode_requests + self._foreign_decode_requests
+        if ahead_of is None:
+            prefill = self.own_prefill_tokens + self._foreign_prefill_requests * mean_prompt_tokens
+        else:
+            prefill = sum(min(size, ahead_of) * count
+                          for size, count in self._own_prefill_sizes.items())
+            prefill += self._foreign_prefill_requests * min(mean_prompt_tokens, ahead_of)
         return prefill + decodes * decode_weight_tokens
 
     # -- this router's requests (the proxy calls these) ---------------------------------------
@@ -138,11 +157,11 @@ class Instance:
     def start(self, prompt_tokens: int) -> None:
         self.own_prefill_requests += 1
         self.own_prefill_tokens += prompt_tokens
+        self._own_prefill_sizes[prompt_tokens] += 1
         self.own_kv_tokens += prompt_tokens
 
     def first_token(self, prompt_tokens: int) -> None:
-        self.own_prefill_requests -= 1
-        self.own_prefill_tokens -= prompt_tokens
+        self._prefill_done(prompt_tokens)
         self.own_decode_requests += 1
 
     def finish(self, prompt_tokens: int, reached_first_token: bool) -> None:
@@ -150,8 +169,15 @@ class Instance:
         if reached_first_token:
             self.own_decode_requests -= 1
         else:
-            self.own_prefill_requests -= 1
-            self.own_prefill_tokens -= prompt_tokens
+            self._prefill_done(prompt_tokens)
+
+    def _prefill_done(self, prompt_tokens: int) -> None:
+        self.own_prefill_requests -= 1
+        self.own_prefill_tokens -= prompt_tokens
+        sizes = self._own_prefill_sizes
+        sizes[prompt_tokens] -= 1
+        if sizes[prompt_tokens] <= 0:
+            del sizes[prompt_tokens]
 
     # -- the agent's own report ---------------------------------------------------------------
 

@@ -240,13 +240,17 @@ class SimInstance:
         return sum(r.num_uncached_tokens for r in self.scheduler.requests.values()
                    if r.in_prefill)
 
-    def router_backlog_tokens(self, decode_weight_tokens: float) -> float:
+    def router_backlog_tokens(self, decode_weight_tokens: float,
+                              ahead_of: int | None = None) -> float:
         """The live router's load estimate (router/instances.py): prefill tokens still to
-        compute, plus each decoding request at ``decode_weight_tokens``."""
+        compute, plus each decoding request at ``decode_weight_tokens``. With ``ahead_of`` (a
+        new request's uncached prompt tokens), each prefill counts only up to that many, as
+        the router counts them for shorter-first instances."""
         prefill, decodes = 0, 0
         for request in self.scheduler.requests.values():
             if request.in_prefill:
-                prefill += request.num_uncached_tokens
+                tokens = request.num_uncached_tokens
+                prefill += tokens if ahead_of is None else min(tokens, ahead_of)
             else:
                 decodes += 1
         return prefill + decodes * decode_weight_tokens

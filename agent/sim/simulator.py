@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
+from slipstream.agent.router.config import INSTANCE_QUEUE_ORDERS
 from slipstream.agent.router.prefix_affinity import (
     DEFAULT_PREFIX_AFFINITY_WEIGHT, PrefixAffinityIndex)
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, BlockManager
@@ -51,6 +52,10 @@ class SimConfig:
     # prefill the instance's cache saves, from an approximate index of what was sent where).
     routing: str = "least-load"
     prefix_affinity_weight: float = DEFAULT_PREFIX_AFFINITY_WEIGHT  # as the live router's
+    # With "prefix" routing, how the router assumes instances order queued prefills
+    # (RouterConfig.instance_queue_order): "shorter-first" (LARS) counts each queued prefill
+    # only up to the new request's uncached prompt, "fifo" counts all of it.
+    router_queue_order: str = "shorter-first"
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -59,6 +64,9 @@ class SimConfig:
             raise ValueError("instance.num_kv_blocks must be set (see kv_capacity.py)")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.router_queue_order not in INSTANCE_QUEUE_ORDERS:
+            raise ValueError(f"router_queue_order must be one of {INSTANCE_QUEUE_ORDERS}, "
+                             f"got {self.router_queue_order!r}")
 
     @property
     def num_kv_blocks(self) -> int:
@@ -132,7 +140,8 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
                 continue  # can never fit one instance: reported as unfinished
             if affinity is not None:
                 target = _prefix_route(affinity, record, instances, capacity_tokens,
-                                       config.prefix_affinity_weight)
+                                       config.prefix_affinity_weight,
+                                       config.router_queue_order == "shorter-first")
             elif router is None:
                 target = min(instances, key=lambda inst: inst.backlog_tokens)
             else:
@@ -175,19 +184,23 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
 
 def _prefix_route(affinity: PrefixAffinityIndex, record: RequestRecord,
                   instances: list[SimInstance], capacity_tokens: int,
-                  weight: float) -> SimInstance:
+                  weight: float, shorter_first: bool = True) -> SimInstance:
     """The instance with the least backlog minus the prefill its cache would save; it then
     holds the prompt's blocks. This is the live router's rule (agent/router/dispatcher.py)
-    with its load estimate: prefill still to compute plus a fixed weight per decode."""
+    with its load estimate: prefill still to compute plus a fixed weight per decode, each
+    prefill counted only up to this request's own uncached prompt when ``shorter_first``."""
     keys: list[int] = []
     parent = 0
     for hash_id in record.hash_ids:  # chained, so a key stands for its whole prefix
         parent = hash((parent, hash_id))
         keys.append(parent)
     most = max(0, record.prompt_tokens - 1)
-    loads = [inst.router_backlog_tokens(DECODE_WEIGHT_TOKENS) for inst in instances]
-    target = min(instances, key=lambda inst: (
-        loads[inst.index] - weight * min(most, affinity.cached_tokens(str(inst.index), keys)),
-        loads[inst.index]))
+    cached = [min(most, affinity.cached_tokens(str(inst.index), keys)) for inst in instances]
+    loads = [inst.router_backlog_tokens(
+                 DECODE_WEIGHT_TOKENS,
+                 max(1, record.prompt_tokens - cached[inst.index]) if shorter_first else None)
+             for inst in instances]
+    target = min(instances, key=lambda inst: (loads[inst.index] - weight * cached[inst.index],
+                                              loads[inst.index]))
     affinity.record(str(target.index), keys, capacity_tokens)
     return target

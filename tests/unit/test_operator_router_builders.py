@@ -46,6 +46,18 @@ def test_router_runs_slipstream_router_on_the_replicas_agents_with_the_pool_thre
                                           "mountPath": "/models/llama", "readOnly": True}]
 
 
+def test_router_of_fcfs_agents_counts_their_whole_backlog():
+    parser = argparse.ArgumentParser()
+    router_cli.add_arguments(parser)
+    assert parser.parse_args(deployment()["spec"]["template"]["spec"]["containers"][0][
+        "command"][2:]).instance_queue_order == "shorter-first"  # LARS, the default
+    fcfs = SPEC.model_copy(update={"scheduler": SPEC.scheduler.model_copy(
+        update={"policy": "fcfs"})})
+    command = router.build_router_deployment_spec("chat", "ns", fcfs)["spec"]["template"][
+        "spec"]["containers"][0]["command"]
+    assert parser.parse_args(command[2:]).instance_queue_order == "fifo"
+
+
 def test_router_pods_are_no_agent_pods_and_run_as_their_own_service_account():
     manifest = deployment()
     template = manifest["spec"]["template"]

@@ -17,14 +17,16 @@ from slipstream.agent.router.prefix_affinity import PrefixAffinityIndex, prefix_
 BLOCK = 64
 
 
-def setup(prefix_block_tokens: int = BLOCK, names=("a", "b", "c")):
+def setup(prefix_block_tokens: int = BLOCK, names=("a", "b", "c"),
+          instance_queue_order: str = "shorter-first"):
     table = InstanceTable()
     for index, name in enumerate(names):
         table.upsert(BackendSpec(name=name, url=f"http://127.0.0.1:{9100 + index}", pool="short",
                                  instance=name))
     config = RouterConfig(long_prefill_threshold_tokens=1 << 20,
                           static_backends=(StaticBackend("http://127.0.0.1:1", "short"),),
-                          prefix_block_tokens=prefix_block_tokens)
+                          prefix_block_tokens=prefix_block_tokens,
+                          instance_queue_order=instance_queue_order)
     dispatcher = Dispatcher(table, config, RouterMetrics(), clock=lambda: 0.0)
     classifier = LengthClassifier(None, config.long_prefill_threshold_tokens,
                                   prefix_block_tokens or None)
@@ -121,6 +123,90 @@ def test_without_prefix_keys_routing_is_by_backlog_only():
 
     holder, follow_up = asyncio.run(scenario())
     assert follow_up.instance.name != holder
+
+
+def _follow_up_behind_long_prefills(order: str, queued: int, question_tokens: int = 50
+                                    ) -> tuple[str, str]:
+    """A conversation's home gets ``queued`` 8000-token prefills (held open, no first token);
+    then a follow-up over its 2000-token prefix is routed. Returns (home, choice)."""
+    table, dispatcher, classifier = setup(instance_queue_order=order)
+    turn_1 = conversation(20, 2000)
+
+    async def scenario():
+        first = await dispatcher.acquire(routed(classifier, turn_1), 0.0)
+        first.first_token()
+        first.finish(10)
+        home = first.instance
+        for index in range(queued):  # long prefills the home serves; they stay queued
+            lease = await dispatcher.acquire(routed(classifier, conversation(30 + index, 8000)),
+                                             0.0, exclude=frozenset(
+                                                 i.name for i in table if i is not home))
+            assert lease.instance is home
+        follow_up = await dispatcher.acquire(
+            routed(classifier, turn_1 + conversation(21, question_tokens)), 0.0)
+        return home.name, follow_up.instance.name
+
+    return asyncio.run(scenario())
+
+
+def test_behind_long_prefills_a_short_follow_up_still_goes_home_to_a_shorter_first_instance():
+    # Two 8000-token prefills queued at home: 16000 tokens of backlog against 2 x 1984 cached.
+    # An FCFS instance would make the follow-up wait behind all of it, so a router that
+    # assumes FIFO sends it away (and recomputes the prefix). LARS serves the 66 uncached
+    # tokens in its short lane ahead of both, so the follow-up only waits behind 2 x 66.
+    home, choice = _follow_up_behind_long_prefills("fifo", queued=2)
+    assert choice != home
+    home, choice = _follow_up_behind_long_prefills("shorter-first", queued=2)
+    assert choice == home
+
+
+def test_a_shorter_first_home_overloaded_with_queued_prefills_loses_the_follow_up():
+    # A 500-token question: 516 uncached tokens, and 2 x 1984 cached. Each queued prefill
+    # puts 516 tokens ahead of it: 4 of them (2064) keep it home, 12 (6192) send it away.
+    home, choice = _follow_up_behind_long_prefills("shorter-first", queued=4,
+                                                   question_tokens=500)
+    assert choice == home
+    home, choice = _follow_up_behind_long_prefills("shorter-first", queued=12,
+                                                   question_tokens=500)
+    assert choice != home
+
+
+def test_a_fresh_short_request_goes_where_it_waits_behind_the_least():
+    async def scenario(order: str):
+        table, dispatcher, classifier = setup(names=("a", "b"), instance_queue_order=order)
+        a, b = table.get("a"), table.get("b")
+        for seed, tokens, home in ((40, 10_000, a), (41, 300, b), (42, 300, b), (43, 300, b)):
+            lease = await dispatcher.acquire(
+                routed(classifier, conversation(seed, tokens)), 0.0,
+                exclude=frozenset({"b"} if home is a else {"a"}))
+            assert lease.instance is home
+        lease = await dispatcher.acquire(routed(classifier, conversation(44, 200)), 0.0)
+        return lease.instance.name
+
+    # a: one 10000-token prefill; b: three 300-token ones. FIFO: b (900 < 10000 tokens
+    # ahead). Shorter-first: a, where 200 tokens of the long prefill go first, not 600.
+    assert asyncio.run(scenario("fifo")) == "b"
+    assert asyncio.run(scenario("shorter-first")) == "a"
+
+
+def test_the_backlog_counts_each_own_prefill_up_to_the_new_requests_size_and_forgets_it():
+    table, dispatcher, classifier = setup(names=("a",))
+    instance = table.get("a")
+
+    async def scenario():
+        leases = [await dispatcher.acquire(routed(classifier, conversation(50 + i, tokens)), 0.0)
+                  for i, tokens in enumerate((100, 1000, 1000))]
+        assert instance.predicted_backlog_tokens(32, 0.0) == 2100
+        assert instance.predicted_backlog_tokens(32, 0.0, ahead_of=500) == 100 + 500 + 500
+        leases[1].first_token()  # one 1000-token prefill becomes a decode
+        assert instance.predicted_backlog_tokens(32, 0.0, ahead_of=500) == 100 + 500 + 32
+        leases[2].finish()  # aborted before its first token
+        leases[0].finish()
+        assert instance.predicted_backlog_tokens(32, 0.0, ahead_of=500) == 32
+        busy(table, "a", prefill_requests=3)  # another router's, at the mean prompt length
+        assert instance.predicted_backlog_tokens(32, 700.0, ahead_of=500) == 3 * 500 + 32
+
+    asyncio.run(scenario())
 
 
 def test_the_index_matches_whole_prefixes_and_ages_out_the_oldest_blocks():

@@ -173,7 +173,9 @@ def test_requests_go_to_the_instance_with_the_least_predicted_backlog():
     table = InstanceTable()
     for name in ("a", "b", "c"):
         table.upsert(spec(name, "short"))
-    dispatcher = make_dispatcher(table)
+    # FIFO instances: a new request waits behind all of an instance's backlog (shorter-first
+    # ones are in test_router_prefix_affinity.py).
+    dispatcher = make_dispatcher(table, instance_queue_order="fifo")
     classifier = LengthClassifier(None, THRESHOLD_TOKENS)
     big = classify(classifier, COMPLETIONS, {"prompt": list(range(50))})
     small = classify(classifier, COMPLETIONS, {"prompt": list(range(5))})
