@@ -242,7 +242,7 @@ class AutoscalingTargets(ApiModel):
                                      "spec.autoscaling.targets.kvUtilization must be within "
                                      "(0, 1]")))
     prefill_load: float = Field(
-        0.5, description="Mean seconds of prefill work arriving per second on each instance "
+        0.65, description="Mean seconds of prefill work arriving per second on each instance "
         "(prompt tokens arriving over the recent prefill rate) to hold below: the load signal "
         "that grows in proportion to the arrival rate, so the one that says how many "
         "instances fewer would still do.",
@@ -482,6 +482,10 @@ class AutoscalingStatus(StatusModel):
     last_scale_reason: str | None = Field(None, description="The reason of the last decision.")
     last_scale_message: str | None = None
     last_scale_time: str | None = Field(None, description="When the count last changed.")
+    add_pools: list[str] = Field(
+        default_factory=list, description="With pools: the pool of each instance the last "
+        "scale-up added, in order (the one under the higher pressure); reconcile creates "
+        "them there.")
 
 
 class ServingReplicaStatus(StatusModel):

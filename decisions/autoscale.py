@@ -17,9 +17,11 @@ One step, in three stages:
      starting count against the shortage instead of being added again. Queue delay and
      attainment are not proportional to anything (a queue grows without bound past
      saturation), so they ask for one more at a time;
-   - *down* when every target holds with room to spare (the same bands below the target)
-     on fewer instances ``m``: the proportional signals grow as ``n / m`` when ``n``
-     instances' load lands on ``m``. Queue delay and attainment only veto;
+   - *down* when every signal is below its band (``target * (1 - tolerance)``) and the
+     proportional ones still hold their targets on fewer instances ``m``: they grow as
+     ``n / m`` when ``n`` instances' load lands on ``m`` (the HPA's rule: the band around the
+     value now, the new count sized back to the target). Queue delay and attainment only
+     veto;
    - otherwise the current count.
 
 Prefill load (prompt tokens arriving per second over the recent prefill rate) is the load
@@ -191,11 +193,17 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))
         return wanted, "; ".join(breaches)
 
+    # The HPA's hysteresis: the band is around the value now (below target * (1 - tolerance)
+    # before any scale-down), and the new count brings the projected value back to the target,
+    # not below the band's lower edge. A band on both would keep about a tenth more capacity
+    # than the targets ask for, at every count (docs/autoscaling.md, the study).
+    below_band = (load.kv_utilization <= targets.kv_utilization * (1.0 - tolerance)
+                  and load.prefill_load <= targets.prefill_load * (1.0 - tolerance))
+
     def holds(m: int) -> bool:
         ratio = n / m
-        band = 1.0 - tolerance
-        return (load.kv_utilization * ratio <= targets.kv_utilization * band
-                and load.prefill_load * ratio <= targets.prefill_load * band)
+        return (load.kv_utilization * ratio <= targets.kv_utilization
+                and load.prefill_load * ratio <= targets.prefill_load)
 
     comfortable = all((
         load.queue_delay_s <= targets.queue_delay_seconds * (1.0 - tolerance),
@@ -203,7 +211,7 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
         or 1.0 - load.ttft_attainment <= (1.0 - targets.ttft_attainment) * (1.0 - tolerance),
         load.tpot_attainment is None
         or 1.0 - load.tpot_attainment <= (1.0 - targets.tpot_attainment) * (1.0 - tolerance)))
-    smallest = next((m for m in range(1, n) if holds(m)), n) if comfortable else n
+    smallest = next((m for m in range(1, n) if holds(m)), n) if comfortable and below_band else n
     summary = (f"prefill load {load.prefill_load:.2f}, KV {load.kv_utilization:.2f}, "
                f"queue {load.queue_delay_s:.3f} s")
     if smallest < n:

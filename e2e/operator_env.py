@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,6 +36,13 @@ RELEASE = "slipstream"
 REPLICA_LABEL = "slipstream.dev/replica"
 POOL_LABEL = "slipstream.dev/pool"
 READY_TIMEOUT_S = 180.0
+OPERATOR_METRICS_PORT = 8080
+# Series the operator exports only for a replica with spec.autoscaling: the observability
+# e2e (no autoscaling there, it would fight the rebalance move) leaves them out by name, and
+# the autoscaler's e2e checks exactly these panels.
+AUTOSCALING_SERIES = re.compile(
+    r"slipstream_operator_(desired_instances|current_instances|max_instances"
+    r"|scale_decisions_total|drains_total)\b")
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,30 @@ def router_process(cluster, namespace: str, replica: str, log_path: Path,
         yield f"127.0.0.1:{port}"
     finally:
         local_process.stop(process, grace_s=15)
+
+
+@contextlib.contextmanager
+def prometheus_scraping(workdir: Path, targets_by_job: dict[str, list[str]]):
+    """A real Prometheus (Debian's binary, with the chart's rules) scraping fixed loopback
+    targets per job, every second; yields its live_prometheus.PrometheusServer once every
+    target is up."""
+    if str(REPO / "charts") not in sys.path:
+        sys.path.insert(0, str(REPO / "charts"))
+    from dashgen import live_prometheus  # dashgen lives beside the chart
+
+    binary = live_prometheus.binary()
+    if binary is None:
+        pytest.skip("prometheus not installed (make test installs Debian's prometheus package)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    server = live_prometheus.PrometheusServer(workdir, targets_by_job)
+    try:
+        server.start(binary)
+        for job in targets_by_job:
+            every = f'count(up{{job="{job}"}} == 1) == {len(targets_by_job[job])}'
+            assert server.wait_for(every, timeout_s=20), f"{job}: not every target scraped"
+        yield server
+    finally:
+        server.stop()
 
 
 def timed(what: str):

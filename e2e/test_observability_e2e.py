@@ -17,8 +17,6 @@ loopback, so the scrape targets come from the pod list, not from Kubernetes serv
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import re
 import sys
 import threading
 import time
@@ -29,8 +27,9 @@ import openai
 import pytest
 
 from operator_env import (
-    POOL_LABEL, REPO, client_for, events, get_replica, operator_pods, pod_ip, replica_pods,
-    router_process, servingreplica, timed, wait_ready)
+    AUTOSCALING_SERIES, OPERATOR_METRICS_PORT, POOL_LABEL, REPO, client_for, events,
+    get_replica, operator_pods, pod_ip, prometheus_scraping, replica_pods, router_process,
+    servingreplica, timed, wait_ready)
 
 sys.path.insert(0, str(REPO / "charts"))
 from dashgen import inventory, live_prometheus  # noqa: E402  (dashgen lives beside the chart)
@@ -41,15 +40,8 @@ REPLICA = "obs"
 LONG_THRESHOLD_TOKENS = 48
 LONG_PROMPT = " ".join(f"word{i}" for i in range(LONG_THRESHOLD_TOKENS * 2))
 AGENT_PORT = 8000
-OPERATOR_METRICS_PORT = 8080
 MOVE_TIMEOUT_S = 45.0
 DASHBOARD_QUERIES = inventory.dashboard_queries()
-# Series the operator exports only for a replica with spec.autoscaling, which this test's
-# replica does not have (autoscaling would fight the rebalance move it provokes). The
-# autoscaler's own e2e test drives them; they are left out here, by name, and nothing else is.
-AUTOSCALING_ONLY = re.compile(
-    r"slipstream_operator_(desired_instances|current_instances|max_instances"
-    r"|scale_decisions_total|drains_total)\b")
 
 
 def observed_replica(namespace: str, model_dir: Path) -> dict:
@@ -61,22 +53,6 @@ def observed_replica(namespace: str, model_dir: Path) -> dict:
                "rebalance": {"enabled": True, "periodSeconds": 1, "cooldownSeconds": 300,
                              "hysteresis": 0.2, "minPerPool": 0}},
         slo={"ttftSeconds": 0.001, "tpotMilliseconds": 500, "attainmentTarget": 0.95})
-
-
-@contextlib.contextmanager
-def prometheus_scraping(workdir: Path, targets_by_job: dict[str, list[str]]):
-    binary = live_prometheus.binary()
-    if binary is None:
-        pytest.skip("prometheus not installed (make test installs Debian's prometheus package)")
-    server = live_prometheus.PrometheusServer(workdir, targets_by_job)
-    try:
-        server.start(binary)
-        for job in targets_by_job:
-            every = f'count(up{{job="{job}"}} == 1) == {len(targets_by_job[job])}'
-            assert server.wait_for(every, timeout_s=20), f"{job}: not every target scraped"
-        yield server
-    finally:
-        server.stop()
 
 
 def router_sees(router: str) -> int:
@@ -154,7 +130,6 @@ def test_every_dashboard_panel_has_data(dev_cluster, operator_release, sr_namesp
         targets = {"slipstream-agent": agents, "slipstream-operator": [operator],
                    "slipstream-router": [router]}
         assert all(t.startswith("127.") for job in targets.values() for t in job), targets
-        (tmp_path / "prometheus").mkdir()
         with prometheus_scraping(tmp_path / "prometheus", targets) as prometheus, \
                 timed("load, scrape and check every dashboard query"):
             client = openai.OpenAI(base_url=f"http://{router}/v1", api_key="unused",
@@ -166,7 +141,7 @@ def test_every_dashboard_panel_has_data(dev_cluster, operator_release, sr_namesp
             assert prometheus.wait_for('slipstream_slo_requests_total{slo="ttft"} > 0')
             assert prometheus.wait_for("slipstream_operator_rebalance_moves_total > 0")
             checked = [query for query in DASHBOARD_QUERIES
-                       if not AUTOSCALING_ONLY.search(query.promql)]
+                       if not AUTOSCALING_SERIES.search(query.promql)]
             assert len(checked) < len(DASHBOARD_QUERIES)
             problems = [problem for query in checked
                         if (problem := live_prometheus.missing_data(prometheus, query))]

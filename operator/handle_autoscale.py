@@ -152,7 +152,11 @@ def with_autoscaling(previous: ServingReplicaStatus, decision: ScaleDecision,
         desired_instances=decision.desired, current_instances=decision.current,
         last_scale_reason=decision.reason,
         last_scale_message=decision.message if changed or old is None else old.last_scale_message,
-        last_scale_time=now if decision.delta else (old.last_scale_time if old else None))
+        last_scale_time=now if decision.delta else (old.last_scale_time if old else None),
+        # Kept until the count changes again: a placement that waits for capacity still
+        # finds the pools when it is retried.
+        add_pools=list(decision.add_pools) if decision.delta > 0
+        else [] if decision.delta < 0 or old is None else old.add_pools)
     return previous.model_copy(update={"autoscaling": status})
 
 

@@ -97,7 +97,9 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                      autoscaler_desired=(previous.autoscaling.desired_instances
                                          if previous.autoscaling else None),
                      template_hash=builders.template_hash(spec),
-                     surge_fits=lambda: _one_more_fits(kube, spec))
+                     surge_fits=lambda: _one_more_fits(kube, spec),
+                     new_pools=(previous.autoscaling.add_pools
+                                if spec.autoscaled and previous.autoscaling else ()))
     rollout, plan, desired, draining = step.rollout, step.plan, step.desired, step.draining
     if rollout.drain is not None:
         _drain_outdated(kube, body, rollout, event)

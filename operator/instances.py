@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from slipstream.crds.servingreplica import (
@@ -149,14 +149,16 @@ def observe_pods(pods: list[dict], gpu_resource: str) -> dict[str, ObservedInsta
 
 def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstance],
                    remembered_pools: dict[str, str], replica: str, *,
-                   count: int | None = None, reserved: frozenset[int] = frozenset()
-                   ) -> InstancePlan:
+                   count: int | None = None, reserved: frozenset[int] = frozenset(),
+                   new_pools: Sequence[str] = ()) -> InstancePlan:
     """Decide which instances stay, which go, and which to create (with their pools).
 
     ``remembered_pools`` maps instance names to the pool the status last recorded, so an
     instance whose pods are all gone comes back in the pool it had (a rebalance move sticks).
     ``count`` is how many instances to run (default spec.instances; the autoscaler's desired
     count when it is on); ``reserved`` indices are not reused (draining instances hold them).
+    ``new_pools``: the pools the autoscaler chose for the instances its last scale-up added;
+    the last ones apply to the instances still to create (earlier ones may be placed).
     """
     count = spec.instances if count is None else count
     slots = _surviving_slots(spec, sorted(observed.values(), key=lambda i: i.index), count)
@@ -174,10 +176,18 @@ def plan_instances(spec: ServingReplicaSpec, observed: dict[str, ObservedInstanc
         create.append((instance.index, pool))
     used = {instance.index for instance in slots} | reserved
     free_indices = (i for i in itertools.count() if i not in used)
-    for index in itertools.islice(free_indices, max(0, count - len(slots))):
+    missing = max(0, count - len(slots))
+    chosen = list(new_pools[-missing:]) if missing else []
+    for index in itertools.islice(free_indices, missing):
         remembered = remembered_pools.get(naming.instance_name(replica, index))
-        pool = remembered if remembered and _valid_pool(remembered, spec) and \
-            _role_has_room(spec, pools, remembered) else _pool_for_new(spec, pools)
+        wanted = chosen.pop(0) if chosen else None
+        if remembered and _valid_pool(remembered, spec) and \
+                _role_has_room(spec, pools, remembered):
+            pool = remembered
+        elif wanted and _valid_pool(wanted, spec) and _role_has_room(spec, pools, wanted):
+            pool = wanted
+        else:
+            pool = _pool_for_new(spec, pools)
         pools[pool] += 1
         create.append((index, pool))
     return InstancePlan(keep=tuple(keep), tear_down=tuple(sorted(tear_down, key=lambda i: i.index)),
@@ -253,11 +263,12 @@ class Step:
 def plan_step(spec: ServingReplicaSpec, everything: dict[str, ObservedInstance],
               remembered_pools: dict[str, str], replica: str, *,
               autoscaler_desired: int | None, template_hash: str,
-              surge_fits: Callable[[], bool]) -> Step:
+              surge_fits: Callable[[], bool], new_pools: Sequence[str] = ()) -> Step:
     """Reconcile's whole decision over the observed instances: the rolling update's step
     (which outdated instance to drain, whether to surge), then plan_instances over the
     instances left in rotation. Draining instances are not counted and keep their indices;
-    the autoscaler's loop deletes them."""
+    the autoscaler's loop deletes them. ``new_pools``: the autoscaler's choice for the
+    instances its last scale-up added (plan_instances)."""
     observed = {k: i for k, i in everything.items() if not i.draining}
     draining = frozenset(i.index for i in everything.values() if i.draining)
     desired = target_count(spec, autoscaler_desired, len(observed))
@@ -272,8 +283,10 @@ def plan_step(spec: ServingReplicaSpec, everything: dict[str, ObservedInstance],
         if not rollout.outdated:
             desired = max(desired, len(observed))
     plan = plan_instances(spec, observed, remembered_pools, replica, count=count,
-                          reserved=draining)
-    if rollout.surge_pool is not None:  # the surge instance (a new index) takes its pool
+                          reserved=draining, new_pools=new_pools)
+    # The surge instance (a new index) takes its pool, unless the spec no longer has that
+    # pool (spec.pools or spec.disaggregation was dropped): then the pool plan_instances chose.
+    if rollout.surge_pool is not None and _valid_pool(rollout.surge_pool, spec):
         known = {i.index for i in observed.values()}
         plan = dataclasses.replace(plan, create=tuple(
             (index, pool if index in known else rollout.surge_pool)

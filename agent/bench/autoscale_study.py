@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-for", type=float, default=0.99,
                         help="SLO attainment a static fleet is sized to reach")
     parser.add_argument("--sizing-s", type=float, default=180.0)
-    parser.add_argument("--sizing-qps-per-instance", type=float, default=18.0,
+    parser.add_argument("--sizing-qps-per-instance", type=float, default=25.0,
                         help="sizing counts down from ceil(rate / this) + 1 (a safe guess "
                         "above the answer; overloaded fleets are slow to simulate)")
     parser.add_argument("--min-instances", type=int, default=1)

@@ -57,7 +57,18 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a model directory needs config.json, "
                                     "*.safetensors and tokenizer.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} should hold a JSON object")
+        try:
+            return cls.from_dict(raw)
+        except KeyError as error:
+            raise ValueError(f"{path} lacks {error.args[0]!r}") from None
+        except (TypeError, ZeroDivisionError) as error:
+            raise ValueError(f"{path} has a field of the wrong kind: {error}") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -147,6 +158,25 @@ class ShortPrefillBuckets:
     @property
     def num_buckets(self) -> int:
         return len(self.lengths_tokens) * len(self.batch_sizes)
+
+
+def check_parallel_fit(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ValueError, in one line naming the flag, when the model cannot be split as
+    asked; checked before any worker process starts (a worker would fail the same way,
+    later, with a traceback per rank)."""
+    tp = parallel.tp
+    if model.num_heads % tp or model.num_kv_heads % tp or model.intermediate_size % tp:
+        fitting = [d for d in range(1, model.num_kv_heads + 1)
+                   if not (model.num_heads % d or model.num_kv_heads % d
+                           or model.intermediate_size % d)]
+        raise ValueError(
+            f"--tp {tp} does not divide this model: it has {model.num_heads} attention heads, "
+            f"{model.num_kv_heads} KV heads and an MLP of {model.intermediate_size}, which "
+            f"every TP rank must share equally (--tp may be "
+            f"{', '.join(str(d) for d in fitting)})")
+    if parallel.spp > model.num_layers:
+        raise ValueError(f"--spp {parallel.spp} is more pipeline stages than this model has "
+                         f"layers ({model.num_layers})")
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,22 @@ compiles JSON schemas and Lark grammars itself and computes a mask in tens of mi
 its mask computation releases the GIL, so the helper thread runs beside the forward rather
 than after it. Masks are int32 bitmasks (bit ``t % 32`` of word ``t // 32`` allows token t),
 copied to the device and unpacked there by the sampler.
+
+The helper thread fills the rows one after another, and the sampler takes over the rows it
+has not reached when the forward ends (``MaskJob``). llguidance's thread pool
+(``fill_next_token_bitmask_par``) is used only for large batches on hosts with many cores
+(``PARALLEL_MIN_ROWS``, ``PARALLEL_MIN_CPUS``): beside a CPU forward on a 2-core host, 8 rows
+took 9-11 ms through the pool against 0.6 ms filled in turn, as the pool's threads fought
+the forward for the cores (docs/api.md, "Structured outputs: cost").
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -38,6 +46,11 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+
+# Below this many guided rows, or on a host with fewer usable cores, the helper thread fills
+# the masks itself instead of through llguidance's thread pool.
+PARALLEL_MIN_ROWS = 32
+PARALLEL_MIN_CPUS = 8
 
 
 def json_schema_grammar(schema: dict) -> str:
@@ -81,44 +94,81 @@ class GrammarCompiler:
 
 
 class MaskJob:
-    """The masks of one step's guided rows, computed on a helper thread from the moment the
-    job is made. Calling it (the sampler does, after the forward) waits for them."""
+    """The masks of one step's guided rows. A helper thread starts filling them, row by row,
+    the moment the job is made, so they are computed while the forward runs. Calling the job
+    (the sampler does, after the forward) fills the rows the helper has not taken yet itself,
+    then waits only for the rows the helper is filling at that moment: on a busy host, where
+    the helper thread may not get a core during the forward, the sampler never waits for the
+    thread to be scheduled, only for work in progress."""
 
-    def __init__(self, pool: ThreadPoolExecutor, executor: llguidance.LLExecutor,
+    def __init__(self, pool: ThreadPoolExecutor | None, executor: llguidance.LLExecutor | None,
                  rows: list[tuple[int, llguidance.LLMatcher]], vocab_size: int) -> None:
         self._rows = rows
-        self._vocab_size = vocab_size
-        self._executor = executor
-        self._future: Future[GrammarMasks] = pool.submit(self._compute)
+        self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
+        # llguidance's thread pool, for large batches only (PARALLEL_MIN_ROWS).
+        self._executor = executor if len(rows) >= PARALLEL_MIN_ROWS else None
+        self._lock = threading.Lock()
+        self._all_done = threading.Condition(self._lock)
+        self._next = 0  # rows [0, _next) are taken (by the helper or the sampler)
+        self._done = 0
+        self._error: BaseException | None = None
+        if pool is not None:
+            pool.submit(self._help)
 
-    def _compute(self) -> GrammarMasks:
-        bitmask = llguidance.torch.allocate_token_bitmask(len(self._rows), self._vocab_size)
-        dead = [index for index, (_, matcher) in enumerate(self._rows) if matcher.is_error()]
-        live = [(matcher, index) for index, (_, matcher) in enumerate(self._rows)
-                if index not in dead]
-        if len(live) == 1:
-            llguidance.torch.fill_next_token_bitmask(live[0][0], bitmask, live[0][1])
-        elif live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, bitmask)
-        for index, (_, matcher) in enumerate(self._rows):
-            if index not in dead and matcher.is_error():  # the mask computation failed
-                dead.append(index)
-        for index in dead:
-            bitmask[index] = -1  # sampled from anything; the row is failed anyway
-        return GrammarMasks(rows=[row for row, _ in self._rows], allowed=bitmask,
-                            dead_rows=[self._rows[index][0] for index in dead])
+    def _take(self, count: int) -> range:
+        """Claim up to ``count`` of the rows nobody has taken yet."""
+        with self._lock:
+            first = self._next
+            self._next = min(len(self._rows), first + count)
+            return range(first, self._next)
+
+    def _fill(self, indices: range) -> None:
+        try:
+            live = [(self._rows[index][1], index) for index in indices
+                    if not self._rows[index][1].is_error()]
+            if self._executor is not None and len(live) > 1:
+                llguidance.torch.fill_next_token_bitmask_par(self._executor, live,
+                                                             self._bitmask)
+            else:
+                for matcher, index in live:  # each call releases the GIL while it computes
+                    llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask, index)
+        except BaseException as error:  # handed to the sampler
+            self._error = self._error or error
+        finally:
+            with self._lock:
+                self._done += len(indices)
+                if self._done == len(self._rows):
+                    self._all_done.notify_all()
+
+    def _help(self) -> None:
+        """The helper thread: every row with the thread pool, else one row at a time."""
+        chunk = len(self._rows) if self._executor is not None else 1
+        while indices := self._take(chunk):
+            self._fill(indices)
 
     def __call__(self) -> GrammarMasks:
-        return self._future.result()
+        while indices := self._take(1):
+            self._fill(indices)
+        with self._lock:
+            while self._done < len(self._rows):
+                self._all_done.wait()
+        if self._error is not None:
+            raise self._error
+        dead = [index for index, (_, matcher) in enumerate(self._rows) if matcher.is_error()]
+        for index in dead:
+            self._bitmask[index] = -1  # sampled from anything; the row is failed anyway
+        return GrammarMasks(rows=[row for row, _ in self._rows], allowed=self._bitmask,
+                            dead_rows=[self._rows[index][0] for index in dead])
 
 
 class MaskWorkers:
     """The thread and llguidance executor that compute masks beside the forward."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, cpus: int | None = None) -> None:
         self.vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-masks")
-        self._executor = llguidance.LLExecutor()
+        cpus = cpus if cpus is not None else _usable_cpus()
+        self._executor = llguidance.LLExecutor() if cpus >= PARALLEL_MIN_CPUS else None
 
     def start(self, rows: list[tuple[int, llguidance.LLMatcher]]) -> MaskJob | None:
         """Start computing the masks of ``rows`` (sampler row, matcher); None if there are
@@ -130,3 +180,9 @@ class MaskWorkers:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from slipstream.agent.engine.config import ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, PipelineStage
@@ -44,6 +44,26 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _open_checkpoint(path: Path):
+    """``safe_open`` with one clear ValueError for a file that is empty, truncated (an
+    interrupted download) or not safetensors at all; safetensors checks the header's offsets
+    against the file's size when it opens it."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        size = path.stat().st_size if path.exists() else 0
+        raise ValueError(f"{path} ({size} bytes) is not a readable safetensors file: {error} "
+                         "(truncated or still downloading? fetch it again)") from None
+
+
+def check_checkpoint(model_dir: str | Path) -> None:
+    """Open every shard's header (no tensor is read): what the workers of a multi-process
+    instance would load, checked once before they start."""
+    for path in safetensors_files(Path(model_dir)):
+        with _open_checkpoint(path):
+            pass
+
+
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None, layers: LayerFactory | None = None,
                stage: PipelineStage | None = None) -> LlamaForCausalLM:
@@ -60,7 +80,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
     loaded: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as shard:
+        with _open_checkpoint(path) as shard:
             for name in shard.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue

@@ -46,7 +46,13 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} should hold a JSON object")
+    return data
 
 
 def _token_content(value: Any) -> str | None:
@@ -122,7 +128,10 @@ class Tokenizer:
                 f"{tokenizer_file} not found: Slipstream needs the Hugging Face fast-tokenizer "
                 "file tokenizer.json in the model directory (a SentencePiece tokenizer.model "
                 "alone is not supported; convert it with transformers' save_pretrained)")
-        backend = BackendTokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises a bare Exception for a bad file
+            raise ValueError(f"{tokenizer_file} is not a valid tokenizer.json: {error}") from None
         config = _read_json(model_dir / "tokenizer_config.json")
         special_tokens = {name: content for name in _SPECIAL_TOKEN_NAMES
                           if (content := _token_content(config.get(name))) is not None}

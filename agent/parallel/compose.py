@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.config import EngineConfig, ModelConfig, check_parallel_fit
 from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.loader import check_checkpoint
+from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 
@@ -21,6 +23,11 @@ def build_engine(config: EngineConfig, scheduler_config: SchedulerConfig | None 
     if config.parallel.is_single_process:
         return LLMEngine(config, scheduler_config, clock, output_text=output_text)
     from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
+
+    # What every worker would find wrong, found once here, before any of them starts.
+    check_parallel_fit(ModelConfig.from_dir(config.model_dir), config.parallel)
+    check_checkpoint(config.model_dir)
+    Tokenizer.from_dir(config.model_dir)
 
     executor = ParallelExecutor(config)
     try:

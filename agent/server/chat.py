@@ -110,7 +110,8 @@ async def _stream(ctx: ServingContext, choices: Choices, request_id: str, model:
                   want_logprobs: bool, include_usage: bool, parser: ToolParser | None = None,
                   single_call: bool = False) -> AsyncIterator[bytes]:
     created = unix_time_s()
-    tool_streams = [ToolStream(parser) for _ in choices.generations] if parser else []
+    tool_streams = [ToolStream(parser, max_calls=1 if single_call else None)
+                    for _ in choices.generations] if parser else []
 
     def chunk(chunk_choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
@@ -126,25 +127,24 @@ async def _stream(ctx: ServingContext, choices: Choices, request_id: str, model:
             return chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                           finish_reason=finish_reason)])
         stream = tool_streams[index]
-        had_calls = len(stream.calls)
-        content, calls = stream.feed(output.new_text, output.finished)
-        if single_call:
-            calls = calls[:max(0, 1 - had_calls)]
+        content, call_deltas = stream.feed(output.new_text, output.finished)
         events = []
         if content or logprobs is not None:
             events.append(chunk([ChatChunkChoice(index=index,
                                                  delta=ChatDelta(content=content or None),
                                                  logprobs=logprobs)]))
-        for offset, call in enumerate(calls):
-            call_index = had_calls + offset
-            events.append(chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[
-                ToolCallDelta(index=call_index, id=new_call_id(), type="function",
-                              function=FunctionCallDelta(name=call.name, arguments=""))]))]))
-            events.append(chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[
-                ToolCallDelta(index=call_index,
-                              function=FunctionCallDelta(arguments=call.arguments))]))]))
+        for call in call_deltas:
+            if call.name is not None:  # a call begins: OpenAI's first delta of a call
+                tool_delta = ToolCallDelta(index=call.index, id=new_call_id(), type="function",
+                                           function=FunctionCallDelta(name=call.name,
+                                                                      arguments=""))
+            else:
+                tool_delta = ToolCallDelta(index=call.index,
+                                           function=FunctionCallDelta(arguments=call.arguments))
+            events.append(chunk([ChatChunkChoice(index=index,
+                                                 delta=ChatDelta(tool_calls=[tool_delta]))]))
         if output.finished:
-            if stream.calls:
+            if stream.num_calls and finish_reason != "length":  # cut calls show as cut
                 finish_reason = "tool_calls"
             events.append(chunk([ChatChunkChoice(index=index, delta=ChatDelta(),
                                                  finish_reason=finish_reason)]))

@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.agent.engine.errors import EngineDeadError
     from slipstream.agent.parallel.compose import build_engine
     from slipstream.agent.server.api import build_app
-    from slipstream.agent.server.drain import DrainingServer
+    from slipstream.agent.server.drain import DrainingServer, reserve_port
     from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
     from slipstream.agent.server.engine_core import EngineCoreClient
 
@@ -407,6 +407,22 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         server_config = server_config_from_args(args)
+    except ValueError as error:
+        logging.getLogger(__name__).error("cannot start: %s", error)
+        return 2
+    # The ports first: one in use fails now, not after the model has loaded.
+    try:
+        listener = reserve_port(server_config.host, server_config.port)
+    except OSError as error:
+        return _port_in_use("--port", server_config.host, server_config.port, error)
+    if server_config.control_port:
+        try:
+            reserve_port(server_config.host, server_config.control_port).close()
+        except OSError as error:
+            listener.close()
+            return _port_in_use("--control-port", server_config.host,
+                                server_config.control_port, error)
+    try:
         engine_config = engine_config_from_args(args)
         engine: AsyncEngine | EngineCoreClient
         if args.engine_process and engine_config.disagg.enabled:
@@ -419,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         logging.getLogger(__name__).error("cannot start: %s", error)
+        listener.close()
         return 2
     app = build_app(engine, server_config)
     control_server = None
@@ -433,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
                                               "--control-port, or 0 to turn it off)", error)
             engine.close()
+            listener.close()
             return 2
     server = DrainingServer(server_config_for_uvicorn(
         app, host=server_config.host, port=server_config.port,
@@ -442,9 +460,11 @@ def run(args: argparse.Namespace) -> int:
         engine, server_config.drain_timeout_s)
     # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
-    _print_banner(server_config, engine.model_name, engine.max_model_len)
+    port = listener.getsockname()[1]  # the real one, also for --port 0
+    server.on_started = lambda: _print_banner(server_config, port, engine.model_name,
+                                              engine.max_model_len)
     try:
-        server.run()
+        server.run(sockets=[listener])
     except SystemExit:  # uvicorn's way to report a failed start-up; it logged why
         pass
     finally:
@@ -459,9 +479,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_banner(config: ServerConfig, model_name: str, max_model_len: int) -> None:
+def _port_in_use(flag: str, host: str, port: int, error: OSError) -> int:
+    hint = f"pick another {flag}" + (", or 0 to turn it off" if flag == "--control-port" else "")
+    logging.getLogger(__name__).error("cannot start: %s %d on %s: %s (%s)", flag, port, host,
+                                      error.strerror or error, hint)
+    return 2
+
+
+def _print_banner(config: ServerConfig, port: int, model_name: str, max_model_len: int
+                  ) -> None:
     host = f"[{config.host}]" if ":" in config.host else config.host
-    url = f"http://{host}:{config.port}"
+    url = f"http://{host}:{port}"
     print(f"Slipstream serving {model_name!r} (context {max_model_len} tokens) at {url}/v1\n"
           f"  metrics: {url}/metrics   health: {url}/health   "
           f"control (gRPC): {host}:{config.control_port or 'off'}\n"

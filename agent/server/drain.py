@@ -23,7 +23,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -50,10 +50,13 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_started: Callable[[], None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()  # the port listens and the app (warm-up included) is up
 
     def begin_drain(self) -> None:
         """Start the drain (from a signal handler or any thread); idempotent."""
@@ -93,6 +96,23 @@ class DrainingServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` now, before the model loads, so that a port in use fails at once
+    (OSError) rather than minutes later. The socket does not listen yet: until uvicorn
+    starts serving on it (``DrainingServer.run(sockets=[...])``), a connection is refused,
+    not left waiting, so nobody mistakes a loading server for a ready one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def server_config(app: Any, *, host: str, port: int, log_level: str, keepalive_s: int,

@@ -14,11 +14,14 @@ or picked from the chat template):
                  optionally after <|python_tag|>
     mistral      Mistral / Mixtral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
 
-Streaming (``ToolStream``): text stays content until a call's opening appears; from there
-the text is held, and each call goes out once it is complete, as OpenAI's deltas: a first
-delta with the call's ``index``, ``id``, ``type`` and name (empty arguments), then one with
-its arguments. Text that looked like a call but does not parse goes out as content at the
-end.
+Streaming (``ToolStream``): text stays content until a call's opening appears. From there
+each call goes out as OpenAI sends it: a first delta with the call's ``index``, ``id``,
+``type`` and name (empty arguments) as soon as the name is complete, then its arguments as
+the model writes them, a delta per step (the arguments' JSON text, which a scanner of
+partial JSON tells apart from what follows it). Arguments written as a JSON string rather
+than an object go out whole once complete. Text that looked like a call but never named a
+function goes out as content at the end. Whole outputs (``parse``) give the same arguments
+text, so a streamed call and a non-streamed one are alike.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_from(obj: Any, arguments_key: str) -> ParsedCall | None:
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+def _call_from(obj: Any, arguments_key: str, text: str | None = None) -> ParsedCall | None:
+    """The call in a parsed JSON object; ``text`` is that object's JSON text, whose
+    arguments object is then kept as written (as it was streamed)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
@@ -59,7 +67,153 @@ def _call_from(obj: Any, arguments_key: str) -> ParsedCall | None:
             arguments = json.loads(arguments)
         except ValueError:
             return None
+    if text is not None and isinstance(arguments, dict):
+        partial = partial_call(text.strip(), 0, arguments_key)
+        if partial is not None and partial.complete and partial.streams_arguments:
+            return ParsedCall(obj["name"], partial.arguments)
     return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+# -- partial JSON: how much of a call the model has written so far ---------------------------
+
+_WHITESPACE = " \t\r\n"
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in _WHITESPACE:
+        position += 1
+    return position
+
+
+def json_value_end(text: str, position: int) -> int | None:
+    """Where the JSON value that starts at ``text[position]`` ends (exclusive), or None if
+    ``text`` ends first. Scans brackets and strings only; it does not validate."""
+    first = text[position]
+    if first == '"':
+        index = position + 1
+        while index < len(text):
+            if text[index] == "\\":
+                index += 2
+                continue
+            if text[index] == '"':
+                return index + 1
+            index += 1
+        return None
+    if first in "{[":
+        depth, index, in_string = 0, position, False
+        while index < len(text):
+            char = text[index]
+            if in_string:
+                if char == "\\":
+                    index += 1
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    return index + 1
+            index += 1
+        return None
+    index = position  # a number, true, false or null: ends at a delimiter
+    while index < len(text) and text[index] not in ",}]" + _WHITESPACE:
+        index += 1
+    return index if index < len(text) else None
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    """A call object as far as the model has written it."""
+
+    name: str | None  # once its JSON string is complete
+    arguments: str  # the arguments' JSON text so far (whole, once complete)
+    streams_arguments: bool  # the arguments are an object, sent as written
+    complete: bool  # the object is closed
+    start: int  # where the object opens
+    end: int  # where the scan stopped: after the closing brace when complete
+
+
+def partial_call(text: str, position: int, arguments_key: str) -> PartialCall | None:
+    """Scan the call object that starts at ``text[position]`` (after whitespace); None when
+    it is not one (not an object, a key that is not a string, no colon)."""
+    index = start = _skip_space(text, position)
+    name: str | None = None
+    arguments, streams, complete = "", False, False
+    if index < len(text) and text[index] != "{":
+        return None
+    index += 1
+    while True:
+        index = _skip_space(text, index)
+        if index >= len(text):
+            break
+        if text[index] == "}":
+            complete, index = True, index + 1
+            break
+        if text[index] == ",":
+            index += 1
+            continue
+        if text[index] != '"':
+            return None
+        key_end = json_value_end(text, index)
+        if key_end is None:
+            break
+        key = json.loads(text[index:key_end])
+        index = _skip_space(text, key_end)
+        if index >= len(text):
+            break
+        if text[index] != ":":
+            return None
+        index = _skip_space(text, index + 1)
+        if index >= len(text):
+            break
+        value_end = json_value_end(text, index)
+        value = text[index:value_end] if value_end is not None else text[index:]
+        if key == "name" and value_end is not None:
+            decoded = json.loads(value)
+            name = decoded if isinstance(decoded, str) else None
+        elif key == arguments_key or (key in ARGUMENT_KEYS and not arguments):
+            streams = value.startswith("{")
+            if streams or value_end is not None:
+                arguments = value
+        if value_end is None:
+            break
+        index = value_end
+    if not streams and arguments:
+        # Arguments written as a JSON string (or another value): sent whole, as JSON, once
+        # the call is complete.
+        try:
+            decoded = json.loads(arguments) if complete else None
+            arguments = json.dumps(json.loads(decoded) if isinstance(decoded, str) else decoded,
+                                   ensure_ascii=False) if complete else ""
+        except ValueError:
+            arguments = ""
+    if complete and not arguments and not any(f'"{key}"' in text[start:index]
+                                              for key in ARGUMENT_KEYS):
+        arguments = "{}"  # a call without arguments, as parse() reads it
+    return PartialCall(name, arguments, streams, complete, start, index)
+
+
+def _call_sequence(text: str, separators: str, arguments_key: str,
+                   closer: str = "") -> list[PartialCall]:
+    """Call objects one after another, apart by ``separators`` and whitespace, up to the
+    first incomplete one (or ``closer``)."""
+    calls: list[PartialCall] = []
+    position = 0
+    while True:
+        while position < len(text) and text[position] in separators + _WHITESPACE:
+            position += 1
+        if position >= len(text) or (closer and text[position] == closer):
+            return calls
+        call = partial_call(text, position, arguments_key)
+        if call is None:
+            return calls
+        calls.append(call)
+        if not call.complete:
+            return calls
+        position = call.end
 
 
 def _suffix_prefix_len(text: str, marker: str) -> int:
@@ -86,6 +240,11 @@ class ToolParser:
     def complete_calls(self, section: str, final: bool) -> list[ParsedCall] | None:
         """The calls in ``section`` (the text from the first call's start) that are
         complete; ``final``: the output has ended. None: the section does not parse."""
+        raise NotImplementedError
+
+    def partial_calls(self, section: str) -> list[PartialCall]:
+        """The calls begun in ``section`` so far, in order; only the last may be
+        incomplete."""
         raise NotImplementedError
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -140,12 +299,23 @@ class HermesParser(ToolParser):
         calls = []
         for body in bodies:
             try:
-                call = _call_from(json.loads(body), self.arguments_key)
+                call = _call_from(json.loads(body), self.arguments_key, body)
             except ValueError:
                 return None
             if call is None:
                 return None
             calls.append(call)
+        return calls
+
+    def partial_calls(self, section: str) -> list[PartialCall]:
+        calls = []
+        for body in section.split(self.OPEN)[1:]:
+            call = partial_call(body.split(self.CLOSE, 1)[0], 0, self.arguments_key)
+            if call is None:
+                break
+            calls.append(call)
+            if not call.complete:
+                break
         return calls
 
     def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
@@ -185,7 +355,7 @@ class Llama3JsonParser(ToolParser):
                 obj, end = decoder.raw_decode(text, position)
             except ValueError:
                 return None
-            call = _call_from(obj, self.arguments_key)
+            call = _call_from(obj, self.arguments_key, text[position:end])
             if call is None:
                 return None
             calls.append(call)
@@ -193,6 +363,12 @@ class Llama3JsonParser(ToolParser):
             while position < len(text) and text[position] in " \n\t;":
                 position += 1
         return calls
+
+    def partial_calls(self, section: str) -> list[PartialCall]:
+        text = section.strip()
+        if text.startswith(self.TAG):
+            text = text[len(self.TAG):]
+        return _call_sequence(text, ";", self.arguments_key)
 
     def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
         repeat = ' ("; " call)*' if parallel else ""
@@ -229,10 +405,24 @@ class MistralParser(ToolParser):
         except ValueError:
             return None
         items = obj if isinstance(obj, list) else [obj]
-        calls = [_call_from(item, self.arguments_key) for item in items]
+        texts: list[str | None] = [None] * len(items)
+        if isinstance(obj, list):  # the item texts, for their arguments as written
+            found = _call_sequence(text[1:], ",", self.arguments_key, closer="]")
+            if len(found) == len(items):
+                texts = [text[1 + call.start:1 + call.end] for call in found]
+        calls = [_call_from(item, self.arguments_key, item_text)
+                 for item, item_text in zip(items, texts)]
         if not calls or any(call is None for call in calls):
             return None
         return [call for call in calls if call is not None]
+
+    def partial_calls(self, section: str) -> list[PartialCall]:
+        text = section.strip()
+        if text.startswith(self.MARKER):
+            text = text[len(self.MARKER):].lstrip()
+        if not text.startswith("["):
+            return []
+        return _call_sequence(text[1:], ",", self.arguments_key, closer="]")
 
     def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
         array = {"type": "array", "items": self.call_schema(tools), "minItems": 1,
@@ -298,18 +488,33 @@ def _arguments_object(arguments: str) -> Any:
         return arguments
 
 
-class ToolStream:
-    """One streamed choice's text, split into content deltas and completed calls."""
+@dataclass(frozen=True)
+class CallDelta:
+    """One streamed piece of a call: its first (``name`` set, with ``id`` and ``type`` at
+    the API) or more of its arguments' JSON text."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolStream:
+    """One streamed choice's text, split into content deltas and call deltas."""
+
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls  # parallel_tool_calls false: 1
         self.text = ""
         self.content_sent = 0
         self.start: int | None = None
-        self.calls: list[ParsedCall] = []
+        self.arguments_sent: list[int] = []  # per call begun: arguments characters sent
 
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ParsedCall]]:
-        """Content to send now, and calls completed since the last feed."""
+    @property
+    def num_calls(self) -> int:
+        return len(self.arguments_sent)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """Content to send now, and the call deltas since the last feed."""
         self.text += delta
         if self.start is None:
             start = self.parser.find_start(self.text[self.content_sent:])
@@ -322,10 +527,21 @@ class ToolStream:
                 end, self.content_sent)
             return content, []
         content, self.content_sent = self.text[self.content_sent:self.start], self.start
-        parsed = self.parser.complete_calls(self.text[self.start:], final)
-        if parsed is None:
-            if final and not self.calls:  # it looked like a call but was content after all
-                return content + self.text[self.start:], []
-            return content, []
-        new, self.calls = parsed[len(self.calls):], parsed
-        return content, new
+        deltas: list[CallDelta] = []
+        for index, call in enumerate(self.parser.partial_calls(self.text[self.start:])):
+            if self.max_calls is not None and index >= self.max_calls:
+                break
+            if index == len(self.arguments_sent):  # not begun yet
+                if call.name is None:
+                    break
+                self.arguments_sent.append(0)
+                deltas.append(CallDelta(index, name=call.name))
+            sent = self.arguments_sent[index]
+            if len(call.arguments) > sent:
+                deltas.append(CallDelta(index, arguments=call.arguments[sent:]))
+                self.arguments_sent[index] = len(call.arguments)
+            if not call.complete:
+                break
+        if final and not self.arguments_sent:  # it looked like a call but was content
+            return content + self.text[self.start:], deltas
+        return content, deltas

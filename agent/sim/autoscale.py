@@ -84,8 +84,10 @@ class Fleet:
                  tpot_slo_s: float | None) -> None:
         self.config, self.model, self.spec = config, model, spec
         self.startup_s, self.tpot_slo_s = startup_s, tpot_slo_s
+        # Each record its own serial: the prompt tokens no other prompt shares (only equal
+        # hash ids are shared), else the prefix cache would find every prompt cached.
         self.records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens,
-                                      r.source)
+                                      r.source, r.hash_ids, serial=i)
                         for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
         self.by_id = {record.request_id: record for record in self.records}
         self.members: list[Member] = []

@@ -10,7 +10,7 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampler import GrammarMasks, Sampler, adjust_logits
+from slipstream.agent.engine.sampler import GrammarMasks, Sampler, adjust_logits, grammar_penalty
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.scheduler.batch import SamplingOptions
 
@@ -82,6 +82,39 @@ def test_grammar_mask_only_touches_its_rows():
     assert torch.equal(adjusted[0], logits[0]) and torch.equal(adjusted[2], logits[2])
     finite = torch.isfinite(adjusted[1]).nonzero().flatten().tolist()
     assert finite == [4, 7]
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 4096])
+def test_bitmask_penalty_matches_the_bits(vocab):
+    # llguidance's layout: bit t % 32 of int32 word t // 32 allows token t.
+    generator = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32 - (1 if vocab == 100 else 0)  # 100: narrower than the vocab
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32,
+                            generator=generator)
+    bitmask[0] = -1  # everything
+    bitmask[1] = 0  # nothing
+    penalty = grammar_penalty(bitmask, vocab)
+    assert penalty.shape == (3, vocab)
+    for row in range(3):
+        for token in range(vocab):
+            word = token // 32
+            allowed = word < words and (int(bitmask[row, word]) >> (token % 32)) & 1
+            assert penalty[row, token].item() == (0.0 if allowed else float("-inf")), \
+                (row, token)
+
+
+def test_masks_on_every_row_and_with_penalties_leave_the_input_alone():
+    logits = torch.randn(2, 64)
+    before = logits.clone()
+    bitmask = torch.tensor([[0b1010, 0], [0, -(1 << 31)]], dtype=torch.int32)  # bit 31: token 63
+    options = [SamplingOptions(), SamplingOptions(logit_bias=((63, 5.0),))]
+    for opts in ([SamplingOptions()] * 2, options):
+        adjusted = adjust_logits(logits, opts, [0, 0], [(), ()],
+                                 GrammarMasks(rows=[0, 1], allowed=bitmask))
+        assert torch.equal(logits, before)  # a new tensor; the raw logits serve logprobs
+        assert torch.isfinite(adjusted[0]).nonzero().flatten().tolist() == [1, 3]
+        assert torch.isfinite(adjusted[1]).nonzero().flatten().tolist() == [63]
+    assert adjusted[1, 63].item() == pytest.approx(logits[1, 63].item() + 5.0)
 
 
 def test_sampler_obeys_bias_and_masks_in_a_mixed_batch():

@@ -133,12 +133,25 @@ def test_attainment_band_is_on_the_miss_rate():
     assert decide_scale(fleet(2, ttft=(940, 1000)), SPEC, LONG_AGO, 0.0).reason == SCALE_UP
 
 
-def test_scale_down_needs_room_below_the_targets_not_just_at_them():
-    # Prefill load 0.45 on 4 is 0.6 on 3: at the 0.6 target, not 10 % below it.
-    assert decide_scale(fleet(4, busy=0.45), SPEC, LONG_AGO, 0.0).desired == 4
-    # Lighter: 0.25 on 4 is 0.5 on 2 (room), 1.0 on 1 (none): down to 2.
+def test_scale_down_sizes_back_to_the_target_as_the_hpa_does():
+    # Prefill load 0.45 on 4 (below the band, 0.54) is 0.6 on 3: at the 0.6 target, which
+    # holds (the band is around the value now, not around the projection).
+    decision = decide_scale(fleet(4, busy=0.45), SPEC, LONG_AGO, 0.0)
+    assert (decision.reason, decision.desired) == (SCALE_DOWN, 3)
+    # 0.46 on 4 is 0.613 on 3: over the target, so 4 stay.
+    assert decide_scale(fleet(4, busy=0.46), SPEC, LONG_AGO, 0.0).desired == 4
+    # Lighter: 0.25 on 4 is 0.5 on 2, 1.0 on 1: down to 2.
     decision = decide_scale(fleet(4, busy=0.25), SPEC, LONG_AGO, 0.0)
     assert (decision.reason, decision.recommendation, decision.desired) == (SCALE_DOWN, 2, 2)
+
+
+def test_scale_down_waits_until_the_value_leaves_the_band():
+    # 0.56 on 20 would be 0.589 on 19, under the 0.6 target, but 0.56 is inside the band
+    # (above 0.54): no change. At 0.53 it has left the band: one fewer.
+    spec = make_spec(maxInstances=30)
+    assert decide_scale(fleet(20, busy=0.56), spec, LONG_AGO, 0.0).reason == WITHIN_TARGETS
+    decision = decide_scale(fleet(20, busy=0.53), spec, LONG_AGO, 0.0)
+    assert (decision.reason, decision.desired) == (SCALE_DOWN, 18)
 
 
 def test_prefill_load_above_its_target_scales_up_in_proportion():

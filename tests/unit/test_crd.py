@@ -254,7 +254,7 @@ def test_autoscaling_defaults_are_documented_values():
     assert autoscaling["scaleDownStabilizationSeconds"] == 300
     assert autoscaling["targets"] == {"ttftAttainment": 0.95, "tpotAttainment": 0.95,
                                       "queueDelaySeconds": 0.5, "kvUtilization": 0.8,
-                                      "prefillLoad": 0.5}
+                                      "prefillLoad": 0.65}
     parsed = ServingReplicaSpec.model_validate(spec)
     assert parsed.autoscaled and parsed.autoscaling is not None
     assert parsed.autoscaling.targets.queue_delay_seconds == 0.5

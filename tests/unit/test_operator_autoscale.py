@@ -31,11 +31,12 @@ def spec(autoscaling: dict | None = None, instances: int = 2,
 AUTO = spec({"minInstances": 1, "maxInstances": 5})
 
 
-def agent_pod(index: int, *, ready: bool = True, draining_since: str | None = None) -> dict:
+def agent_pod(index: int, *, ready: bool = True, draining_since: str | None = None,
+              pool: str = "unified") -> dict:
     manifest = builders.build_agent_pod_spec(
         "r", "ns", AUTO, instance=naming.instance_name("r", index), index=index,
         incarnation="aaaaa", share=NodeShare(node="node-0", gpus=8, first_rank=0), rank=0,
-        num_ranks=1, pool="unified")
+        num_ranks=1, pool=pool)
     manifest["status"] = {"phase": "Running", "podIP": f"127.0.1.{index}", "conditions": [
         {"type": "Ready", "status": "True" if ready else "False"}]}
     if draining_since is not None:
@@ -71,6 +72,33 @@ def test_reconcile_plans_around_a_draining_instance_without_reusing_its_index():
     assert [i.name for i in result.keep] == ["r-0", "r-2"]
     assert result.create == ((3, "unified"),)  # index 1 stays with the draining instance
     assert not result.tear_down
+
+
+def test_a_scale_up_places_its_instances_in_the_pools_the_autoscaler_chose():
+    pooled = spec({"minInstances": 2, "maxInstances": 5}, pools={"short": 1})
+    live = observe_pods([agent_pod(0, pool="short"), agent_pod(1, pool="long")], GPU)
+    # Without a choice a new instance goes to the long pool (short is at spec.pools.short).
+    assert plan_instances(pooled, live, {}, "r", count=3).create == ((2, "long"),)
+    # The autoscaler chose the short pool (the pressured one): reconcile follows it.
+    assert plan_instances(pooled, live, {}, "r", count=3, new_pools=["short"]).create == \
+        ((2, "short"),)
+    # Two chosen, one already placed (capacity came for one): the last choice is still owed.
+    assert plan_instances(pooled, live, {}, "r", count=3, new_pools=["long", "short"]
+                          ).create == ((2, "short"),)
+    # A pool that does not exist is not followed.
+    assert plan_instances(pooled, live, {}, "r", count=3, new_pools=["decode"]).create == \
+        ((2, "long"),)
+
+
+def test_status_keeps_the_chosen_pools_until_the_count_changes_again():
+    up = ScaleDecision(current=2, desired=3, recommendation=3, reason="ScaleUp", message="up",
+                       history=ScaleHistory(since_s=0.0), add_pools=("short",))
+    after_up = with_autoscaling(ServingReplicaStatus(), up, "t1")
+    assert after_up.autoscaling is not None and after_up.autoscaling.add_pools == ["short"]
+    calm = with_autoscaling(after_up, decision(3, 3, WITHIN_TARGETS), "t2")
+    assert calm.autoscaling is not None and calm.autoscaling.add_pools == ["short"]
+    down = with_autoscaling(calm, decision(3, 2, SCALE_DOWN), "t3")
+    assert down.autoscaling is not None and down.autoscaling.add_pools == []
 
 
 def test_target_count():

@@ -160,3 +160,19 @@ def test_a_rolling_update_surges_one_instance_in_the_role_it_replaces():
     assert step.rollout.drain is not None and step.rollout.drain.name == "r-0"
     assert step.plan.tear_down == () and step.plan.create == ()
     assert sorted(i.name for i in step.plan.keep) == ["r-1", "r-2"]
+
+
+def test_dropping_disaggregation_rolls_decode_instances_back_to_mixed_ones():
+    from slipstream.operator.instances import plan_step
+
+    old = spec(1, 1)
+    mixed = ServingReplicaSpec.model_validate(
+        {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image": "a:1",
+         "instances": 2})
+    # The prefill instance was replaced already; the decode instance is next.
+    pods = [agent_pod(old, 1, "decode"), agent_pod(mixed, 2, "unified")]
+    step = plan_step(mixed, observe_pods(pods, GPU), {}, "r", autoscaler_desired=None,
+                     template_hash=builders.template_hash(mixed), surge_fits=lambda: True)
+    assert step.rollout.outdated == ("r-1",) and step.rollout.count == 3
+    # Its replacement is an ordinary instance, not one labelled decode.
+    assert step.plan.create == ((0, "unified"),)

@@ -43,6 +43,20 @@ def test_static_fleet_bills_every_instance_for_the_whole_run():
     assert result.decisions == []
 
 
+def test_prompts_share_only_what_their_hash_ids_share():
+    # Trace requests without hash ids share no prompt tokens: the prefix cache must find
+    # nothing (each record needs its own serial, else every prompt reads as the same tokens).
+    # Two that carry the same hash ids share that block.
+    requests = steady(5, 20, prompt=600) + [
+        TraceRequest(20.0 + i, 1024, 5, hash_ids=(7, 8)) for i in range(2)]
+    result = simulate_fleet(requests, config(40.0), MODEL, instances=1)
+    plain = [r for r in result.records if not r.hash_ids]
+    assert all(r.finished_s is not None for r in result.records)
+    assert sum(r.cached_tokens for r in plain) == 0
+    shared = sorted((r for r in result.records if r.hash_ids), key=lambda r: r.arrival_s)
+    assert shared[1].cached_tokens > 0
+
+
 def test_light_load_scales_down_to_min_and_loses_nothing():
     result = simulate_fleet(steady(2, 120), config(150.0), MODEL, instances=4, spec=spec(),
                             tpot_slo_s=0.2)

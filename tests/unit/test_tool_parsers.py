@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from slipstream.agent.engine.tokenizer import compile_chat_template
 from slipstream.agent.server.protocol import ChatCompletionRequest, ChatMessage, ToolSpec
 from slipstream.agent.server.tools import (
-    HermesParser, Llama3JsonParser, MistralParser, ParsedCall, ToolStream, parser_for_template,
+    CallDelta, HermesParser, Llama3JsonParser, MistralParser, ParsedCall, ToolStream,
+    json_value_end, parser_for_template, partial_call,
     template_messages)
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "days": 2}')
@@ -38,6 +39,7 @@ def test_whole_outputs_parse_into_calls(family):
     assert parsed_content == content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == \
         [(c.name, json.loads(c.arguments)) for c in (WEATHER, TIME)]
+    assert calls[0].arguments == '{"city": "Paris", "days": 2}'  # as the model wrote it
 
 
 @pytest.mark.parametrize("family", sorted(OUTPUTS))
@@ -54,15 +56,31 @@ def test_plain_text_and_broken_calls_stay_content(family):
 def test_streamed_pieces_give_the_same_content_and_calls(family, piece):
     parser, text, content = OUTPUTS[family]
     stream = ToolStream(parser)
-    streamed_content, calls = "", []
+    streamed_content, calls = "", collect_calls([])
     pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
+    deltas = []
     for number, part in enumerate(pieces):
-        new_content, new_calls = stream.feed(part, final=number == len(pieces) - 1)
+        new_content, new_deltas = stream.feed(part, final=number == len(pieces) - 1)
         streamed_content += new_content
-        calls.extend(new_calls)
+        deltas.extend(new_deltas)
     assert streamed_content.strip() == (content or "")
-    assert [c.name for c in calls] == ["get_weather", "get_time"]
-    assert calls == stream.calls
+    # The concatenated deltas are exactly the calls of the whole output.
+    assert collect_calls(deltas) == parser.parse(text)[1]
+    if piece < 1000:  # arguments came in several deltas, not one per call
+        assert sum(1 for d in deltas if d.name is None) > 2
+
+
+def collect_calls(deltas) -> list[ParsedCall]:
+    """What a client makes of OpenAI's streamed call deltas."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for delta in deltas:
+        if delta.name is not None:
+            assert delta.index == len(names) and not delta.arguments  # in order, name first
+            names[delta.index], arguments[delta.index] = delta.name, ""
+        else:
+            arguments[delta.index] += delta.arguments
+    return [ParsedCall(names[i], arguments[i]) for i in sorted(names)]
 
 
 def test_streamed_plain_text_is_not_held_forever():
@@ -75,14 +93,41 @@ def test_streamed_plain_text_is_not_held_forever():
     assert llama.feed("Sure, {x}", final=False) == ("  Sure, {x}", [])
 
 
-def test_hermes_streams_each_call_as_soon_as_it_closes():
-    parser, text, _ = OUTPUTS["hermes"]
+@pytest.mark.parametrize("family", sorted(OUTPUTS))
+def test_arguments_stream_as_the_model_writes_them(family):
+    parser, text, _ = OUTPUTS[family]
     stream = ToolStream(parser)
-    first_close = text.index("</tool_call>") + len("</tool_call>")
-    _, calls = stream.feed(text[:first_close], final=False)
-    assert [c.name for c in calls] == ["get_weather"]
-    _, calls = stream.feed(text[first_close:], final=True)
-    assert [c.name for c in calls] == ["get_time"]
+    name_end = text.index('"get_weather"') + len('"get_weather"')
+    _, deltas = stream.feed(text[:name_end - 1], final=False)
+    assert deltas == []  # the name is not complete yet
+    _, deltas = stream.feed(text[name_end - 1:name_end], final=False)
+    assert deltas == [CallDelta(0, name="get_weather")]  # the call begins at once
+    middle = text.index('"Paris"') + 3
+    _, deltas = stream.feed(text[name_end:middle], final=False)
+    assert deltas == [CallDelta(0, arguments='{"city": "Pa')]  # mid-string, mid-call
+    _, deltas = stream.feed(text[middle:], final=True)
+    assert collect_calls([CallDelta(0, name="get_weather"),
+                          CallDelta(0, arguments='{"city": "Pa'), *deltas]) == [WEATHER, TIME]
+
+
+def test_only_the_first_call_streams_without_parallel_calls():
+    parser, text, _ = OUTPUTS["hermes"]
+    stream = ToolStream(parser, max_calls=1)
+    _, deltas = stream.feed(text, final=True)
+    assert collect_calls(deltas) == [WEATHER] and stream.num_calls == 1
+
+
+def test_partial_json_scanner_finds_value_ends():
+    text = '{"a": "x}\\"y", "b": [1, {"c": "]"}], "d": 12, "e": true}'
+    assert json_value_end(text, 0) == len(text)
+    assert json_value_end(text, text.index('"x')) == text.index(', "b"')
+    assert json_value_end(text, text.index("[1")) == text.index(', "d"')
+    assert json_value_end(text, text.index("12")) == text.index(', "e"')
+    for cut in range(1, len(text)):
+        assert json_value_end(text[:cut], 0) is None
+    call = partial_call('{"arguments": {"q": "a', 0, "arguments")
+    assert call is not None and call.name is None and call.arguments == '{"q": "a'
+    assert partial_call('["not", "a call"]', 0, "arguments") is None
 
 
 def test_parser_is_picked_from_the_chat_template():
