@@ -109,7 +109,7 @@ def run_one(job: tuple[float | None, str]) -> tuple[SimResult, dict]:
     return sim, summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", required=True, help="prefix of the output files")
     parser.add_argument("--recipe", default=None)
@@ -128,7 +128,7 @@ def main() -> None:
                         help="simulations run at once, one process each (results do not "
                              "depend on it: every simulation is deterministic)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model, meta = load_model("h100-llama3-8b-tp8")
     instance = InstanceConfig(tp=meta.tp, spp=args.spp,
