@@ -38,6 +38,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import EngineStats, LLMEngine
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
+from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.engine.stats import StepStats
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
@@ -53,6 +54,43 @@ IDLE_CHECK_S = 0.5
 
 class StepObserver(Protocol):
     def observe(self, step: StepStats) -> None: ...
+
+
+class Admitting(Protocol):
+    """What ``check_admission`` reads: this module's ``AsyncEngine`` or the API process's
+    ``EngineCoreClient`` (engine in its own process)."""
+
+    fatal_error: str | None
+    draining: bool
+    healthy: bool
+
+    @property
+    def limits(self) -> RequestLimits: ...
+
+    def is_in_flight(self, request_id: str) -> bool: ...
+
+
+def check_admission(engine: Admitting, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+    """What a serving engine checks before it takes a request, in this order: a dead engine
+    (``EngineDeadError``, 503), a draining or stopped one (``EngineUnavailable``, 503), a
+    request id already in flight and a request that can never be served (``ValueError``,
+    400)."""
+    if engine.fatal_error is not None:
+        raise EngineDeadError("the engine of this instance failed; retry on another instance")
+    if engine.draining:
+        raise EngineUnavailable("this instance is shutting down; retry on another instance")
+    if not engine.healthy:
+        raise EngineUnavailable("the engine is not running")
+    if engine.is_in_flight(request_id):
+        raise ValueError(f"request id {request_id!r} is already in flight")
+    engine.limits.validate(prompt_token_ids, params)  # immutable config only
+
+
+def dead_output(request_id: str) -> RequestOutput:
+    """The final output of a request whose engine died under it."""
+    return error_output(request_id, "the engine of this instance failed; retry the request",
+                        ENGINE_DEAD)
 
 
 @dataclass(frozen=True)
@@ -153,6 +191,13 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.engine.limits
+
     async def shutdown(self) -> None:
         self._stopping.set()
         self._commands.put(None)
@@ -167,23 +212,13 @@ class AsyncEngine:
                  kv_transfer: dict | None = None,
                  share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
-        if self.fatal_error is not None:
-            raise EngineDeadError("the engine of this instance failed; retry on another "
-                                  "instance")
-        if self.draining:
-            raise EngineUnavailable("this instance is shutting down; retry on another instance")
-        if not self.healthy:
-            raise EngineUnavailable("the engine is not running")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params)  # reads immutable config only
+        check_admission(self, request_id, prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
                                 kv_transfer, share_prompt_with))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
-            self._deliver(_error_output(request_id, "the engine of this instance failed; "
-                                                    "retry the request", ENGINE_DEAD))
+            self._deliver(dead_output(request_id))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str,
@@ -244,8 +279,7 @@ class AsyncEngine:
         # Every open stream, including requests still queued as commands: nothing else will
         # ever answer them.
         for request_id in list(self._streams):
-            self._deliver(_error_output(request_id, "the engine of this instance failed; "
-                                                    "retry the request", ENGINE_DEAD))
+            self._deliver(dead_output(request_id))
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
@@ -269,7 +303,7 @@ class AsyncEngine:
                                             kv_transfer=command.kv_transfer,
                                             share_prompt_with=command.share_prompt_with)
                 except ValueError as error:
-                    self._deliver(_error_output(command.request_id, str(error),
+                    self._deliver(error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))
             elif isinstance(command, _CutInFlight):
                 for failed in self._fail_all(DRAINED_MESSAGE, DRAINED):
@@ -291,6 +325,6 @@ class AsyncEngine:
             loop.call_soon_threadsafe(stream.put_nowait, output)
 
 
-def _error_output(request_id: str, message: str, code: str) -> RequestOutput:
+def error_output(request_id: str, message: str, code: str) -> RequestOutput:
     return RequestOutput(request_id, [], "", 0, 0, finished=True, finish_reason="error",
                          error=message, error_code=code)

@@ -164,14 +164,12 @@ class LLMEngine:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.model_config.vocab_size, self.max_model_len,
-                             self.block_manager.kv_blocks_total)
+                             self.block_manager.kv_blocks_total,
+                             structured_outputs=self.config.parallel.is_single_process)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
         self.limits.validate(prompt_token_ids, params)
-        if params.grammar is not None and not self.config.parallel.is_single_process:
-            raise ValueError("structured outputs and forced tool calls need a single-process "
-                             "engine (tp, spp and kvp all 1) for now")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, app_id: str = "default",

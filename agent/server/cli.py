@@ -104,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "process of its own, so HTTP, tokenization and detokenization "
                             "never stretch its steps (default: on a thread of the server "
                             "process)")
+    model.add_argument("--engine-threads", type=int, default=0, metavar="N",
+                       help="torch CPU threads of the engine-core process with "
+                            "--engine-process (0: OMP_NUM_THREADS if set, else every CPU but one, "
+                            "which the HTTP process keeps)")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -425,10 +429,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         engine: AsyncEngine | EngineCoreClient
+        if args.engine_threads < 0:
+            raise ValueError("--engine-threads must be 0 (automatic) or more")
         if args.engine_process and engine_config.disagg.enabled:
             raise ValueError("--engine-process does not support --role prefill/decode yet")
         if args.engine_process:
-            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args))
+            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args),
+                                      threads=args.engine_threads)
         else:
             engine = AsyncEngine(engine_config, engine=build_engine(
                 engine_config, scheduler_config_from_args(args)))
