@@ -109,6 +109,13 @@ def test_a_killed_instance_is_retried_on_another_before_the_first_token(
     with run_router(tiny_model_dir, tmp_path_factory.mktemp("router-retry"),
                     [f"{doomed.base_url}=short", f"{short_backend.base_url}=short"],
                     "--stats-interval-seconds", "600") as router:
+        # The router is ready once either instance serves; kill the doomed one only after
+        # the first poll has seen both serving, or the poll itself finds it dead and no
+        # request ever needs the retry.
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{router.base_url}/health", timeout=5).json()["instances"] < 2:
+            assert time.monotonic() < deadline, "the router's first poll never saw both"
+            time.sleep(0.1)
         doomed.process.send_signal(signal.SIGKILL)
         doomed.process.wait(timeout=10)
         client = router.client()

@@ -106,7 +106,14 @@ def test_promtool_rejects_a_broken_query(tmp_path):
 
 
 def _helm() -> str | None:
-    return os.environ.get("SLIPSTREAM_HELM") or shutil.which("helm")
+    """SLIPSTREAM_HELM, helm on PATH, or the one the e2e build left in the cache."""
+    found = os.environ.get("SLIPSTREAM_HELM") or shutil.which("helm")
+    if found:
+        return found
+    root = os.environ.get("SLIPSTREAM_CACHE_DIR")
+    cached = sorted((Path(root) if root else Path.home() / ".cache" / "slipstream")
+                    .glob("k8s/*/bin/helm"))
+    return str(cached[-1]) if cached else None
 
 
 def test_chart_ships_dashboards_and_rules(tmp_path, chart_inventory):
@@ -121,7 +128,9 @@ def test_chart_ships_dashboards_and_rules(tmp_path, chart_inventory):
     for template in ("dashboards.yaml", "prometheusrule.yaml"):
         shutil.copy(CHART / "templates" / template, chart / "templates" / template)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: slipstream\nversion: 0.0.0\n")
+    # The rule renders only where prometheus-operator's CRD is served; tell helm it is.
     result = subprocess.run([helm, "template", "rel", str(chart), "--namespace", "monitoring",
+                             "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
                              "--set", "prometheusRule.labels.release=kps"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -134,6 +143,10 @@ def test_chart_ships_dashboards_and_rules(tmp_path, chart_inventory):
     (rule,) = [doc for doc in documents if doc["kind"] == "PrometheusRule"]
     assert rule["metadata"]["labels"]["release"] == "kps"
     assert rule["spec"]["groups"] == chart_inventory.rule_groups()
+    without_crd = subprocess.run([helm, "template", "rel", str(chart)],
+                                 capture_output=True, text=True, timeout=120)
+    assert without_crd.returncode == 0, without_crd.stderr
+    assert "kind: PrometheusRule" not in without_crd.stdout
     disabled = subprocess.run([helm, "template", "rel", str(chart), "--set",
                                "dashboards.enabled=false", "--set", "prometheusRule.enabled=false"],
                               capture_output=True, text=True, timeout=120)
