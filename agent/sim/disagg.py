@@ -111,7 +111,10 @@ def simulate_disagg(requests: list[TraceRequest], config: SimConfig, disagg: Dis
     """Like ``simulate``, on ``disagg.prefill_instances + disagg.decode_instances`` instances
     of ``config.instance``; ``config.pools`` splits the prefill instances into pools."""
     started = time.perf_counter()
-    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source)
+    # Each record its own serial, so only equal hash ids share prompt tokens (with one
+    # serial for all, the prefix cache would find every prompt cached).
+    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source,
+                             r.hash_ids, serial=i)
                for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
     by_id = {record.request_id: record for record in records}
     # Prefill instances see shadow records (one output token); the real record follows the
@@ -164,7 +167,7 @@ def simulate_disagg(requests: list[TraceRequest], config: SimConfig, disagg: Dis
             if record.prompt_tokens + record.output_tokens + 1 > capacity_tokens:
                 continue  # can never fit one instance: reported as unfinished
             shadow = RequestRecord(record.request_id, record.arrival_s, record.prompt_tokens,
-                                   1, record.source)
+                                   1, record.source, record.hash_ids, serial=record.serial)
             shadows[record.request_id] = shadow
             target = min(prefills, key=lambda inst: inst.backlog_tokens) if router is None \
                 else router.route(shadow, prefills)
