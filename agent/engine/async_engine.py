@@ -93,6 +93,23 @@ def dead_output(request_id: str) -> RequestOutput:
                         ENGINE_DEAD)
 
 
+async def stream_outputs(request_id: str, stream: asyncio.Queue[RequestOutput],
+                         streams: dict, abort: Callable[[], None]
+                         ) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs until its final one; then, or when the consumer stops
+    early, forget its stream, and abort it in the engine if it had not finished."""
+    finished = False
+    try:
+        while not finished:
+            output = await stream.get()
+            finished = output.finished
+            yield output
+    finally:
+        streams.pop(request_id, None)
+        if not finished:
+            abort()
+
+
 @dataclass(frozen=True)
 class _Add:
     request_id: str
@@ -219,20 +236,8 @@ class AsyncEngine:
                                 kv_transfer, share_prompt_with))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
             self._deliver(dead_output(request_id))
-        return self._iterate(request_id, stream)
-
-    async def _iterate(self, request_id: str,
-                       stream: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                output = await stream.get()
-                finished = output.finished
-                yield output
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(_Abort(request_id))
+        return stream_outputs(request_id, stream, self._streams,
+                              lambda: self._commands.put(_Abort(request_id)))
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))

@@ -38,7 +38,7 @@ import msgspec
 import zmq
 
 from slipstream.agent.engine.async_engine import (
-    DRAINED_MESSAGE, check_admission, dead_output, error_output)
+    DRAINED_MESSAGE, check_admission, dead_output, error_output, stream_outputs)
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError)
@@ -451,20 +451,8 @@ class EngineCoreClient:
                        kv_transfer, share_prompt_with))
         if self.fatal_error is not None:  # died after the check above: answer now
             queue.put_nowait(dead_output(request_id))
-        return self._iterate(request_id, queue)
-
-    async def _iterate(self, request_id: str,
-                       queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield output
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send(Abort([request_id]))
+        return stream_outputs(request_id, queue, self._streams,
+                              lambda: self._send(Abort([request_id])))
 
     async def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))
