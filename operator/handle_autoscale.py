@@ -33,7 +33,7 @@ from slipstream.decisions.autoscale import (
 from slipstream.operator import agent_client, metrics, naming
 from slipstream.operator.handle_reconcile import (
     EventSink, mark_draining, now_rfc3339, replica_lock)
-from slipstream.operator.handle_rebalance import Stopped
+from slipstream.operator.handle_rebalance import Stopped, every_period
 from slipstream.operator.instances import ObservedInstance, observe_pods
 from slipstream.operator.kube import Kube
 
@@ -183,18 +183,13 @@ async def run(kube: Kube, namespace: str, name: str, stopped: Stopped, *, event:
               reconcile: Reconcile, logger) -> None:
     """The daemon body: step, sleep a period, until kopf stops it. A scale-up reconciles at
     once, so that the new gangs are placed now rather than at the next resync."""
-    while not stopped:
-        period = await asyncio.to_thread(period_s, kube, namespace, name)
-        await stopped.wait(period)
-        if stopped:
-            break
-        try:
-            decision = await asyncio.to_thread(autoscale_step, kube, namespace, name,
-                                               event=event)
-            if decision is not None and decision.delta > 0:
-                await asyncio.to_thread(reconcile, namespace, name)
-        except Exception as error:  # noqa: BLE001 - a failed step must not end the loop
-            logger.warning(f"autoscale step failed: {error!r}")
-            continue
-        if decision is not None:
-            logger.debug(f"autoscale: {decision.reason}: {decision.message}")
+    async def step() -> None:
+        decision = await asyncio.to_thread(autoscale_step, kube, namespace, name, event=event)
+        if decision is None:
+            return
+        if decision.delta > 0:
+            await asyncio.to_thread(reconcile, namespace, name)
+        logger.debug(f"autoscale: {decision.reason}: {decision.message}")
+
+    await every_period(stopped, lambda: period_s(kube, namespace, name), step, "autoscale",
+                       logger)

@@ -43,6 +43,20 @@ class Stopped(Protocol):
     def __bool__(self) -> bool: ...
 
 
+async def every_period(stopped: Stopped, period_s: Callable[[], float],
+                       step: Callable[[], Awaitable[None]], what: str, logger) -> None:
+    """A daemon's loop: wait ``period_s()`` (read each time, off the event loop), run
+    ``step``, until kopf stops the daemon. A failed step is logged and the loop goes on."""
+    while not stopped:
+        await stopped.wait(await asyncio.to_thread(period_s))
+        if stopped:
+            break
+        try:
+            await step()
+        except Exception as error:  # noqa: BLE001 - a failed step must not end the loop
+            logger.warning(f"{what} step failed: {error!r}")
+
+
 def parse_time_s(value: str | None) -> float | None:
     if not value:
         return None
@@ -143,16 +157,10 @@ def period_s(kube: Kube, namespace: str, name: str) -> float:
 async def run(kube: Kube, namespace: str, name: str, stopped: Stopped, *,
               event: EventSink, logger) -> None:
     """The daemon body: step, sleep a period, until kopf stops it (deletion, shutdown)."""
-    while not stopped:
-        period = await asyncio.to_thread(period_s, kube, namespace, name)
-        await stopped.wait(period)
-        if stopped:
-            break
-        try:
-            decision = await asyncio.to_thread(rebalance_step, kube, namespace, name,
-                                               event=event)
-        except Exception as error:  # noqa: BLE001 - a failed step must not end the loop
-            logger.warning(f"rebalance step failed: {error!r}")
-            continue
+    async def step() -> None:
+        decision = await asyncio.to_thread(rebalance_step, kube, namespace, name, event=event)
         if decision is not None:
             logger.debug(f"rebalance: {decision.outcome}: {decision.reason}")
+
+    await every_period(stopped, lambda: period_s(kube, namespace, name), step, "rebalance",
+                       logger)

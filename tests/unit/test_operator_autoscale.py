@@ -4,13 +4,15 @@ autoscaler builds, its status, and the rebalancer holding while the count change
 
 from __future__ import annotations
 
+import asyncio
+
 from slipstream.crds.servingreplica import (
     AutoscalingStatus, ServingReplicaSpec, ServingReplicaStatus)
 from slipstream.decisions.autoscale import (
     SCALE_DOWN, WITHIN_TARGETS, InstanceLoad, ScaleDecision, ScaleHistory)
 from slipstream.operator import builders, naming
 from slipstream.operator.handle_autoscale import scale_signals, with_autoscaling
-from slipstream.operator.handle_rebalance import scaling_in_progress
+from slipstream.operator.handle_rebalance import every_period, scaling_in_progress
 from slipstream.operator.instances import observe_pods, plan_instances, target_count
 from slipstream.operator.placement import NodeShare
 
@@ -159,3 +161,34 @@ def test_rebalancer_waits_while_the_autoscaler_changes_the_count():
     draining = observe_pods([agent_pod(0), agent_pod(1), agent_pod(2, draining_since="1")], GPU)
     assert "draining" in (scaling_in_progress(pooled, at_two, draining) or "")
     assert scaling_in_progress(spec(pools={"short": 1}), growing, steady) is None
+
+
+class _StopAfter:
+    """kopf's DaemonStopped stand-in: stopped once ``wait`` has been called ``waits`` times."""
+
+    def __init__(self, waits: int) -> None:
+        self.left = waits
+
+    async def wait(self, timeout: float | None = None) -> None:
+        self.left -= 1
+
+    def __bool__(self) -> bool:
+        return self.left < 0
+
+
+def test_a_daemon_loop_outlives_a_failed_step_and_stops_when_told():
+    calls: list[int] = []
+    warnings: list[str] = []
+
+    async def step() -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("api server away")
+
+    class Log:
+        def warning(self, message: str) -> None:
+            warnings.append(message)
+
+    asyncio.run(every_period(_StopAfter(3), lambda: 0.0, step, "autoscale", Log()))
+    assert calls == [0, 1, 2]  # three periods, the first step failed, the loop went on
+    assert warnings == ["autoscale step failed: RuntimeError('api server away')"]
