@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from slipstream.agent.engine.stats import NOMINAL_PREFILL_TOKENS_PER_S
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.predictor import BatchTimeModel
-from slipstream.agent.sim.instance import RequestRecord, SimInstance
+from slipstream.agent.sim.instance import RequestRecord, SimInstance, records_from
 from slipstream.agent.sim.simulator import SimConfig, make_scheduler
 from slipstream.agent.sim.traces import TraceRequest
 from slipstream.crds.servingreplica import ServingReplicaSpec
@@ -84,11 +84,7 @@ class Fleet:
                  tpot_slo_s: float | None) -> None:
         self.config, self.model, self.spec = config, model, spec
         self.startup_s, self.tpot_slo_s = startup_s, tpot_slo_s
-        # Each record its own serial: the prompt tokens no other prompt shares (only equal
-        # hash ids are shared), else the prefix cache would find every prompt cached.
-        self.records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens,
-                                      r.source, r.hash_ids, serial=i)
-                        for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
+        self.records = records_from(requests)
         self.by_id = {record.request_id: record for record in self.records}
         self.members: list[Member] = []
         self.events: list[tuple[float, int]] = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, blocks_for_tokens
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import Request, RequestSLO
-from slipstream.agent.sim.instance import RequestRecord, SimInstance
+from slipstream.agent.sim.instance import RequestRecord, SimInstance, records_from
 from slipstream.agent.sim.pools import PoolRouter
 from slipstream.agent.sim.simulator import SimConfig, SimResult, make_scheduler
 from slipstream.agent.sim.traces import TraceRequest
@@ -111,11 +111,7 @@ def simulate_disagg(requests: list[TraceRequest], config: SimConfig, disagg: Dis
     """Like ``simulate``, on ``disagg.prefill_instances + disagg.decode_instances`` instances
     of ``config.instance``; ``config.pools`` splits the prefill instances into pools."""
     started = time.perf_counter()
-    # Each record its own serial, so only equal hash ids share prompt tokens (with one
-    # serial for all, the prefix cache would find every prompt cached).
-    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source,
-                             r.hash_ids, serial=i)
-               for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
+    records = records_from(requests)
     by_id = {record.request_id: record for record in records}
     # Prefill instances see shadow records (one output token); the real record follows the
     # request to its decode instance.

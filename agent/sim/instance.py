@@ -37,7 +37,7 @@ from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
-from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS
+from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS, TraceRequest
 
 BYTES_PER_VALUE = 2  # bf16 activations
 STALLED_RETRY_S = 1e-3  # nothing ran and no wakeup is known: look again after this long
@@ -147,6 +147,15 @@ class RequestRecord:
         del tokens[self.prompt_tokens:]
         tokens.extend([-1 - self.serial] * (self.prompt_tokens - len(tokens)))
         return tokens
+
+
+def records_from(requests: list[TraceRequest]) -> list[RequestRecord]:
+    """One record per trace request, in arrival order, ids ``r0, r1, ...``. Each carries the
+    trace's hash ids and its own serial, so prompts share stand-in tokens only where their
+    hash ids are equal (one serial for all would make the prefix cache find every prompt)."""
+    return [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source,
+                          r.hash_ids, serial=i)
+            for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
 
 
 class SimInstance:

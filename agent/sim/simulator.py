@@ -28,7 +28,8 @@ from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, BlockManager
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.scheduler import Scheduler
-from slipstream.agent.sim.instance import InstanceConfig, KvpTimeModel, RequestRecord, SimInstance
+from slipstream.agent.sim.instance import (
+    InstanceConfig, KvpTimeModel, RequestRecord, SimInstance, records_from)
 from slipstream.agent.sim.pools import PoolRouter, PoolsConfig
 from slipstream.agent.sim.traces import HASH_BLOCK_TOKENS, TraceRequest
 
@@ -102,9 +103,7 @@ def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
 
 def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeModel) -> SimResult:
     started = time.perf_counter()
-    records = [RequestRecord(f"r{i}", r.arrival_s, r.prompt_tokens, r.output_tokens, r.source,
-                             r.hash_ids, serial=i)
-               for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s))]
+    records = records_from(requests)
     by_id = {record.request_id: record for record in records}
     instances = [SimInstance(i, make_scheduler(config, model), config.instance, by_id)
                  for i in range(config.num_instances)]
