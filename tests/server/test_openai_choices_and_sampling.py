@@ -130,8 +130,8 @@ def test_openapi_document_describes_the_request_fields(server):
 
 @pytest.mark.parametrize("engine", ["thread", "process"])
 def test_n_choices_compute_the_prompt_once(server, start_server, engine):
-    if engine == "process":  # the engine core in its own process: the same over its wire
-        server = start_server("--engine-process")
+    if engine == "thread":  # the engine on a thread of the server (the default: its own process)
+        server = start_server("--single-process")
     # A prompt no earlier test sent, so only this request's choices can hit the cache.
     words = ["river", "lantern", "copper", "meadow", "orbit", "velvet", "signal", "harbor"]
     prompt = " ".join(words[(i * 5 + 3) % len(words)] + str(i) for i in range(60))
