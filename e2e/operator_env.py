@@ -17,9 +17,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,3 +247,46 @@ def timed(what: str):
             self.elapsed_s = time.monotonic() - self.start
             print(f"[measure] {what}: {self.elapsed_s:.2f} s", file=sys.stderr)
     return _Timer()
+
+
+class ClosedLoopLoad:
+    """``clients`` threads that each call ``one_request(client_index, turn)`` back to back
+    (with ``pause_s`` between turns) until the block ends, counting what succeeded, what
+    failed and which backends answered (whatever non-None ``one_request`` returned)."""
+
+    def __init__(self, clients: int, one_request: Callable[[int, int], str | None],
+                 pause_s: float = 0.0) -> None:
+        self.one_request, self.pause_s = one_request, pause_s
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.served_by: set[str] = set()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
+                        for k in range(clients)]
+
+    def __enter__(self) -> ClosedLoopLoad:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def _run(self, k: int) -> None:
+        turn = 0
+        while not self.stop.is_set():
+            try:
+                backend = self.one_request(k, turn)
+            except Exception as error:  # noqa: BLE001 - recorded, asserted on
+                with self.lock:
+                    self.failures.append(repr(error))
+            else:
+                with self.lock:
+                    self.ok += 1
+                    if backend is not None:
+                        self.served_by.add(backend)
+            turn += 1
+            self.stop.wait(self.pause_s)

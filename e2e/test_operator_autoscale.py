@@ -20,16 +20,14 @@ controller pod stops matching the moment the autoscaler relabels it.
 
 from __future__ import annotations
 
-import itertools
 import sys
-import threading
 import time
 
 import openai
 import pytest
 
 from operator_env import (
-    AUTOSCALING_SERIES, OPERATOR_METRICS_PORT, POOL_LABEL, REPO, events, get_replica, is_ready,
+    AUTOSCALING_SERIES, ClosedLoopLoad, OPERATOR_METRICS_PORT, POOL_LABEL, REPO, events, get_replica, is_ready,
     operator_pods, pod_ip, prometheus_scraping, replica_pods, servingreplica)
 
 sys.path.insert(0, str(REPO / "charts"))
@@ -63,50 +61,32 @@ def service_backends(dev_cluster, namespace: str, service: str = NAME) -> list[d
     return [p for p in pods if is_ready(p) and not p["metadata"].get("deletionTimestamp")]
 
 
-class Load:
-    """Clients sending completions through the "Service"; counts successes and failures."""
+class Load(ClosedLoopLoad):
+    """Clients sending completions through the "Service" (a Ready pod its selector picks, in
+    turn); a failure names the pod that failed."""
 
     def __init__(self, dev_cluster, namespace: str, clients: int, pause_s: float,
                  service: str = NAME) -> None:
-        self.dev_cluster, self.namespace, self.pause_s = dev_cluster, namespace, pause_s
-        self.service = service
-        self.stop = threading.Event()
-        self.ok, self.failures, self.served_by = 0, [], set()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
-                        for k in range(clients)]
+        self.dev_cluster, self.namespace, self.service = dev_cluster, namespace, service
+        super().__init__(clients, self._one, pause_s)
 
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=120)
-
-    def _run(self, k: int) -> None:
-        turn = itertools.count(k)
-        while not self.stop.is_set():
+    def _one(self, k: int, turn: int) -> str | None:
+        backends = service_backends(self.dev_cluster, self.namespace, self.service)
+        while not backends and not self.stop.is_set():
+            self.stop.wait(0.2)
             backends = service_backends(self.dev_cluster, self.namespace, self.service)
-            if not backends:
-                time.sleep(0.2)
-                continue
-            pod = backends[next(turn) % len(backends)]
-            client = openai.OpenAI(base_url=f"http://{pod_ip(pod)}:8000/v1", api_key="unused",
-                                   max_retries=0, timeout=120)
-            try:
-                answer = client.completions.create(model="tiny", prompt="scale me " * 30,
-                                                   max_tokens=8)
-                assert answer.choices[0].finish_reason in ("length", "stop")
-                with self.lock:
-                    self.ok += 1
-                    self.served_by.add(pod["metadata"]["labels"]["slipstream.dev/instance"])
-            except Exception as error:  # noqa: BLE001 - recorded, asserted on
-                with self.lock:
-                    self.failures.append(f"{pod['metadata']['name']}: {error!r}")
-            self.stop.wait(self.pause_s)
+        if not backends:
+            return None
+        pod = backends[(k + turn) % len(backends)]
+        client = openai.OpenAI(base_url=f"http://{pod_ip(pod)}:8000/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        try:
+            answer = client.completions.create(model="tiny", prompt="scale me " * 30,
+                                               max_tokens=8)
+        except Exception as error:
+            raise RuntimeError(f"{pod['metadata']['name']}: {error!r}") from error
+        assert answer.choices[0].finish_reason in ("length", "stop"), answer
+        return pod["metadata"]["labels"]["slipstream.dev/instance"]
 
 
 def autoscaling_status(dev_cluster, namespace: str, name: str = NAME) -> dict:

@@ -15,16 +15,14 @@ router does for pooled replicas. Every wait is on a condition, never a fixed sle
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from operator_env import events, get_replica, replica_pods, router_process, servingreplica, \
-    timed, wait_ready
+from operator_env import ClosedLoopLoad, events, get_replica, replica_pods, router_process, \
+    servingreplica, timed, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -34,45 +32,18 @@ BACKEND_HEADER = "x-slipstream-backend"
 ROLLOUT_TIMEOUT_S = 600.0  # two instances started, drained and deleted, on a loaded box
 
 
-class Load:
+class Load(ClosedLoopLoad):
     """Closed-loop openai clients through the router: plain completions (the backend that
     served each is read from the router's header) and streamed chat completions."""
 
     def __init__(self, base_url: str, clients: int) -> None:
-        self.base_url = base_url
-        self.stop = threading.Event()
-        self.ok, self.failures = 0, []
-        self.served_by: set[str] = set()
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
-                        for k in range(clients)]
+        self.clients = [openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                                      timeout=120) for _ in range(clients)]
+        super().__init__(clients, self._one)
 
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=120)
-
-    def _run(self, k: int) -> None:
-        client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
-                               timeout=120)
-        for turn in itertools.count():
-            if self.stop.is_set():
-                return
-            try:
-                backend = self._stream(client, k, turn) if k % 2 else self._complete(
-                    client, k, turn)
-                with self.lock:
-                    self.ok += 1
-                    if backend:
-                        self.served_by.add(backend)
-            except Exception as error:  # noqa: BLE001 - recorded, asserted on
-                with self.lock:
-                    self.failures.append(repr(error))
+    def _one(self, k: int, turn: int) -> str | None:
+        client = self.clients[k]
+        return self._stream(client, k, turn) if k % 2 else self._complete(client, k, turn)
 
     @staticmethod
     def _complete(client: openai.OpenAI, k: int, turn: int) -> str | None:
