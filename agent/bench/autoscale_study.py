@@ -75,36 +75,62 @@ def attainment(result: FleetResult, tpot_slo_ms: float) -> float:
     return sum(meets_slo(r, tpot_slo_ms) for r in records) / max(1, len(records))
 
 
-def size_static(qps: float, args: argparse.Namespace) -> tuple[int, list[dict]]:
-    """The smallest static count reaching ``--size-for`` at a steady ``qps``. It counts down
-    from a guess above the answer and stops at the first count that falls short: deeply
-    overloaded runs (one instance at the peak) are the slow ones to simulate. If the guess
-    itself falls short it counts up instead (to ``--max-instances`` at most)."""
-    trace, base, model = _SHARED["trace"], _SHARED["base"], _SHARED["model"]
-    requests = warp_to_rate(trace, lambda t: np.full_like(t, qps), args.sizing_s)
-    config = replace(base, horizon_s=args.sizing_s + TAIL_S)
-    tried: list[dict] = []
+def sizing_run(qps: float, count: int, args: argparse.Namespace) -> float:
+    """SLO attainment of ``count`` static instances on a steady ``qps`` (a worker's task)."""
+    requests = warp_to_rate(_SHARED["trace"], lambda t: np.full_like(t, qps), args.sizing_s)
+    config = replace(_SHARED["base"], horizon_s=args.sizing_s + TAIL_S)
+    result = simulate_fleet(requests, config, _SHARED["model"], instances=count,
+                            tpot_slo_s=args.tpot_slo_ms / 1000.0)
+    reached = attainment(result, args.tpot_slo_ms)
+    print(f"  sizing at {qps:.1f} QPS: {count} instance(s) -> {reached:.4f}", flush=True)
+    return reached
 
-    def reaches(count: int) -> bool:
-        result = simulate_fleet(requests, config, model, instances=count,
-                                tpot_slo_s=args.tpot_slo_ms / 1000.0)
-        reached = attainment(result, args.tpot_slo_ms)
-        tried.append({"instances": count, "slo_attainment": reached})
-        print(f"  sizing at {qps:.1f} QPS: {count} instance(s) -> {reached:.4f}", flush=True)
-        return reached >= args.size_for
 
-    start = min(args.max_instances, math.ceil(qps / args.sizing_qps_per_instance))
-    if not reaches(start):  # the guess was short: count up instead
-        best = min(start + 1, args.max_instances)
-        while best < args.max_instances and not reaches(best):
-            best += 1
-        return best, tried
-    best = start
-    for count in range(start - 1, 0, -1):
-        if not reaches(count):
-            break
-        best = count
-    return best, tried
+def size_static(pool: ProcessPoolExecutor, rates: list[float], args: argparse.Namespace
+                ) -> dict[float, tuple[int, list[dict]]]:
+    """For each rate, the smallest static count reaching ``--size-for`` on a steady run. The
+    first guess, ``ceil(qps / --sizing-qps-per-instance)`` (the measured knee), and one fewer
+    run at once; usually that settles it (the guess reaches, one fewer does not). Otherwise
+    it goes on one count at a time, down while counts reach, up while they fall short (to
+    ``--max-instances`` at most)."""
+    tried: dict[float, dict[int, float]] = {qps: {} for qps in rates}
+    pending: dict[tuple[float, int], Future] = {}
+
+    def submit(qps: float, count: int) -> None:
+        if count not in tried[qps] and (qps, count) not in pending:
+            pending[(qps, count)] = pool.submit(sizing_run, qps, count, args)
+
+    def answer(qps: float) -> int | None:
+        seen = tried[qps]
+        passing = [c for c, value in seen.items() if value >= args.size_for]
+        best = min(passing, default=None)
+        if best is not None and (best == 1 or seen.get(best - 1, 1.0) < args.size_for):
+            return best
+        if best is None and args.max_instances in seen:
+            return args.max_instances  # nothing reaches it: the most there may be
+        return None
+
+    for qps in rates:
+        guess = min(args.max_instances, max(1, math.ceil(qps / args.sizing_qps_per_instance)))
+        submit(qps, guess)
+        if guess > 1:
+            submit(qps, guess - 1)
+    while pending:
+        for key, run in list(pending.items()):
+            if run.done():
+                tried[key[0]][key[1]] = run.result()
+                del pending[key]
+        for qps in rates:
+            seen = tried[qps]
+            if answer(qps) is not None or any(q == qps for q, _ in pending):
+                continue
+            passing = [c for c, value in seen.items() if value >= args.size_for]
+            submit(qps, min(passing) - 1 if passing else max(seen) + 1)
+        if pending:
+            time.sleep(0.2)
+    return {qps: (answer(qps) or args.max_instances,
+                  [{"instances": c, "slo_attainment": v} for c, v in sorted(tried[qps].items())])
+            for qps in rates}
 
 
 def run_fleet(workload: str, label: str, count: int, autoscaled: bool,
@@ -212,14 +238,14 @@ def main(argv: list[str] | None = None) -> None:
                         f"many seconds (default {DAY_S:.0f})")
     parser.add_argument("--trough-qps", type=float, default=16.0)
     parser.add_argument("--peak-qps", type=float, default=64.0)
-    parser.add_argument("--step-s", type=float, default=600.0,
+    parser.add_argument("--step-s", type=float, default=400.0,
                         help="length of the step workload: low for the first quarter, high "
                         "for the middle half, low again")
     parser.add_argument("--step-low-qps", type=float, default=16.0,
-                        help="the step's low rate (default the day's trough, so the static "
-                        "sizing runs are shared)")
-    parser.add_argument("--step-high-qps", type=float, default=64.0,
-                        help="the step's high rate (default the day's peak)")
+                        help="the step's low rate (default the day's trough)")
+    parser.add_argument("--step-high-qps", type=float, default=40.0,
+                        help="the step's high rate (default the day's mean, so the static "
+                        "sizing at that rate is shared)")
     parser.add_argument("--scale-down-window-s", type=int, default=60,
                         help="spec.autoscaling.scaleDownStabilizationSeconds (the CRD default "
                         "is 300 s against a real day; docs/autoscaling.md says why the "
@@ -260,16 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     # sizes come in.
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
-        sizing_runs: dict[float, Future] = {}
-        for peak_qps, mean_qps in rates.values():
-            for qps in (peak_qps, mean_qps):
-                if qps not in sizing_runs:
-                    sizing_runs[qps] = pool.submit(size_static, qps, args)
         fleets: dict[tuple[str, str], Future] = {
             (name, "autoscaled"): pool.submit(run_fleet, name, "autoscaled",
                                               args.min_instances, True, args)
             for name in shapes}
-        sizes = {qps: run.result() for qps, run in sizing_runs.items()}
+        sizes = size_static(pool, sorted({q for pair in rates.values() for q in pair}), args)
         for name, (peak_qps, mean_qps) in rates.items():
             for label, qps in (("static-peak", peak_qps), ("static-mean", mean_qps)):
                 fleets[(name, label)] = pool.submit(run_fleet, name, label, sizes[qps][0],
