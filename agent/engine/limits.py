@@ -43,5 +43,7 @@ class RequestLimits:
             raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
                              f"{self.kv_blocks_total}")
         if params.grammar is not None and not self.structured_outputs:
-            raise ValueError("structured outputs and forced tool calls need a single-process "
-                             "engine (tp, spp and kvp all 1) for now")
+            raise ValueError("structured outputs and forced tool calls (grammars) are not "
+                             "supported with parallel workers yet: they need tp, spp and kvp "
+                             "all 1 (the engine layout, --engine-process or not, does not "
+                             "matter)")
