@@ -32,11 +32,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
-import torch
 
-from slipstream.agent.engine.sampler import GrammarMasks
 from slipstream.agent.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from slipstream.agent.engine.sampler import GrammarMasks
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +164,8 @@ class MaskJob:
                 self._all_done.wait()
 
     def __call__(self) -> GrammarMasks:
+        from slipstream.agent.engine.sampler import GrammarMasks
+
         self.wait()
         if self._error is not None:
             raise self._error
@@ -179,6 +183,10 @@ class MaskWorkers:
     are never overwritten while a sampler may still read them."""
 
     def __init__(self, vocab_size: int, cpus: int | None = None) -> None:
+        # torch only here, where masks are made (the engine's side): the API process of a
+        # two-process server checks grammars with this module and never imports torch.
+        import torch
+
         self.vocab_size = vocab_size
         self._jobs: queue.SimpleQueue[MaskJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="slipstream-masks",
@@ -198,6 +206,8 @@ class MaskWorkers:
         self._turn ^= 1
         buffer = self._buffers[self._turn]
         if buffer.shape[0] < rows:
+            import llguidance.torch
+
             buffer = llguidance.torch.allocate_token_bitmask(max(rows, 2 * buffer.shape[0]),
                                                              self.vocab_size)
             self._buffers[self._turn] = buffer
