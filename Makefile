@@ -97,8 +97,10 @@ bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgs
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
 bench-server: setup  ## one process vs engine in its own process: tok/s, TTFT, TPOT at 1..1000 streams
-	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny 100m \
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny \
 	  --concurrency 1 64 256 1000 --out $(RESULTS)/server
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models 100m \
+	  --prompt-tokens 8 --output-tokens 8 --concurrency 1 64 256 1000 --out $(RESULTS)/server-100m
 
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
@@ -117,9 +119,9 @@ generate: setup
 bench-predictor: setup  ## runtime-predictor accuracy on this machine's CPU engine (held-out batches)
 	$(BIN)/python -m slipstream.agent.bench.predictor_bench --out $(RESULTS)/predictor
 
-bench-policy-live: setup  ## LARS vs Medha's LARS, FCFS and EDF on the live CPU engine: short TTFT
+bench-policy-live: setup  ## LARS vs Medha's LARS, FCFS and EDF on the live CPU engine: goodput, short TTFT (quiet machine, ~10 min)
 	$(BIN)/python -m slipstream.agent.bench.policy_live_bench --out $(RESULTS)/policy-live \
-	  --systems fcfs,lars-classic,lars,edf --load 0.25 $(LIVE_ARGS)
+	  --systems fcfs,lars-classic,lars,edf --load 0.25 --profile-grid small $(LIVE_ARGS)
 
 bench-sched: setup  ## schedule() cost per policy, 10,000 waiting + 256 running
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
