@@ -157,6 +157,9 @@ bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instanc
 bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
 	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
 
+bench-pd-overlap: setup transfer-engine-libs  ## streaming KV hand-off vs pull at end, live CPU, Mooncake TCP (docs/disaggregation.md)
+	$(BIN)/python -m slipstream.agent.bench.pd_overlap --out $(RESULTS)/pd-overlap
+
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live
