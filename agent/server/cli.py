@@ -23,6 +23,7 @@ requests get a 503 and the process exits with ``EXIT_ENGINE_DEAD`` so it is rest
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -214,13 +215,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "reserved share for late long prefills; docs/scheduling.md), "
                             "lars-classic (Medha's least relative slack), fcfs, edf, lrs, "
                             "srpt (TRAIL, limited preemption) or justitia (fair per app_id)")
-    sched.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                       help="runtime profile from `slipstream profile`; enables the time-budget "
-                            "packer (adaptive chunking). Without it each iteration packs "
-                            "--max-batched-tokens tokens")
+    profile = sched.add_mutually_exclusive_group()
+    profile.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                         help="runtime profile from `slipstream profile`, for the time-budget "
+                              "packer (adaptive chunking). Default: the server profiles the "
+                              "engine on its first start (minutes on a CPU; a progress bar "
+                              "shows it) and caches that per model, dtype, device, thread "
+                              "count and engine version (docs/scheduling.md)")
+    profile.add_argument("--no-profile", action="store_true",
+                         help="no profile: each iteration packs a fixed budget of "
+                              "--max-batched-tokens tokens (starts without profiling)")
     sched.add_argument("--target-batch-time-ms", type=float, default=None, metavar="MS",
-                       help="iteration time budget with --profile; default: --slo-tpot-ms if "
-                            "given, else 50")
+                       help="iteration time budget of the time-budget packer; default: "
+                            "--slo-tpot-ms if given, else 50")
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
                        help="most of the budget a long prefill yields to short ones (Medha)")
     sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144,
@@ -386,6 +393,36 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         disagg=disagg_config_from_args(args))
 
 
+def runtime_profile(args: argparse.Namespace, config: EngineConfig) -> Path | None:
+    """The profile the time-budget packer uses: ``--profile``; none with ``--no-profile``;
+    otherwise the cached one for this model and device, measured first if there is none."""
+    log = logging.getLogger(__name__)
+    if args.profile is not None:
+        return Path(args.profile)
+    if args.no_profile:
+        return None  # the engine logs the packer it runs
+    if not config.parallel.is_single_process:
+        log.warning("no runtime profile: the automatic one covers one device, not tp x spp x "
+                    "kvp = %d ranks; each iteration packs up to %d tokens (pass --profile for "
+                    "the time-budget packer)", config.parallel.world_size,
+                    args.max_batched_tokens)
+        return None
+    import torch
+
+    from slipstream.agent.engine.auto_profile import ensure_profile
+    from slipstream.agent.server.engine_core import core_threads
+
+    threads = (core_threads(args.engine_threads) if args.engine_process else None) or \
+        torch.get_num_threads()
+    try:
+        return ensure_profile(config.model_dir, config.dtype, config.device, threads)
+    except (OSError, RuntimeError, ValueError) as error:
+        log.warning("profiling failed (%s: %s); each iteration packs up to %d tokens "
+                    "(--max-batched-tokens)", type(error).__name__, error,
+                    args.max_batched_tokens)
+        return None
+
+
 def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
     return DisaggConfig(
         role=args.role or os.environ.get("SLIPSTREAM_ROLE") or "mixed",
@@ -428,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
                                 server_config.control_port, error)
     try:
         engine_config = engine_config_from_args(args)
+        engine_config = dataclasses.replace(engine_config,
+                                            profile_dir=runtime_profile(args, engine_config))
         engine: AsyncEngine | EngineCoreClient
         if args.engine_threads < 0:
             raise ValueError("--engine-threads must be 0 (automatic) or more")
