@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= agent,operator,router,dev,kv-transfer
 PORT ?= 8000
 RESULTS ?= results
-# Simulations each bench-sim part runs at once (one process each; the numbers do not change).
+# Simulations each bench-sim part (and bench-autoscale) runs at once (one process each; the
+# numbers do not change).
 SIM_JOBS ?= 1
 # Extra arguments for bench-policy-live, e.g. LIVE_ARGS="--duration-s 20 --profile DIR".
 LIVE_ARGS ?=
@@ -149,7 +150,7 @@ bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.m
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
 bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instance-hours, SLO (docs/autoscaling.md)
-	$(BIN)/python -m slipstream.agent.bench.autoscale_study --out $(RESULTS)/autoscale
+	$(BIN)/python -m slipstream.agent.bench.autoscale_study --jobs $(SIM_JOBS) --out $(RESULTS)/autoscale
 
 bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
 	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd

@@ -242,7 +242,7 @@ class AutoscalingTargets(ApiModel):
                                      "spec.autoscaling.targets.kvUtilization must be within "
                                      "(0, 1]")))
     prefill_load: float = Field(
-        0.65, description="Mean seconds of prefill work arriving per second on each instance "
+        0.67, description="Mean seconds of prefill work arriving per second on each instance "
         "(prompt tokens arriving over the recent prefill rate) to hold below: the load signal "
         "that grows in proportion to the arrival rate, so the one that says how many "
         "instances fewer would still do.",
@@ -286,6 +286,18 @@ class Autoscaling(ApiModel):
                              "nothing changes (hysteresis).", json_schema_extra=rules(Rule(
                                  "self >= 0.0 && self < 1.0",
                                  "spec.autoscaling.tolerance must be within [0, 1)")))
+    forecast_seconds: int = Field(
+        75, description="How far ahead the autoscaler looks: when the replica's prefill load "
+        "has a clear trend over forecastWindowSeconds, a scale-up is sized to the trend "
+        "extrapolated this far (a new instance's startup plus a period), and a scale-down to "
+        "the trend at the end of the scale-down window. A flat or noisy load has no clear "
+        "trend and changes nothing. 0 turns the forecast off.",
+        json_schema_extra=rules(Rule(
+            "self >= 0", "spec.autoscaling.forecastSeconds must not be negative")))
+    forecast_window_seconds: int = Field(
+        120, description="The recent history the load trend is fitted over.",
+        json_schema_extra=rules(Rule(
+            "self >= 30", "spec.autoscaling.forecastWindowSeconds must be at least 30")))
     targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
 
 

@@ -56,6 +56,14 @@ MIN_ATTAINMENT_SAMPLES = 20
 # instances have just ended (the backlog left on the old ones). They do not add instances
 # then; the proportional signals, averaged over the instances now reporting, still do.
 SETTLE_S = 30.0
+# The forecast (spec.autoscaling.forecastSeconds): a least-squares line through the replica's
+# prefill load (summed over the reporting instances: the prefill seconds arriving per second,
+# whatever the count) over forecastWindowSeconds. It counts only when it has this many points
+# and its slope stands this many standard errors clear of zero. The points come from
+# overlapping load windows (30 s windows every 15 s), so they are correlated and the usual
+# t of 2 would fire on noise: 4 keeps a flat, noisy load from ever looking like a ramp.
+MIN_TREND_POINTS = 6
+TREND_T = 4.0
 
 # Outcomes: the status's lastScaleReason and the Event's reason.
 SCALE_UP, SCALE_DOWN = "ScaleUp", "ScaleDown"
@@ -112,6 +120,37 @@ class ScaleHistory:
     last_scale_s: float | None = None
     reporting: int = 0  # how many instances reported at the last step
     reporting_since_s: float | None = None  # since when that many have
+    demand: tuple[tuple[float, float], ...] = ()  # (time, summed prefill load) for the trend
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A clear trend in the replica's summed prefill load (instance-units of prefill work)."""
+
+    level: float  # the fitted value now
+    slope_per_s: float
+
+    def at(self, seconds_ahead: float) -> float:
+        return max(0.0, self.level + self.slope_per_s * seconds_ahead)
+
+
+def fit_trend(points: tuple[tuple[float, float], ...], now_s: float) -> Trend | None:
+    """The least-squares line through ``points``, if its slope is clear of the noise
+    (``TREND_T`` standard errors, at least ``MIN_TREND_POINTS`` points); else None."""
+    if len(points) < MIN_TREND_POINTS:
+        return None
+    count = len(points)
+    mean_t = sum(t for t, _ in points) / count
+    mean_v = sum(v for _, v in points) / count
+    sxx = sum((t - mean_t) ** 2 for t, _ in points)
+    if sxx <= 0.0:
+        return None
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in points) / sxx
+    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2 for t, v in points)
+    standard_error = math.sqrt(residual / (count - 2) / sxx)
+    if slope == 0.0 or abs(slope) <= TREND_T * standard_error:
+        return None
+    return Trend(level=mean_v + slope * (now_s - mean_t), slope_per_s=slope)
 
 
 @dataclass(frozen=True)
@@ -126,6 +165,7 @@ class ScaleDecision:
     remove: tuple[str, ...] = ()  # the instances to drain, least loaded first
     ttft_attainment: float | None = None
     tpot_attainment: float | None = None
+    trend: Trend | None = None  # the prefill load trend, when there is a clear one
 
     @property
     def delta(self) -> int:
@@ -161,13 +201,24 @@ def _aggregate(loads: tuple[InstanceLoad, ...]) -> _Load:
         prefill_load=sum(x.prefill_load for x in loads) / count)
 
 
-def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = True
-              ) -> tuple[int, str]:
+def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = True,
+              trend: Trend | None = None) -> tuple[int, str]:
     """Stage 1: the count these signals ask for, and why. ``settled``: the reporting
     instances have been the same for SETTLE_S (else attainment and queue delay, which
-    describe the window's past, do not ask for more)."""
+    describe the window's past, do not ask for more). ``trend``: a clear trend of the summed
+    prefill load; up, it asks for the count the load will need ``forecastSeconds`` ahead;
+    down, it lets a scale-down size to the load at the end of the scale-down window."""
     targets, tolerance = settings.targets, settings.tolerance
     n = load.count
+    ahead_wanted, ahead_why = current, ""
+    if trend is not None and trend.slope_per_s > 0 and settings.forecast_seconds > 0:
+        ahead = trend.at(settings.forecast_seconds)
+        if ahead / current > targets.prefill_load * (1.0 + tolerance):
+            ahead_wanted = max(current + 1, math.ceil(ahead / targets.prefill_load))
+            ahead_why = (f"prefill load {load.prefill_load:.3f} rising "
+                         f"{trend.slope_per_s * 60 / n:+.3f}/min per instance: "
+                         f"{ahead / current:.3f} per instance in "
+                         f"{settings.forecast_seconds} s > {targets.prefill_load}")
     breaches: list[str] = []
     unsettled: list[str] = []
     ratios = [1.0]
@@ -185,25 +236,36 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
         if value > target * (1.0 + tolerance):
             (breaches if settled or proportional else unsettled).append(
                 f"{name} {value:.3f} > {target}")
-    if unsettled and not breaches:
+    if unsettled and not breaches and ahead_wanted <= current:
         return current, (f"{'; '.join(unsettled)}, but {n} instance(s) have reported for "
                          f"less than {SETTLE_S:.0f} s: waiting for the window to catch up")
     if breaches:
         # Instances still starting already count against the shortage: never below current.
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))
+        if ahead_wanted > wanted:
+            return ahead_wanted, ahead_why
         return wanted, "; ".join(breaches)
+    if ahead_wanted > current:
+        return ahead_wanted, ahead_why
 
     # The HPA's hysteresis: the band is around the value now (below target * (1 - tolerance)
     # before any scale-down), and the new count brings the projected value back to the target,
     # not below the band's lower edge. A band on both would keep about a tenth more capacity
     # than the targets ask for, at every count (docs/autoscaling.md, the study).
+    prefill = load.prefill_load
+    if trend is not None and trend.slope_per_s < 0 and settings.forecast_seconds > 0:
+        # Falling clearly: size to the load at the end of the down window, so that the
+        # window's highest recommendation is the one the load needs when it ends.
+        prefill = min(prefill, trend.at(settings.scale_down_stabilization_seconds) / n)
+    elif trend is not None and trend.slope_per_s > 0 and settings.forecast_seconds > 0:
+        prefill = max(prefill, trend.at(settings.forecast_seconds) / n)  # no scale-down
     below_band = (load.kv_utilization <= targets.kv_utilization * (1.0 - tolerance)
-                  and load.prefill_load <= targets.prefill_load * (1.0 - tolerance))
+                  and prefill <= targets.prefill_load * (1.0 - tolerance))
 
     def holds(m: int) -> bool:
         ratio = n / m
         return (load.kv_utilization * ratio <= targets.kv_utilization
-                and load.prefill_load * ratio <= targets.prefill_load)
+                and prefill * ratio <= targets.prefill_load)
 
     comfortable = all((
         load.queue_delay_s <= targets.queue_delay_seconds * (1.0 - tolerance),
@@ -212,7 +274,9 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
         load.tpot_attainment is None
         or 1.0 - load.tpot_attainment <= (1.0 - targets.tpot_attainment) * (1.0 - tolerance)))
     smallest = next((m for m in range(1, n) if holds(m)), n) if comfortable and below_band else n
-    summary = (f"prefill load {load.prefill_load:.2f}, KV {load.kv_utilization:.2f}, "
+    summary = (f"prefill load {load.prefill_load:.2f}"
+               + (f" (trend: {prefill:.2f})" if prefill != load.prefill_load else "")
+               + f", KV {load.kv_utilization:.2f}, "
                f"queue {load.queue_delay_s:.3f} s")
     if smallest < n:
         return smallest, f"{summary}: {smallest} instance(s) would hold every target"
@@ -256,10 +320,15 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     else:
         reporting_since_s = history.reporting_since_s
     settled = now_s - reporting_since_s >= SETTLE_S
+    demand = tuple((t, v) for t, v in history.demand
+                   if t > now_s - settings.forecast_window_seconds)
+    if load is not None:
+        demand += ((now_s, load.prefill_load * load.count),)
+    trend = fit_trend(demand, now_s) if settings.forecast_seconds > 0 else None
     if load is None:
         recommendation, why = current, "no ready instance reported its load"
     else:
-        recommendation, why = recommend(load, settings, current, settled)
+        recommendation, why = recommend(load, settings, current, settled, trend)
     recorded = tuple((t, r) for t, r in history.recommendations if t >= now_s - keep_s) + \
         ((now_s, recommendation),)
     stabilised, window_note = stabilise(recommendation, current, settings, history, now_s)
@@ -297,12 +366,13 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
         message += f"; bounds are [{low}, {high}]"
     next_history = replace(history, recommendations=recorded,
                            last_scale_s=now_s if desired != current else history.last_scale_s,
-                           reporting=reporting, reporting_since_s=reporting_since_s)
+                           reporting=reporting, reporting_since_s=reporting_since_s,
+                           demand=demand)
     return ScaleDecision(
         current=current, desired=desired, recommendation=recommendation, reason=reason,
         message=message, history=next_history, add_pools=add_pools, remove=remove,
         ttft_attainment=load.ttft_attainment if load else None,
-        tpot_attainment=load.tpot_attainment if load else None)
+        tpot_attainment=load.tpot_attainment if load else None, trend=trend)
 
 
 def _as_pool_signals(load: InstanceLoad) -> InstanceSignals:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,8 +39,14 @@ from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
 from slipstream.crds.servingreplica import ServingReplicaSpec
 
 LONG_PROMPT_TOKENS = 8192
-PLOT_BIN_S = 60.0
+PLOT_BIN_S = 30.0
+DAY_S = 1200.0  # the compressed day (docs/autoscaling.md: why, and what it does to windows)
 TAIL_S = 120.0  # after the last arrival, for requests to finish (not billed)
+
+
+# What every simulation needs, set in main() before the worker processes fork (so that each
+# inherits it rather than loading the tables and the trace again).
+_SHARED: dict = {}
 
 
 def autoscaled_spec(args: argparse.Namespace) -> ServingReplicaSpec:
@@ -67,36 +75,80 @@ def attainment(result: FleetResult, tpot_slo_ms: float) -> float:
     return sum(meets_slo(r, tpot_slo_ms) for r in records) / max(1, len(records))
 
 
-def size_static(trace: list[TraceRequest], qps: float, base: SimConfig, model, args
-                ) -> tuple[int, list[dict]]:
-    """The smallest static count reaching ``--size-for`` at a steady ``qps``. It counts down
-    from a guess above the answer and stops at the first count that falls short: deeply
-    overloaded runs (one instance at the peak) are the slow ones to simulate. If the guess
-    itself falls short it counts up instead (to ``--max-instances`` at most)."""
-    requests = warp_to_rate(trace, lambda t: np.full_like(t, qps), args.sizing_s)
-    config = replace(base, horizon_s=args.sizing_s + TAIL_S)
-    tried: list[dict] = []
+def sizing_run(qps: float, count: int, args: argparse.Namespace) -> float:
+    """SLO attainment of ``count`` static instances on a steady ``qps`` (a worker's task)."""
+    requests = warp_to_rate(_SHARED["trace"], lambda t: np.full_like(t, qps), args.sizing_s)
+    config = replace(_SHARED["base"], horizon_s=args.sizing_s + TAIL_S)
+    result = simulate_fleet(requests, config, _SHARED["model"], instances=count,
+                            tpot_slo_s=args.tpot_slo_ms / 1000.0)
+    reached = attainment(result, args.tpot_slo_ms)
+    print(f"  sizing at {qps:.1f} QPS: {count} instance(s) -> {reached:.4f}", flush=True)
+    return reached
 
-    def reaches(count: int) -> bool:
-        result = simulate_fleet(requests, config, model, instances=count,
-                                tpot_slo_s=args.tpot_slo_ms / 1000.0)
-        reached = attainment(result, args.tpot_slo_ms)
-        tried.append({"instances": count, "slo_attainment": reached})
-        print(f"  sizing at {qps:.1f} QPS: {count} instance(s) -> {reached:.4f}", flush=True)
-        return reached >= args.size_for
 
-    start = min(args.max_instances, math.ceil(qps / args.sizing_qps_per_instance) + 1)
-    if not reaches(start):  # the guess was short: count up instead
-        best = min(start + 1, args.max_instances)
-        while best < args.max_instances and not reaches(best):
-            best += 1
-        return best, tried
-    best = start
-    for count in range(start - 1, 0, -1):
-        if not reaches(count):
-            break
-        best = count
-    return best, tried
+def size_static(pool: ProcessPoolExecutor, rates: list[float], args: argparse.Namespace
+                ) -> dict[float, tuple[int, list[dict]]]:
+    """For each rate, the smallest static count reaching ``--size-for`` on a steady run. The
+    first guess, ``ceil(qps / --sizing-qps-per-instance)`` (the measured knee), and one fewer
+    run at once; usually that settles it (the guess reaches, one fewer does not). Otherwise
+    it goes on one count at a time, down while counts reach, up while they fall short (to
+    ``--max-instances`` at most)."""
+    tried: dict[float, dict[int, float]] = {qps: {} for qps in rates}
+    pending: dict[tuple[float, int], Future] = {}
+
+    def submit(qps: float, count: int) -> None:
+        if count not in tried[qps] and (qps, count) not in pending:
+            pending[(qps, count)] = pool.submit(sizing_run, qps, count, args)
+
+    def answer(qps: float) -> int | None:
+        seen = tried[qps]
+        passing = [c for c, value in seen.items() if value >= args.size_for]
+        best = min(passing, default=None)
+        if best is not None and (best == 1 or seen.get(best - 1, 1.0) < args.size_for):
+            return best
+        if best is None and args.max_instances in seen:
+            return args.max_instances  # nothing reaches it: the most there may be
+        return None
+
+    for qps in rates:
+        guess = min(args.max_instances, max(1, math.ceil(qps / args.sizing_qps_per_instance)))
+        submit(qps, guess)
+        if guess > 1:
+            submit(qps, guess - 1)
+    while pending:
+        for key, run in list(pending.items()):
+            if run.done():
+                tried[key[0]][key[1]] = run.result()
+                del pending[key]
+        for qps in rates:
+            seen = tried[qps]
+            if answer(qps) is not None or any(q == qps for q, _ in pending):
+                continue
+            passing = [c for c, value in seen.items() if value >= args.size_for]
+            submit(qps, min(passing) - 1 if passing else max(seen) + 1)
+        if pending:
+            time.sleep(0.2)
+    return {qps: (answer(qps) or args.max_instances,
+                  [{"instances": c, "slo_attainment": v} for c, v in sorted(tried[qps].items())])
+            for qps in rates}
+
+
+def run_fleet(workload: str, label: str, count: int, autoscaled: bool,
+              args: argparse.Namespace) -> dict:
+    """One fleet on one workload (in a worker process): its summary."""
+    rate, duration_s, _ = workloads(args, _SHARED["trace"])[workload]
+    requests = warp_to_rate(_SHARED["trace"], rate, duration_s)
+    config = replace(_SHARED["base"], horizon_s=duration_s + TAIL_S)
+    started = time.perf_counter()
+    result = simulate_fleet(requests, config, _SHARED["model"], instances=count,
+                            spec=autoscaled_spec(args) if autoscaled else None,
+                            startup_s=args.startup_s, bill_until_s=duration_s,
+                            tpot_slo_s=args.tpot_slo_ms / 1000.0)
+    item = summary(label, result, args)
+    print(f"{workload} {label}: {item['instance_hours']:.2f} instance-h, attainment "
+          f"{item['slo_attainment']:.4f}, short p99 {item['short_ttft_p99_s']:.3f} s, "
+          f"{time.perf_counter() - started:.0f} s wall", flush=True)
+    return item
 
 
 def summary(label: str, result: FleetResult, args: argparse.Namespace) -> dict:
@@ -119,7 +171,7 @@ def summary(label: str, result: FleetResult, args: argparse.Namespace) -> dict:
 
 
 def p99_series(result: FleetResult) -> list[dict]:
-    """p99 TTFT (and arrivals) of the requests arriving in each minute."""
+    """p99 TTFT (and arrivals) of the requests arriving in each 30 s bin."""
     bins: dict[int, list[float]] = {}
     for record in result.records:
         value = ttft_s(record)
@@ -144,7 +196,7 @@ def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
         load_axis.plot([p["time_s"] / 60 for p in series], [p["arrival_qps"] for p in series],
                        color="k")
         load_axis.set_ylabel("arrivals (req/s)")
-        load_axis.set_title(f"{workload}: load, instances, p99 TTFT per minute")
+        load_axis.set_title(f"{workload}: load, instances, p99 TTFT per 30 s")
         for label, item in summaries.items():
             timeline = item["timeline"]
             count_axis.step([p["time_s"] / 60 for p in timeline],
@@ -181,77 +233,96 @@ def table_row(item: dict, peak_hours: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--day-s", type=float, default=1800.0,
-                        help="length of the compressed day (default half an hour)")
+    parser.add_argument("--day-s", type=float, default=DAY_S,
+                        help="length of the compressed day: a 24-hour curve played over this "
+                        f"many seconds (default {DAY_S:.0f})")
     parser.add_argument("--trough-qps", type=float, default=16.0)
     parser.add_argument("--peak-qps", type=float, default=64.0)
-    parser.add_argument("--step-s", type=float, default=900.0)
-    parser.add_argument("--step-low-qps", type=float, default=16.0)
-    parser.add_argument("--step-high-qps", type=float, default=56.0)
-    parser.add_argument("--scale-down-window-s", type=int, default=120,
+    parser.add_argument("--step-s", type=float, default=400.0,
+                        help="length of the step workload: low for the first quarter, high "
+                        "for the middle half, low again")
+    parser.add_argument("--step-low-qps", type=float, default=16.0,
+                        help="the step's low rate (default the day's trough)")
+    parser.add_argument("--step-high-qps", type=float, default=40.0,
+                        help="the step's high rate (default the day's mean, so the static "
+                        "sizing at that rate is shared)")
+    parser.add_argument("--scale-down-window-s", type=int, default=60,
                         help="spec.autoscaling.scaleDownStabilizationSeconds (the CRD default "
-                        "is 300 s; the day here is 48 times shorter than a real one)")
+                        "is 300 s against a real day; docs/autoscaling.md says why the "
+                        "compressed day uses less)")
     parser.add_argument("--tpot-slo-ms", type=float, default=100.0)
     parser.add_argument("--size-for", type=float, default=0.99,
                         help="SLO attainment a static fleet is sized to reach")
-    parser.add_argument("--sizing-s", type=float, default=180.0)
-    parser.add_argument("--sizing-qps-per-instance", type=float, default=25.0,
-                        help="sizing counts down from ceil(rate / this) + 1 (a safe guess "
-                        "above the answer; overloaded fleets are slow to simulate)")
+    parser.add_argument("--sizing-s", type=float, default=120.0)
+    parser.add_argument("--sizing-qps-per-instance", type=float, default=27.0,
+                        help="sizing starts at ceil(rate / this) (the measured knee) and "
+                        "counts down until a count falls short, or up if the first does")
     parser.add_argument("--min-instances", type=int, default=1)
     parser.add_argument("--max-instances", type=int, default=8)
     parser.add_argument("--startup-s", type=float, default=60.0,
                         help="decision to serving for a new instance")
     parser.add_argument("--only", choices=("daily", "step"), default=None)
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="simulations run at once, one process each (the figures do not "
+                        "change; the Makefile passes SIM_JOBS)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    wall_started = time.perf_counter()
     model, meta = load_model("h100-llama3-8b-tp8")
     instance = InstanceConfig(tp=meta.tp, num_kv_blocks=estimate_kv_blocks(meta, meta.tp, 1, 1))
-    base = SimConfig(scheduler=SchedulerConfig(), instance=instance,
-                     num_layers=meta.num_layers, long_prompt_tokens=LONG_PROMPT_TOKENS)
-    trace = build_workload(WorkloadSpec(trace="azure"))
+    _SHARED.update(model=model, trace=build_workload(WorkloadSpec(trace="azure")),
+                   base=SimConfig(scheduler=SchedulerConfig(), instance=instance,
+                                  num_layers=meta.num_layers,
+                                  long_prompt_tokens=LONG_PROMPT_TOKENS))
     spec = autoscaled_spec(args)
-    results: dict[str, dict[str, dict]] = {}
+    shapes = {name: value for name, value in workloads(args, _SHARED["trace"]).items()
+              if not args.only or name == args.only}
+    rates: dict[str, tuple[float, float]] = {}
+    for name, (rate, duration_s, _) in shapes.items():
+        grid = np.arange(0.0, duration_s, 1.0)
+        rates[name] = (float(rate(grid).max()), float(rate(grid).mean()))
+    # Everything that does not wait on a sizing result starts at once: the sizing runs (one
+    # search per distinct rate) and the autoscaled fleets; the static fleets follow as their
+    # sizes come in.
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
+        fleets: dict[tuple[str, str], Future] = {
+            (name, "autoscaled"): pool.submit(run_fleet, name, "autoscaled",
+                                              args.min_instances, True, args)
+            for name in shapes}
+        sizes = size_static(pool, sorted({q for pair in rates.values() for q in pair}), args)
+        for name, (peak_qps, mean_qps) in rates.items():
+            for label, qps in (("static-peak", peak_qps), ("static-mean", mean_qps)):
+                fleets[(name, label)] = pool.submit(run_fleet, name, label, sizes[qps][0],
+                                                    False, args)
+        done = {key: run.result() for key, run in fleets.items()}
     tables = [f"Autoscaling study: H100 Llama-3-8B TP8 instances (Vidur tables), LARS, "
               f"TPOT SLO {args.tpot_slo_ms:.0f} ms, TTFT deadline the scheduler's default; "
               f"new instances serve {args.startup_s:.0f} s after the decision; static fleets "
               f"sized for {args.size_for:.2%} attainment.\n"]
+    results: dict[str, dict[str, dict]] = {}
     sizing: dict[str, dict] = {}
-    for name, (rate, duration_s, shape) in workloads(args, trace).items():
-        if args.only and name != args.only:
-            continue
-        requests = warp_to_rate(trace, rate, duration_s)
-        grid = np.arange(0.0, duration_s, 1.0)
-        peak_qps, mean_qps = float(rate(grid).max()), float(rate(grid).mean())
-        peak_n, peak_tried = size_static(trace, peak_qps, base, model, args)
-        mean_n, mean_tried = size_static(trace, mean_qps, base, model, args)
+    for name, (_, duration_s, shape) in shapes.items():
+        peak_qps, mean_qps = rates[name]
+        (peak_n, peak_tried), (mean_n, mean_tried) = sizes[peak_qps], sizes[mean_qps]
+        summaries = {label: done[(name, label)]
+                     for label in ("static-peak", "static-mean", "autoscaled")}
+        requests = summaries["autoscaled"]["requests"]
         sizing[name] = {"peak_qps": peak_qps, "mean_qps": mean_qps, "static_peak": peak_n,
                         "static_mean": mean_n, "tried_peak": peak_tried,
-                        "tried_mean": mean_tried, "shape": shape, "requests": len(requests)}
-        config = replace(base, horizon_s=duration_s + TAIL_S)
-        summaries = {}
-        for label, count, autoscale in (("static-peak", peak_n, None),
-                                        ("static-mean", mean_n, None),
-                                        ("autoscaled", args.min_instances, spec)):
-            started = time.perf_counter()
-            result = simulate_fleet(requests, config, model, instances=count, spec=autoscale,
-                                    startup_s=args.startup_s, bill_until_s=duration_s,
-                                    tpot_slo_s=args.tpot_slo_ms / 1000.0)
-            summaries[label] = summary(label, result, args)
-            item = summaries[label]
-            print(f"{name} {label}: {item['instance_hours']:.2f} instance-h, attainment "
-                  f"{item['slo_attainment']:.4f}, short p99 {item['short_ttft_p99_s']:.3f} s, "
-                  f"{time.perf_counter() - started:.0f} s wall", flush=True)
+                        "tried_mean": mean_tried, "shape": shape, "requests": requests}
         results[name] = summaries
         peak_hours = summaries["static-peak"]["instance_hours"]
-        tables.append(f"\n### {name}: {len(requests)} requests, mean {mean_qps:.1f} QPS, peak "
+        tables.append(f"\n### {name}: {requests} requests, mean {mean_qps:.1f} QPS, peak "
                       f"{peak_qps:.1f} QPS; static sizes {peak_n} (peak), {mean_n} (mean)\n\n"
                       f"{HEADER}")
         tables += [table_row(item, peak_hours) for item in summaries.values()]
+    wall_s = time.perf_counter() - wall_started
+    tables.append(f"\n{wall_s / 60:.1f} minutes of wall time with --jobs {args.jobs}.")
     (args.out / "autoscale_study.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()},
          "autoscaling": spec.autoscaling.to_api() if spec.autoscaling else None,
-         "sizing": sizing, "results": results}, indent=1) + "\n")
+         "sizing": sizing, "results": results, "wall_s": wall_s}, indent=1) + "\n")
     (args.out / "autoscale_study_tables.md").write_text("\n".join(tables) + "\n")
     plot(results, args.out / "autoscale_study.png")
     print("\n".join(tables))

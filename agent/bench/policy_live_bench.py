@@ -15,7 +15,8 @@ One workload, replayed in real time against a fresh engine per policy, in one ru
 
 The engine is the real one (model, paged KV, scheduler, sampler); only the HTTP layer is left
 out, so that client noise does not blur the scheduler's effect. TTFT is measured from each
-request's scheduled arrival time. Writes ``policy_live.json`` and ``policy_live.png``::
+request's scheduled arrival time. Writes ``policy_live.json``, ``policy_live.png`` and
+``policy_live_table.md`` (the table docs/scheduling.md shows, with the live goals checked)::
 
     python -m slipstream.agent.bench.policy_live_bench --out results/policy-live
 """
@@ -37,6 +38,7 @@ from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profiler import profile
 from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.bench.sim_policies import source_version
 from slipstream.agent.engine.tiny_model import ensure_default_model
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.sim.datasets import data_path
@@ -107,6 +109,7 @@ def replay(engine: LLMEngine, arrivals: list[Arrival], label: str,
     """
     by_id = {a.request_id: a for a in arrivals}
     records: dict[str, dict] = {}
+    deadlines: dict[str, float] = {}  # TTFT deadline after arrival, as the scheduler set it
     pending = list(arrivals)
     start = time.monotonic()
     if steps is not None:
@@ -120,6 +123,9 @@ def replay(engine: LLMEngine, arrivals: list[Arrival], label: str,
                 engine.add_request(arrival.prompt, SamplingParams(
                     max_tokens=arrival.max_tokens, temperature=0.0, ignore_eos=True),
                     arrival.request_id)
+                request = engine.scheduler.requests[arrival.request_id]
+                assert request.ttft_deadline_s is not None, "the scheduler sets it on add"
+                deadlines[arrival.request_id] = request.ttft_deadline_s - request.arrival_s
             if not engine.has_unfinished():
                 time.sleep(max(0.0, pending[0].at_s - now))
                 continue
@@ -131,6 +137,7 @@ def replay(engine: LLMEngine, arrivals: list[Arrival], label: str,
                     record["e2e_s"] = at - by_id[output.request_id].at_s
                     record["arrival_s"] = by_id[output.request_id].at_s
                     record["long"] = by_id[output.request_id].is_long
+                    record["deadline_s"] = deadlines[output.request_id]
                     progress.update()
     return records
 
@@ -151,14 +158,46 @@ def measure_capacity(model_dir: Path, profile_dir: Path, rng: np.random.Generato
     return len(prompts) / (time.monotonic() - started)
 
 
-def summarize(records: dict[str, dict]) -> dict:
+def summarize(records: dict[str, dict], duration_s: float) -> dict:
+    """TTFT percentiles, and SLO goodput as the simulator counts it: requests whose first
+    token came within the TTFT deadline the scheduler gave them (max(1.5 x predicted prefill,
+    0.5 s) by default), per second of the workload."""
     short = [r["ttft_s"] for r in records.values() if not r["long"]]
     long = [r for r in records.values() if r["long"]]
-    return {"short_ttft_p50_s": float(np.percentile(short, 50)),
+    met = sum(r["ttft_s"] <= r["deadline_s"] for r in records.values())
+    return {"goodput_rps": met / duration_s, "slo_attained": met, "requests": len(records),
+            "short_ttft_p50_s": float(np.percentile(short, 50)),
             "short_ttft_p99_s": float(np.percentile(short, 99)),
             "short_ttft_mean_s": float(np.mean(short)), "short_completed": len(short),
             "long_completed": len(long), "long_e2e_s": [r["e2e_s"] for r in long],
             "long_ttft_s": [r["ttft_s"] for r in long]}
+
+
+def table(summary: dict, settings: dict) -> str:
+    """The markdown table docs/scheduling.md takes, with the issue's live goals checked."""
+    lines = [f"Live CPU engine (tiny model), {settings['duration_s']:g} s workload, "
+             f"{settings['requests']} requests at {settings['rate_req_per_s']:.2f} req/s; "
+             f"commit {settings.get('commit') or 'unknown'}; load average before "
+             f"{settings['load_average_before'][0]:.1f}, after {settings['load_average_after'][0]:.1f}.",
+             "",
+             "| policy | goodput (req/s) | SLO met | short TTFT p50 (s) | short TTFT p99 (s) | "
+             "long TTFT max (s) |", "|---|---|---|---|---|---|"]
+    policies = [name for name in summary if isinstance(summary[name], dict)]
+    for name in policies:
+        row = summary[name]
+        long_ttft = max(row["long_ttft_s"], default=float("nan"))
+        lines.append(f"| {name} | {row['goodput_rps']:.3f} | {row['slo_attained']}/"
+                     f"{row['requests']} | {row['short_ttft_p50_s']:.3f} | "
+                     f"{row['short_ttft_p99_s']:.3f} | {long_ttft:.2f} |")
+    order = sorted(policies, key=lambda name: -summary[name]["goodput_rps"])
+    lines += ["", "Goodput order: " + " > ".join(order) + "."]
+    if "lars_p50_over_edf_x" in summary:
+        lines.append(f"lars short TTFT p50: {summary['lars_p50_over_edf_x']:.2f}x EDF's "
+                     f"(goal <= 2).")
+    if "lars_p99_improvement_x" in summary:
+        lines.append(f"lars short TTFT p99: {summary['lars_p99_improvement_x']:.1f}x better "
+                     f"than FCFS's (goal >= 10).")
+    return "\n".join(lines) + "\n"
 
 
 def step_accuracy(steps: list[tuple[float, float | None, float]]) -> dict:
@@ -236,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = make_engine(model_dir, profile_dir, system, args.long_threshold_tokens)
         step_logs[system] = []
         results[system] = replay(engine, arrivals, system, step_logs[system])
-    summary = {policy: summarize(records) | step_accuracy(step_logs[policy])
+    summary = {policy: summarize(records, args.duration_s) | step_accuracy(step_logs[policy])
                for policy, records in results.items()}
     if "fcfs" in summary and "lars" in summary:
         summary["lars_p99_improvement_x"] = (summary["fcfs"]["short_ttft_p99_s"]
@@ -245,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["lars_p50_over_edf_x"] = (summary["lars"]["short_ttft_p50_s"]
                                           / summary["edf"]["short_ttft_p50_s"])
     report = {"settings": {**{k: v for k, v in vars(args).items() if k != "out"},
+                           "commit": source_version()["commit"],
                            "capacity_req_per_s": capacity, "rate_req_per_s": rate,
                            "requests": len(arrivals), "profile": str(profile_dir),
                            "load_average_before": list(load_before),
@@ -253,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policy_live.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "policy_live.png")
+    (args.out / "policy_live_table.md").write_text(table(summary, report["settings"]))
     print(json.dumps({"settings": report["settings"], "summary": summary}, indent=2))
     return 0
 

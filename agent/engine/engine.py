@@ -137,6 +137,7 @@ class LLMEngine:
         # Prefill/decode disaggregation (engine/disagg.py): None in the mixed role.
         self.disagg = self._make_disagg(config)
         self._exporting: set[str] = set()  # prefill role: requests whose KV goes elsewhere
+        self._kv_handles: dict[str, dict] = {}  # their streaming handles, until they end
 
     @property
     def model_name(self) -> str:
@@ -204,6 +205,7 @@ class LLMEngine:
                     raise ValueError("kv_transfer_params.do_remote_decode needs a prefill "
                                      "instance (slipstream serve --role prefill)")
                 self._exporting.add(request_id)
+                self._kv_handles[request_id] = self.disagg.open_export(request).to_json()
             self.scheduler.add(request)
             # Prefill work arriving here (a remote-prefilled request brings its KV instead).
             self.load.record_arrival(now, len(prompt_token_ids))
@@ -227,7 +229,8 @@ class LLMEngine:
             raise ValueError("kv_transfer_params.first_token_id is outside the vocabulary")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        request.output_token_ids.append(handle.first_token_id)
+        # The first token joins the output once the KV is here (a streaming handle learns
+        # it only then).
         request.num_computed_tokens = request.prompt_len
         self.disagg.imports.add(KVImport(request, handle))
 
@@ -246,6 +249,8 @@ class LLMEngine:
             if item.cancelled or request_id not in self._outputs:
                 self.block_manager.release(request.block_ids)
                 continue
+            if item.error is None and not 0 <= item.first_token_id < self.model_config.vocab_size:
+                item.error = f"first token {item.first_token_id} is outside the vocabulary"
             if item.error is not None:
                 log.error("request %s: KV transfer failed: %s", request_id, item.error)
                 self.block_manager.release(request.block_ids)
@@ -258,6 +263,7 @@ class LLMEngine:
                 output.error_code = KV_TRANSFER_FAILED
                 outputs.append(output)
                 continue
+            request.output_token_ids.append(item.first_token_id)
             self.scheduler.add_running(request, now)
             first = self._process(request_id, SampledToken(request.output_token_ids[-1]), now)
             if first is not None:
@@ -277,7 +283,7 @@ class LLMEngine:
                 output = self._final_output(item.request, state, [], "", error=error)
                 output.error_code = error_code
                 return output
-        self._exporting.discard(request_id)
+        self._end_export(request_id)
         request = self.scheduler.finish(request_id, reason, self.clock())
         state = self._outputs.pop(request_id, None)
         if request is not None:
@@ -287,6 +293,19 @@ class LLMEngine:
         output = self._final_output(request, state, [], "", error=error)
         output.error_code = error_code
         return output
+
+    def kv_handle(self, request_id: str) -> dict | None:
+        """Prefill role: the streaming KV handle of a request still prefilling here (a
+        decode instance given it reads each chunk's blocks as they are computed)."""
+        return self._kv_handles.get(request_id)
+
+    def _end_export(self, request_id: str) -> None:
+        """Prefill role: the request ends here; a hold it did not hand off is freed."""
+        if request_id in self._exporting:
+            self._exporting.discard(request_id)
+            self._kv_handles.pop(request_id, None)
+            assert self.disagg is not None
+            self.disagg.drop(request_id)  # a no-op once exported
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or (
@@ -326,6 +345,7 @@ class LLMEngine:
             "kv_transfer_blocks": disagg.num_blocks_transferred_total,
             "kv_transfer_cached_blocks": disagg.num_blocks_cached_total,
             "kv_transfer_bytes": disagg.num_bytes_transferred_total,
+            "kv_transfer_overlapped_blocks": disagg.num_blocks_overlapped_total,
         }
 
     def _kvp_active_degree(self) -> int:
@@ -438,6 +458,8 @@ class LLMEngine:
         outputs = [out for rid, why in failures.items() if (out := self._fail(rid, why))]
         tokens = {rid: s.token_id for rid, s in sampled.items() if rid not in failures}
         self.scheduler.update(batch, tokens, now)
+        if self._exporting:
+            self._publish_exports(batch, failures)
         for request_id in tokens:
             try:
                 output = self._process(request_id, sampled[request_id], now)
@@ -446,6 +468,16 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _publish_exports(self, batch: Batch, failures: dict[str, str]) -> None:
+        """Prefill role: the blocks each handed-off prompt completed in this step become
+        readable by its decode instance while the next chunks compute."""
+        assert self.disagg is not None
+        for chunk in batch.chunks:
+            if chunk.request_id in self._exporting and chunk.request_id not in failures:
+                request = self.scheduler.requests.get(chunk.request_id)
+                if request is not None:
+                    self.disagg.publish(request, chunk.end_pos)
 
     def _fail(self, request_id: str, why: str) -> RequestOutput | None:
         """End one request with an error; the cause goes to the log, not to the client."""
@@ -565,11 +597,12 @@ class LLMEngine:
         if request_id in self._exporting:
             # Prefill role: the first token ends the request here. Unless it already ended
             # the request, its KV goes to a decode instance, which continues from it.
-            self._exporting.discard(request_id)
             if reason is None:
                 assert self.disagg is not None
                 reason = FinishReason.LENGTH
-                kv_transfer = self.disagg.export(request, now).to_json()
+                handle = self.disagg.export(request, now)
+                kv_transfer = handle.to_json() if handle is not None else None
+            self._end_export(request_id)
         if reason is not None:
             outputs = request.num_output_tokens
             if request.slo.tpot_s is not None and outputs > 1 and state.first_token_s is not None:

@@ -54,6 +54,7 @@ class EngineStats:
     kv_transfer_blocks: int = 0
     kv_transfer_cached_blocks: int = 0
     kv_transfer_bytes: int = 0
+    kv_transfer_overlapped_blocks: int = 0  # read while their prefill was still running
 
     @property
     def queue_backlog_s(self) -> float:

@@ -38,10 +38,12 @@ class SchedulerConfig:
     srpt_preemptible_fraction: float = 0.8  # TRAIL's c
     max_displacements_per_step: int = 1
     # LARS (policies.py): a request with at most this much prefill work is in the short lane,
-    # served before any other prefill; the oldest late long prefill keeps this fraction of
-    # every batch.
+    # served before any other prefill; the oldest long prefill, once it is late by more than
+    # lars_reserve_grace times its own TTFT deadline (deadline - arrival), keeps
+    # lars_late_reserve_fraction of every batch.
     lars_short_lane_ms: float = 500.0
     lars_late_reserve_fraction: float = 0.5
+    lars_reserve_grace: float = 2.0
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so
     # running decodes can grow without an immediate preemption.
     admission_watermark_fraction: float = 0.01
@@ -74,6 +76,8 @@ class SchedulerConfig:
             raise ValueError("lars_short_lane_ms must be >= 0")
         if not 0.0 <= self.lars_late_reserve_fraction < 1.0:
             raise ValueError("lars_late_reserve_fraction must be in [0, 1)")
+        if self.lars_reserve_grace < 0:
+            raise ValueError("lars_reserve_grace must be >= 0")
         if self.max_displacements_per_step < 0:
             raise ValueError("max_displacements_per_step must be >= 0")
         if not 0.0 <= self.admission_watermark_fraction < 1.0:

@@ -53,6 +53,7 @@ class PolicyContext:
     srpt_preemptible_fraction: float = 0.8
     short_lane_work_s: float = 0.5  # LARS: the most prefill work a short-lane request has
     late_reserve_fraction: float = 0.5  # LARS: batch share kept for a late long prefill
+    reserve_grace: float = 2.0  # LARS: ... once late by this many of its own TTFT deadlines
 
 
 class SchedulingPolicy:
@@ -169,9 +170,13 @@ class LarsPolicy(SchedulingPolicy):
       prefill going (its key only falls as chunks complete, where least-slack keys rise and
       make prefills take turns). The key changes only when a chunk is computed, so the order
       needs no re-sorting between iterations.
-    - Reserve: the oldest long-lane request, once it can no longer meet its deadline, keeps
-      ``late_reserve_fraction`` of every batch and the batch's one long-prefill slot. A
-      stream of short requests, or of later long ones with earlier deadlines, cannot starve it.
+    - Reserve: the oldest long-lane request, once it is late by more than ``reserve_grace``
+      times its own TTFT deadline (``deadline - arrival``), keeps ``late_reserve_fraction`` of
+      every batch and the batch's one long-prefill slot. A stream of short requests, or of
+      later long ones with earlier deadlines, cannot starve it: its TTFT is at most
+      ``(1 + reserve_grace)`` deadlines plus its work at that share. The grace keeps the
+      reserve out of ordinary queueing, where it only splits batches (between the short lane
+      and a long prefill, or between two long prefills) and makes both sides later.
     """
 
     name = "lars"
@@ -180,6 +185,7 @@ class LarsPolicy(SchedulingPolicy):
         super().__init__(context)
         self.short_lane_work_s = context.short_lane_work_s
         self.late_reserve_fraction = context.late_reserve_fraction
+        self.reserve_grace = context.reserve_grace
         # Long-lane requests by arrival, pruned lazily: the reserve goes to the oldest.
         self._long_lane: list[tuple[float, int, Request]] = []
         self._in_long_lane: set[Request] = set()
@@ -213,10 +219,17 @@ class LarsPolicy(SchedulingPolicy):
                 heapq.heappop(lane)
                 self._in_long_lane.discard(request)
                 continue
-            if not eligible(request) or self.urgency_model.slack_s(request, now_s) >= 0.0:
+            if not eligible(request) or not self.starving(request, now_s):
                 return None
             return request, self.late_reserve_fraction
         return None
+
+    def starving(self, request: Request, now_s: float) -> bool:
+        """Late by more than the grace: even on an empty machine its first token would come
+        after ``arrival + (1 + reserve_grace) * (deadline - arrival)``."""
+        assert request.ttft_deadline_s is not None, "assign() sets it when the request arrives"
+        grace_s = self.reserve_grace * (request.ttft_deadline_s - request.arrival_s)
+        return self.urgency_model.slack_s(request, now_s) < -grace_s
 
     def on_finish(self, request, now_s):
         self._in_long_lane.discard(request)  # its heap entry is pruned when it surfaces

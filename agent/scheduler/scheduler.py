@@ -88,6 +88,7 @@ class Scheduler:
             srpt_preemptible_fraction=config.srpt_preemptible_fraction,
             short_lane_work_s=config.lars_short_lane_ms / 1000.0,
             late_reserve_fraction=config.lars_late_reserve_fraction,
+            reserve_grace=config.lars_reserve_grace,
         ))
         self.queue = PrefillQueue(self.policy)
         self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")

@@ -93,6 +93,10 @@ KV_TRANSFER_BLOCKS = _spec("slipstream_kv_transfer_blocks_total", "counter", ("s
                            "transferred).")
 KV_TRANSFER_BYTES = _spec("slipstream_kv_transfer_bytes_total", "counter", (),
                           "KV bytes a decode instance read from prefill instances.")
+KV_TRANSFER_OVERLAPPED_BLOCKS = _spec(
+    "slipstream_kv_transfer_overlapped_blocks_total", "counter", (),
+    "Transferred prompt KV blocks a decode instance read while the prefill instance was still "
+    "computing later chunks of the same prompt (streaming hand-off).")
 KV_TRANSFER_OUTCOMES = ("acknowledged", "expired", "completed", "failed")
 KV_TRANSFER_SOURCES = ("transferred", "prefix_cache")
 
@@ -125,7 +129,8 @@ AGENT_METRICS: tuple[MetricSpec, ...] = (
     TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, SLO_REQUESTS,
     REQUESTS_IN_FLIGHT, QUEUE_DEPTH, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, PREEMPTIONS,
     KVP_ACTIVE_DEGREE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_EVICTIONS,
-    KV_BLOCKS_CACHED, KV_TRANSFERS, KV_TRANSFER_BLOCKS, KV_TRANSFER_BYTES, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
+    KV_BLOCKS_CACHED, KV_TRANSFERS, KV_TRANSFER_BLOCKS, KV_TRANSFER_BYTES,
+    KV_TRANSFER_OVERLAPPED_BLOCKS, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
     BATCH_TIME_PREDICTED, SCHEDULE_TIME, SCHEDULED_TOKENS, POOL_ROLE, SLO_TTFT_TARGET,
     SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET)
 

@@ -242,7 +242,9 @@ class EngineStatsCollector(Collector):
                             (names.PREFIX_CACHE_QUERIES, stats.prefix_cache_lookup_tokens),
                             (names.PREFIX_CACHE_HITS, stats.prefix_cache_hit_tokens),
                             (names.PREFIX_CACHE_EVICTIONS, stats.prefix_cache_evictions),
-                            (names.KV_TRANSFER_BYTES, stats.kv_transfer_bytes)):
+                            (names.KV_TRANSFER_BYTES, stats.kv_transfer_bytes),
+                            (names.KV_TRANSFER_OVERLAPPED_BLOCKS,
+                             stats.kv_transfer_overlapped_blocks)):
             yield CounterMetricFamily(spec.constructor_name, spec.help, value=value)
         transfers = CounterMetricFamily(names.KV_TRANSFERS.constructor_name,
                                         names.KV_TRANSFERS.help, labels=names.KV_TRANSFERS.labels)

@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.engine.stats import NOMINAL_PREFILL_TOKENS_PER_S
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.predictor import BatchTimeModel
@@ -100,6 +101,9 @@ class Fleet:
         index = len(self.members)
         sim = SimInstance(index, make_scheduler(self.config, self.model), self.config.instance,
                           self.by_id, tpot_slo_s=self.tpot_slo_s)
+        # The agent's load window starts with its engine, when the instance starts serving
+        # (not at the decision: the minute of startup has no arrivals to average in).
+        sim.load = LoadWindow(start_s=serving_s)
         member = Member(sim, started_s=now_s, serving_s=serving_s)
         self.members.append(member)
         self.scheduled_at.append(None)

@@ -76,9 +76,12 @@ def _kv_transfer_row() -> list[Panel]:
                    Target(f"sum by (instance, outcome) (rate({transfers}{SEL}[{RATE}]))",
                           "{{outcome}} {{instance}}"), width=8),
         timeseries("KV transfer blocks per second", "Prompt blocks decode instances needed: "
-                   "transferred from a prefill instance, or found in their own prefix cache.",
+                   "transferred from a prefill instance, or found in their own prefix cache; and "
+                   "those read while their prompt was still prefilling (streaming hand-off).",
                    Target(f"sum by (instance, source) (rate({blocks}{SEL}[{RATE}]))",
-                          "{{source}} {{instance}}"), width=8),
+                          "{{source}} {{instance}}"),
+                   Target(f"sum by (instance) (rate({names.KV_TRANSFER_OVERLAPPED_BLOCKS.name}"
+                          f"{SEL}[{RATE}]))", "read during prefill {{instance}}"), width=8),
         timeseries("KV transfer bytes per second", "Bytes decode instances read from prefill "
                    "instances.",
                    Target(f"sum by (instance) (rate({names.KV_TRANSFER_BYTES.name}{SEL}"

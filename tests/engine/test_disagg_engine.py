@@ -236,3 +236,192 @@ def test_without_prefix_caching_every_block_is_transferred(tiny_model_dir):
     finally:
         prefill.close()
         decode.close()
+
+
+# ---- streaming hand-off: the decode side reads each prefill chunk's blocks as they land ----
+
+def _run_both(prefill: LLMEngine, decode: LLMEngine, ids: set[str], outputs: dict,
+              deadline_s: float = 180) -> None:
+    """Step both engines in turn until the decode side has finished ``ids``."""
+    end = time.monotonic() + deadline_s
+    while ids - {rid for rid, outs in outputs.items() if outs and outs[-1].finished}:
+        assert time.monotonic() < end, "the engines did not finish their requests"
+        prefill.step()
+        for output in decode.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        if not prefill.has_unfinished() and not decode.scheduler.has_unfinished():
+            time.sleep(0.001)  # only transfers in flight: let their thread run
+
+
+def _start_handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
+                   params: SamplingParams, name: str) -> None:
+    prefill.add_request(prompt, params, f"p-{name}", kv_transfer={"do_remote_decode": True})
+    handle = prefill.kv_handle(f"p-{name}")
+    assert handle is not None and handle["streaming"] and handle["block_ids"] == []
+    decode.add_request(prompt, params, name, kv_transfer={**handle, "do_remote_prefill": True})
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_streaming_handoff_equals_mixed_for_many_prompts(tiny_model_dir, transport):
+    """Decode requests are added with the streaming handle the moment their prefill is
+    queued; prompts up to 150 tokens take up to five 32-token prefill chunks."""
+    prompts = _prompts(12, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    mixed = _engine(tiny_model_dir)
+    try:
+        expected = mixed.generate(prompts, params)
+    finally:
+        mixed.close()
+    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+                                     max_batched_tokens=32,
+                                     disagg=DisaggConfig(role="prefill", transport=transport)))
+    decode = _engine(tiny_model_dir, "decode", transport, blocks_per_read=1)
+    try:
+        for i, prompt in enumerate(prompts):
+            _start_handoff(prefill, decode, prompt, params, f"d{i}")
+        outputs: dict = {}
+        _run_both(prefill, decode, {f"d{i}" for i in range(len(prompts))}, outputs)
+        for i in range(len(prompts)):
+            tokens = [t for out in outputs[f"d{i}"] for t in out.new_token_ids]
+            assert tokens == expected[i], f"prompt {i} (length {len(prompts[i])})"
+        stats = decode.stats()
+        assert stats.kv_transfers_completed == len(prompts) and stats.kv_transfers_failed == 0
+        assert decode.block_manager.kv_blocks_used == 0
+        _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
+                  "the prefill instance to free acknowledged KV", prefill)
+        assert prefill.stats().kv_transfers_acknowledged == len(prompts)
+        assert len(prefill.disagg.exports) == 0 and prefill.kv_handle("p-d0") is None
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _step_until_chunk(prefill: LLMEngine, request_id: str, tokens: int) -> None:
+    """Step the prefill engine until ``request_id`` has computed at least ``tokens``."""
+    request = prefill.scheduler.requests[request_id]
+    while request.num_computed_tokens < tokens:
+        assert not any(o.finished for o in prefill.step())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_blocks_arrive_while_later_prefill_chunks_are_still_to_compute(tiny_model_dir, transport):
+    """The overlap itself: after the first 32-token chunk of a 150-token prompt, the decode
+    instance receives its two full blocks while the prefill instance has not run the other
+    four chunks; the last block and the first token follow at the end."""
+    prompt = [random.Random(11).randrange(3, 250) for _ in range(150)]  # 10 blocks
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    mixed = _engine(tiny_model_dir)
+    try:
+        expected = mixed.generate([prompt], params)[0]
+    finally:
+        mixed.close()
+    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+                                     max_batched_tokens=32,
+                                     disagg=DisaggConfig(role="prefill", transport=transport)))
+    decode = _engine(tiny_model_dir, "decode", transport, blocks_per_read=1)
+    try:
+        _start_handoff(prefill, decode, prompt, params, "d")
+        _step_until_chunk(prefill, "p-d", 32)
+        assert decode.disagg is not None
+        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
+                  "the decode instance to receive the first chunk's two blocks")
+        request = prefill.scheduler.requests["p-d"]
+        assert request.num_computed_tokens < len(prompt)  # later chunks not computed yet
+        _step_until_chunk(prefill, "p-d", 96)
+        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 6,
+                  "the decode instance to receive the blocks of the next two chunks")
+        outputs: dict = {}
+        _run_both(prefill, decode, {"d"}, outputs)
+        assert [t for out in outputs["d"] for t in out.new_token_ids] == expected
+        stats = decode.stats()
+        # 9 full blocks: at least the 6 waited for above arrived during the prefill; the
+        # last, partial block can only come once the prompt is complete.
+        assert 6 <= stats.kv_transfer_overlapped_blocks <= 9
+        assert stats.kv_transfer_blocks == 10 and stats.kv_transfers_completed == 1
+        assert decode.block_manager.kv_blocks_used == 0
+        _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
+                  "the prefill instance to free acknowledged KV", prefill)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_prefill_aborted_mid_prompt_fails_the_decode_side_cleanly(tiny_model_dir):
+    prompt = list(range(3, 103))  # 100 tokens: four 32-token chunks
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+                                     max_batched_tokens=32,
+                                     disagg=DisaggConfig(role="prefill", transport="zmq")))
+    decode = _engine(tiny_model_dir, "decode")
+    try:
+        _start_handoff(prefill, decode, prompt, params, "d")
+        _step_until_chunk(prefill, "p-d", 32)
+        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
+                  "the first chunk's blocks")
+        prefill.abort("p-d")  # a client gone, or the router gave up on this prefill
+        assert prefill.block_manager.kv_blocks_used == 0 and len(prefill.disagg.exports) == 0
+        outputs: dict = {}
+        _run(decode, {"d"}, outputs)
+        final = outputs["d"][-1]
+        assert final.finish_reason == "error" and final.error_code == KV_TRANSFER_FAILED
+        assert decode.block_manager.kv_blocks_used == 0 and not decode.has_unfinished()
+        assert decode.stats().kv_transfers_failed == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_prefill_instance_dying_mid_prompt_fails_the_decode_side_cleanly(tiny_model_dir):
+    prompt = list(range(3, 103))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+                                     max_batched_tokens=32,
+                                     disagg=DisaggConfig(role="prefill", transport="zmq")))
+    decode = LLMEngine(EngineConfig(
+        model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+        disagg=DisaggConfig(role="decode", transport="zmq", transfer_timeout_s=0.5)))
+    try:
+        _start_handoff(prefill, decode, prompt, params, "d")
+        _step_until_chunk(prefill, "p-d", 32)
+        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
+                  "the first chunk's blocks")
+        prefill.close()  # its side channel goes with it, mid-prompt
+        outputs: dict = {}
+        _run(decode, {"d"}, outputs)
+        final = outputs["d"][-1]
+        assert final.finish_reason == "error" and final.error_code == KV_TRANSFER_FAILED
+        assert decode.block_manager.kv_blocks_used == 0 and not decode.has_unfinished()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_side_giving_up_mid_prompt_frees_the_prefill_hold(tiny_model_dir):
+    """The decode request is aborted while its prompt is still prefilling: it acknowledges,
+    the prefill side stops offering blocks, its request ends without a hand-off, and both
+    sides are back at zero blocks."""
+    prompt = list(range(3, 103))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
+                                     max_batched_tokens=32,
+                                     disagg=DisaggConfig(role="prefill", transport="zmq")))
+    decode = _engine(tiny_model_dir, "decode")
+    try:
+        _start_handoff(prefill, decode, prompt, params, "d")
+        _step_until_chunk(prefill, "p-d", 32)
+        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
+                  "the first chunk's blocks")
+        assert decode.abort("d") is not None
+        _wait_for(lambda: (decode.step(), decode.disagg.num_pending)[1] == 0,
+                  "the decode side to end its transfer")
+        assert decode.block_manager.kv_blocks_used == 0
+        _wait_for(lambda: len(prefill.disagg.exports) == 0, "the acknowledgement", prefill)
+        out: dict = {}
+        _run(prefill, {"p-d"}, out)
+        final = out["p-d"][-1]
+        assert final.kv_transfer is None  # nobody to hand it to any more
+        assert prefill.block_manager.kv_blocks_used == 0
+        assert prefill.stats().kv_transfers_acknowledged == 1
+    finally:
+        prefill.close()
+        decode.close()

@@ -3,6 +3,7 @@ session. Tests talk to it over HTTP only, with the official ``openai`` client or
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.agent.bench import local_process
 from slipstream.agent.parallel.launch import free_port
+from slipstream.agent.server import cli
 
 MAX_MODEL_LEN_TOKENS = 2048
 NUM_KV_BLOCKS = 512
@@ -108,6 +110,34 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerHandle]:
     with serve(tiny_model_dir, tmp_path_factory.mktemp("server")) as handle:
         yield handle
+
+
+def _default_layout() -> str:
+    """The engine layout ``slipstream serve`` picks without a flag: "process" (the engine core
+    in a process of its own) or "thread" (on a thread of the server process)."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return "process" if parser.get_default("engine_process") else "thread"
+
+
+DEFAULT_LAYOUT = _default_layout()
+
+
+@pytest.fixture(scope="session")
+def other_layout_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                        ) -> Iterator[ServerHandle]:
+    """The session's second server: the engine layout that is not the default."""
+    flag = "--no-engine-process" if DEFAULT_LAYOUT == "process" else "--engine-process"
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("server"), flag) as handle:
+        yield handle
+
+
+@pytest.fixture(params=["thread", "process"])
+def layout_server(request: pytest.FixtureRequest) -> ServerHandle:
+    """A server of each engine layout in turn (one per session each), for the API features
+    whose state crosses the engine-core wire (grammars, tool calls, choices)."""
+    name = "server" if request.param == DEFAULT_LAYOUT else "other_layout_server"
+    return request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.timeout(300)
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 
-def test_n_greedy_choices_are_identical(server):
+def test_n_greedy_choices_are_identical(layout_server):
+    server = layout_server
     result = server.openai_client().chat.completions.create(
         model=server.model, messages=MESSAGES, n=3, max_tokens=10, temperature=0,
         extra_body={"ignore_eos": True})
@@ -24,7 +25,8 @@ def test_n_greedy_choices_are_identical(server):
     assert result.usage.completion_tokens == 30
 
 
-def test_n_sampled_choices_differ_and_seeded_ones_repeat(server):
+def test_n_sampled_choices_differ_and_seeded_ones_repeat(layout_server):
+    server = layout_server
     client = server.openai_client()
 
     def texts(**kwargs):
@@ -45,7 +47,8 @@ def test_n_sampled_choices_differ_and_seeded_ones_repeat(server):
     assert alone.choices[0].message.content == seeded[0]
 
 
-def test_n_streamed_choices_each_get_role_text_and_finish(server):
+def test_n_streamed_choices_each_get_role_text_and_finish(layout_server):
+    server = layout_server
     stream = server.openai_client().chat.completions.create(
         model=server.model, messages=MESSAGES, n=2, max_tokens=8, temperature=0.8, seed=3,
         stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -84,7 +87,8 @@ def test_completion_n_and_echo(server):
     assert streamed == prompt + plain.choices[0].text
 
 
-def test_logit_bias_and_penalties_reach_the_sampler(server):
+def test_logit_bias_and_penalties_reach_the_sampler(layout_server):
+    server = layout_server
     client = server.openai_client()
     target = 300  # an ordinary BPE token of the tiny tokenizer
     forced = client.completions.create(model=server.model, prompt="Hello", max_tokens=4,
@@ -128,10 +132,8 @@ def test_openapi_document_describes_the_request_fields(server):
     assert "ResponseFormat" in schemas and "ToolSpec" in schemas
 
 
-@pytest.mark.parametrize("engine", ["thread", "process"])
-def test_n_choices_compute_the_prompt_once(server, start_server, engine):
-    if engine == "process":  # the engine core in its own process: the same over its wire
-        server = start_server("--engine-process")
+def test_n_choices_compute_the_prompt_once(layout_server):
+    server = layout_server  # each engine layout: the same over the engine core's wire
     # A prompt no earlier test sent, so only this request's choices can hit the cache.
     words = ["river", "lantern", "copper", "meadow", "orbit", "velvet", "signal", "harbor"]
     prompt = " ".join(words[(i * 5 + 3) % len(words)] + str(i) for i in range(60))

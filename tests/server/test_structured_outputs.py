@@ -47,7 +47,8 @@ class Flags(BaseModel):  # booleans, bounded numbers, enum arrays
 
 
 @pytest.mark.parametrize("model", [Person, Inventory, Flags])
-def test_parse_returns_the_pydantic_model(server, model):
+def test_parse_returns_the_pydantic_model(layout_server, model):
+    server = layout_server
     completion = server.openai_client(timeout=300).beta.chat.completions.parse(
         model=server.model, messages=MESSAGES, response_format=model, max_tokens=600,
         temperature=1.0, seed=4)
@@ -57,7 +58,8 @@ def test_parse_returns_the_pydantic_model(server, model):
     assert model.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-def test_streamed_json_schema_output_parses(server):
+def test_streamed_json_schema_output_parses(layout_server):
+    server = layout_server
     schema = {"type": "object",
               "properties": {"ok": {"type": "boolean"},
                              "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -76,7 +78,8 @@ def test_streamed_json_schema_output_parses(server):
     jsonschema.validate(json.loads(text), schema)
 
 
-def test_json_object_with_n_choices(server):
+def test_json_object_with_n_choices(layout_server):
+    server = layout_server
     result = server.openai_client(timeout=300).chat.completions.create(
         model=server.model, messages=MESSAGES, max_tokens=400, temperature=1.0, n=2,
         response_format={"type": "json_object"})
@@ -87,7 +90,8 @@ def test_json_object_with_n_choices(server):
             assert choice.message.content.startswith("{")
 
 
-def test_unsupported_schema_keyword_is_a_400_naming_it(server):
+def test_unsupported_schema_keyword_is_a_400_naming_it(layout_server):
+    server = layout_server
     schema = {"type": "object", "properties": {"a": {"type": "integer"}},
               "if": {"properties": {"a": {"const": 1}}}}
     response = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
@@ -102,3 +106,31 @@ def test_unsupported_schema_keyword_is_a_400_naming_it(server):
         "model": server.model, "messages": MESSAGES,
         "response_format": {"type": "json_schema"}})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "response_format"
+
+
+def test_guided_and_plain_requests_run_together(layout_server):
+    """Structured and plain requests in flight at once: each guided answer parses, and each
+    plain greedy answer is exactly what it is alone (a grammar's mask touches only its row)."""
+    import asyncio
+
+    server = layout_server
+    plain_messages = [{"role": "user", "content": "Tell me a story."}]
+    alone = server.openai_client(timeout=300).chat.completions.create(
+        model=server.model, messages=plain_messages, max_tokens=40, temperature=0,
+        extra_body={"ignore_eos": True}).choices[0].message.content
+
+    async def together():
+        client = server.async_openai_client(timeout=300)
+        guided = [client.beta.chat.completions.parse(
+            model=server.model, messages=MESSAGES, response_format=Flags, max_tokens=300,
+            temperature=1.0, seed=seed) for seed in range(3)]
+        plain = [client.chat.completions.create(
+            model=server.model, messages=plain_messages, max_tokens=40, temperature=0,
+            extra_body={"ignore_eos": True}) for _ in range(3)]
+        return await asyncio.gather(*guided, *plain)
+
+    results = asyncio.run(together())
+    for result in results[:3]:
+        assert result.choices[0].finish_reason == "stop"
+        assert isinstance(result.choices[0].message.parsed, Flags)
+    assert [result.choices[0].message.content for result in results[3:]] == [alone] * 3

@@ -34,7 +34,8 @@ def _final_answer(client, model, messages, **kwargs):
                                           tool_choice="none", max_tokens=8, **kwargs)
 
 
-def test_round_trip_not_streamed(server):
+def test_round_trip_not_streamed(layout_server):
+    server = layout_server
     client = server.openai_client(timeout=300)
     first = client.chat.completions.create(model=server.model, messages=QUESTION, tools=TOOLS,
                                            tool_choice=NAMED, max_tokens=200, seed=3)
@@ -56,7 +57,8 @@ def test_round_trip_not_streamed(server):
     assert final.usage.prompt_tokens > alone.usage.prompt_tokens
 
 
-def test_round_trip_streamed(server):
+def test_round_trip_streamed(layout_server):
+    server = layout_server
     client = server.openai_client(timeout=300)
     stream = client.chat.completions.create(model=server.model, messages=QUESTION, tools=TOOLS,
                                             tool_choice="required", parallel_tool_calls=False,
@@ -93,7 +95,8 @@ def test_round_trip_streamed(server):
     assert text
 
 
-def test_auto_leaves_plain_answers_as_content(server):
+def test_auto_leaves_plain_answers_as_content(layout_server):
+    server = layout_server
     result = server.openai_client(timeout=300).chat.completions.create(
         model=server.model, messages=QUESTION, tools=TOOLS, max_tokens=6, temperature=0)
     choice = result.choices[0]

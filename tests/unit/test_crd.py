@@ -197,6 +197,10 @@ INVALID = [
      "spec.autoscaling.scaleDownStabilizationSeconds"),
     ("autoscaling", {"maxInstances": 8, "scaleUpStabilizationSeconds": -1},
      "spec.autoscaling.scaleUpStabilizationSeconds"),
+    ("autoscaling", {"maxInstances": 8, "forecastSeconds": -1},
+     "spec.autoscaling.forecastSeconds"),
+    ("autoscaling", {"maxInstances": 8, "forecastWindowSeconds": 10},
+     "spec.autoscaling.forecastWindowSeconds"),
     ("autoscaling", {"maxInstances": 8, "targets": {"ttftAttainment": 1.5}},
      "spec.autoscaling.targets.ttftAttainment"),
     ("autoscaling", {"maxInstances": 8, "targets": {"tpotAttainment": 0.0}},
@@ -254,7 +258,9 @@ def test_autoscaling_defaults_are_documented_values():
     assert autoscaling["scaleDownStabilizationSeconds"] == 300
     assert autoscaling["targets"] == {"ttftAttainment": 0.95, "tpotAttainment": 0.95,
                                       "queueDelaySeconds": 0.5, "kvUtilization": 0.8,
-                                      "prefillLoad": 0.65}
+                                      "prefillLoad": 0.67}
+    assert autoscaling["forecastSeconds"] == 75
+    assert autoscaling["forecastWindowSeconds"] == 120
     parsed = ServingReplicaSpec.model_validate(spec)
     assert parsed.autoscaled and parsed.autoscaling is not None
     assert parsed.autoscaling.targets.queue_delay_seconds == 0.5

@@ -3,8 +3,10 @@
 - A request with little prefill work left is served at once, in deadline order, even while a
   late long prefill is being chunked (Medha's LARS, ``lars-classic``, holds it back until its
   relative slack falls below the long one's, i.e. to about its deadline).
-- Once the head of the long lane is late it keeps a share of every batch, so a stream of short
-  requests cannot starve it: its wait is bounded by its deadline plus its work at that share.
+- Once the oldest request of the long lane is late by more than the grace (``lars_reserve_grace``
+  of its own TTFT deadlines) it keeps a share of every batch, so a stream of short requests
+  cannot starve it: its wait is bounded by (1 + grace) deadlines plus its work at that share.
+  Before that it waits its turn behind the short lane, which is what a burst needs.
 - Lanes go by a request's prefill work; inside a lane the key is the deadline plus the
   prefill work left.
 """
@@ -68,17 +70,36 @@ def test_a_late_long_prefill_keeps_its_share_under_a_flood_of_short_requests():
 
 @settings(max_examples=15, deadline=None)
 @given(gap_ms=st.floats(2.0, 20.0), prompt=st.integers(20, 300),
-       fraction=st.sampled_from([0.25, 0.5, 0.75]), long_tokens=st.integers(4_000, 24_000))
+       fraction=st.sampled_from([0.25, 0.5, 0.75]), long_tokens=st.integers(4_000, 24_000),
+       grace=st.sampled_from([0.0, 1.0, 2.0, 4.0]))
 def test_the_worst_long_wait_is_bounded_by_the_reserve_whatever_the_short_load(
-        gap_ms, prompt, fraction, long_tokens):
-    gap_s = gap_ms / 1000
-    arrivals = [Arrival("long", 0.0, long_tokens, 1, ttft_s=0.1)]
-    arrivals += [Arrival(f"s{i}", 0.01 + gap_s * i, prompt, 1) for i in range(int(3.0 / gap_s))]
-    scheduler = make_scheduler("lars", lars_late_reserve_fraction=fraction)
+        gap_ms, prompt, fraction, long_tokens, grace):
+    gap_s, deadline_s = gap_ms / 1000, 0.3
+    arrivals = [Arrival("long", 0.0, long_tokens, 1, ttft_s=deadline_s)]
+    arrivals += [Arrival(f"s{i}", 0.01 + gap_s * i, prompt, 1) for i in range(int(4.0 / gap_s))]
+    scheduler = make_scheduler("lars", lars_late_reserve_fraction=fraction,
+                               lars_reserve_grace=grace)
     work_s = scheduler.prefill_times.total_s(long_tokens)
-    bound_s = 0.1 + work_s / fraction * 1.25 + 2 * TARGET_MS / 1000  # granularity and overhead
+    # The reserve starts at the latest (1 + grace) deadlines after arrival; then the share.
+    bound_s = (1 + grace) * deadline_s + work_s / fraction * 1.25 + 2 * TARGET_MS / 1000
     done = drive(scheduler, arrivals, until_s=bound_s + 0.5, check_kv=False).finished
     assert "long" in done and ttft(done["long"]) <= bound_s
+
+
+def test_the_grace_keeps_the_reserve_out_of_ordinary_queueing():
+    # A long prefill (1 s of work) a little late from the start (0.8 s deadline) and a burst
+    # of 20 short prompts of one iteration each (0.4 s of work in all).
+    arrivals = [Arrival("long", 0.0, 20_000, 1, ttft_s=0.8)]
+    arrivals += [Arrival(f"short{i}", 0.01, 400, 1) for i in range(20)]
+    shorts = [a.request_id for a in arrivals[1:]]
+    graced = drive(make_scheduler("lars"), arrivals).finished  # default grace: 2 deadlines
+    eager = drive(make_scheduler("lars", lars_reserve_grace=0.0), arrivals).finished
+    # Without the grace the late long prefill takes half of every batch at once, so the
+    # burst drains at half speed; with it the burst is served first, in 0.4 s.
+    assert max(ttft(graced[name]) for name in shorts) <= 0.4 + 2 * TARGET_MS / 1000
+    assert max(ttft(eager[name]) for name in shorts) >= 0.7
+    # And the long prefill gains nothing from splitting the batches: the work is the same.
+    assert ttft(graced["long"]) <= ttft(eager["long"]) + 2 * TARGET_MS / 1000
 
 
 def test_lanes_by_prefill_work_then_deadline_plus_work_left():
@@ -105,12 +126,16 @@ def test_lanes_by_prefill_work_then_deadline_plus_work_left():
     # A short-lane request stays there whatever happens to its work left.
     long.num_computed_tokens = 19_000
     assert not policy.in_short_lane(long) and order(0.3)[-1] == "long"
-    # A share is kept only for a late request: 1 s of work due at 0.5 s is late from 0.
+    # A share is kept only for a request late by more than the grace (two of its own 0.5 s
+    # deadlines): 1 s of work due at 0.5 s is 0.5 s late at 0, and more than 1 s late after 0.5.
     long.num_computed_tokens = 0
     anyone = lambda request: True  # noqa: E731
     fraction = SchedulerConfig().lars_late_reserve_fraction
-    assert policy.reserved_request(0.0, anyone) == (long, fraction)
-    assert policy.reserved_request(0.0, lambda request: False) is None  # cannot run now
+    assert SchedulerConfig().lars_reserve_grace == 2.0
+    assert policy.reserved_request(0.0, anyone) is None
+    assert policy.reserved_request(0.49, anyone) is None
+    assert policy.reserved_request(0.51, anyone) == (long, fraction)
+    assert policy.reserved_request(0.51, lambda request: False) is None  # cannot run now
 
 
 def test_the_reserve_goes_to_the_oldest_late_long_request_not_the_earliest_deadline():
@@ -121,5 +146,6 @@ def test_the_reserve_goes_to_the_oldest_late_long_request_not_the_earliest_deadl
     scheduler.add(old)
     scheduler.add(new)
     assert policy.urgency(new, 1.0) < policy.urgency(old, 1.0)  # deadline order
-    assert policy.reserved_request(1.5, lambda request: True) == (
+    # old: 2 s of work due at 3 s is more than two deadlines (6 s) late once now > 7 s.
+    assert policy.reserved_request(7.1, lambda request: True) == (
         old, SchedulerConfig().lars_late_reserve_fraction)

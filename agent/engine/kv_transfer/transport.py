@@ -37,6 +37,10 @@ class KVHandle:
     """Everything a decode instance needs to fetch a request's KV from a prefill instance.
 
     It travels as JSON (``kv_transfer_params`` in the OpenAI request and response bodies).
+    A *streaming* handle is given out when the prefill starts, before its blocks exist: it
+    has no ``block_ids`` and no first token (-1). A decode instance holding one asks the
+    holder's side channel for the blocks completed so far (``progress``), reads them while
+    later prefill chunks compute, and learns the last blocks and the first token at the end.
     """
 
     transfer_id: str
@@ -48,7 +52,8 @@ class KVHandle:
     block_ids: tuple[int, ...]
     num_tokens: int  # tokens whose KV the blocks hold (the prompt)
     prompt_digest: str
-    first_token_id: int
+    first_token_id: int  # -1 in a streaming handle
+    streaming: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,6 +63,7 @@ class KVHandle:
             "region_addrs": list(self.region_addrs), "layout": self.layout.to_dict(),
             "block_ids": list(self.block_ids), "num_tokens": self.num_tokens,
             "prompt_digest": self.prompt_digest, "first_token_id": self.first_token_id,
+            "streaming": self.streaming,
         }
 
     @classmethod
@@ -71,7 +77,8 @@ class KVHandle:
                 layout=KVLayout.from_dict(raw["layout"]),
                 block_ids=tuple(int(b) for b in raw["block_ids"]),
                 num_tokens=int(raw["num_tokens"]), prompt_digest=str(raw["prompt_digest"]),
-                first_token_id=int(raw["first_token_id"]))
+                first_token_id=int(raw["first_token_id"]),
+                streaming=bool(raw.get("streaming", False)))
         except KeyError as error:
             raise ValueError(f"kv_transfer_params is missing {error.args[0]!r}") from None
         except (TypeError, ValueError) as error:
@@ -80,7 +87,15 @@ class KVHandle:
             raise ValueError(f"kv_transfer_params.transport must be one of {TRANSPORT_NAMES}, "
                              f"got {handle.transport!r}")
         expected = -(-handle.num_tokens // handle.layout.block_size)
-        if len(handle.block_ids) != expected:
+        if handle.num_tokens < 1:
+            raise ValueError("kv_transfer_params.num_tokens must be at least 1")
+        if handle.streaming:
+            if handle.block_ids:
+                raise ValueError("a streaming kv_transfer_params carries no block_ids: the "
+                                 "decode instance asks the prefill instance for them")
+        elif handle.first_token_id < 0:
+            raise ValueError("kv_transfer_params.first_token_id must be >= 0")
+        elif len(handle.block_ids) != expected:
             raise ValueError(f"kv_transfer_params.block_ids has {len(handle.block_ids)} blocks; "
                              f"{handle.num_tokens} tokens need {expected}")
         return handle
