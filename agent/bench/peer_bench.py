@@ -15,8 +15,10 @@ same prompts, side by side in one run (``make bench-peer``; docs/peers.md).
    (F32) and for Slipstream under LARS and under FCFS.
 
 Both servers get the same thread count. llama.cpp runs with ``--parallel 32`` slots over one
-unified KV buffer that holds a full-context request. Slipstream runs with a runtime profile (the
-time-budget packer), made once and cached like ``sim_vs_live`` does, unless ``--profile none``.
+unified KV buffer that holds a full-context request. Slipstream runs with the runtime profile
+(the time-budget packer) that ``slipstream serve`` makes on its first start and caches
+(auto_profile.py), unless ``--profile none``; the benchmark makes or reads it before the
+first server starts, so the profiling time is reported, not mixed into a server's start.
 Building llama.cpp takes about 10 minutes on 2 cores the first time (agent/bench/llamacpp.py);
 it is never part of ``make test``.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -41,7 +44,7 @@ from slipstream.agent.bench.llamacpp import bin_dir, ensure_built
 from slipstream.agent.bench.local_process import running
 from slipstream.agent.bench.serve_bench import LoadConfig, run_load
 from slipstream.agent.bench.serve_metrics import RequestTiming, serving_metrics
-from slipstream.agent.bench.sim_vs_live import cached_profile
+from slipstream.agent.engine.auto_profile import ensure_profile
 from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir
 from slipstream.agent.parallel.launch import free_port
@@ -214,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
                         "throughput, convoy, q4_1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="auto",
-                        help="Slipstream's runtime profile: 'auto' (`slipstream profile --grid "
-                             "small`, made once and cached), a profile directory, or 'none' "
-                             "(no time-budget packer: a fixed token budget per iteration, "
-                             "what `slipstream serve` does without --profile)")
+                        help="Slipstream's runtime profile: 'auto' (the one `slipstream serve` "
+                             "makes on its first start and caches), a profile directory, or "
+                             "'none' (no time-budget packer: a fixed token budget per "
+                             "iteration, `slipstream serve --no-profile`)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     skip = set(filter(None, args.skip.split(",")))
     quantized = packaged_default_gguf()
     if quantized is None:
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = cached_model_dir(quantized, slipstream_cache_dir())
     started = time.monotonic()
     profile_dir = (None if args.profile == "none" else
-                   cached_profile(model_dir, "small", args.threads, refresh=False)
+                   ensure_profile(model_dir, "auto", "cpu", args.threads)
                    if args.profile == "auto" else Path(args.profile))
     profile_s = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
