@@ -195,6 +195,11 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _write_partial(out: Path, report: dict) -> None:
+    """What has been measured so far, so a run cut short still leaves its figures."""
+    (out / "peer.partial.json").write_text(json.dumps(report, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -205,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=1, help="requests per stream")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--convoy-duration-s", type=float, default=60.0)
-    parser.add_argument("--convoy-rate", type=float, default=0.5,
+    # 45 s at 2/3 per second: about 30 short requests; two full-context documents. Each
+    # document is ~3 TFLOP of prefill for SmolLM2 on two CPU cores (about a minute), so three
+    # servers x three documents would not fit the run in 12 minutes.
+    parser.add_argument("--convoy-duration-s", type=float, default=45.0)
+    parser.add_argument("--convoy-rate", type=float, default=2 / 3,
                         help="short requests per second")
-    parser.add_argument("--long-count", type=int, default=3)
+    parser.add_argument("--long-count", type=int, default=2)
     parser.add_argument("--long-tokens", type=int, default=CONTEXT_TOKENS - 16,
                         help="prompt tokens of each long document")
     parser.add_argument("--long-threshold-tokens", type=int, default=2048,
@@ -255,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                     throughput(url, int(s), args.prompt_tokens, args.output_tokens, args.waves)
                     for s in args.streams.split(",")]
                 print(json.dumps({system.name: report["throughput"][system.name]}))
+                _write_partial(args.out, report)
     requests = convoy_workload(args.seed, args.convoy_duration_s, args.convoy_rate,
                                args.long_count, args.long_tokens)
     if "convoy" not in skip:
@@ -269,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({system.name: {k: v for k, v in
                                                 report["convoy"][system.name].items()
                                                 if k != "short_ttft_s"}}))
+                _write_partial(args.out, report)
     summary: dict = {}
     if report["throughput"]:
         ours = report["throughput"]["slipstream (fp32)"]
@@ -293,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                           "load_average_before": list(load_before),
                           "load_average_after": list(os.getloadavg())}
     (args.out / "peer.json").write_text(json.dumps(report, indent=2))
+    (args.out / "peer.partial.json").unlink(missing_ok=True)
     plot(report, args.out / "peer.png")
     print(json.dumps({"summary": summary, "settings": report["settings"]}, indent=2))
     return 0
