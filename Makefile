@@ -117,9 +117,9 @@ generate: setup
 bench-predictor: setup  ## runtime-predictor accuracy on this machine's CPU engine (held-out batches)
 	$(BIN)/python -m slipstream.agent.bench.predictor_bench --out $(RESULTS)/predictor
 
-bench-policy-live: setup  ## LARS vs Medha's LARS, FCFS and EDF on the live CPU engine: short TTFT
+bench-policy-live: setup  ## LARS vs Medha's LARS, FCFS and EDF on the live CPU engine: goodput, short TTFT (quiet machine, ~10 min)
 	$(BIN)/python -m slipstream.agent.bench.policy_live_bench --out $(RESULTS)/policy-live \
-	  --systems fcfs,lars-classic,lars,edf --load 0.25 $(LIVE_ARGS)
+	  --systems fcfs,lars-classic,lars,edf --load 0.25 --profile-grid small $(LIVE_ARGS)
 
 bench-sched: setup  ## schedule() cost per policy, 10,000 waiting + 256 running
 	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched

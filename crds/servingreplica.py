@@ -386,7 +386,7 @@ _SPEC_RULES = rules(
     Rule("!has(self.disaggregation) || "
          "(self.parallelism.tp == 1 && self.parallelism.spp == 1 && self.parallelism.kvp == 1)",
          "spec.disaggregation needs spec.parallelism.tp, spp and kvp of 1 (prefill and decode "
-         "instances are single-process for now)", field_path=".disaggregation"),
+         "instances run without worker processes for now)", field_path=".disaggregation"),
 )
 
 

@@ -1,5 +1,5 @@
 """One process against two: the live server with the engine on a thread of the HTTP process
-(the default) and with the engine in a process of its own (``--engine-process``), side by
+(``--single-process``) and with the engine in a process of its own (the default), side by
 side in one run, on the same machine and model.
 
     for each model, for each concurrency N, for each layout (interleaved):
@@ -32,7 +32,7 @@ from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.sim.traces import TraceRequest
 
 MODEL_NAME = "server-bench"
-LAYOUTS = {"one_process": "--no-engine-process", "two_processes": "--engine-process"}
+LAYOUTS = {"one_process": "--single-process", "two_processes": "--engine-process"}
 
 
 def model_dir(preset: str) -> Path:

@@ -32,17 +32,21 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from slipstream.agent.engine.config import EngineConfig
-from slipstream.agent.engine.engine import EngineStats, LLMEngine
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
-from slipstream.agent.engine.stats import StepStats
+from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
-from slipstream.agent.scheduler.scheduler import SchedulerConfig
+from slipstream.agent.scheduler.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    # Not at run time: the API process of a two-process server imports this module for
+    # its admission checks and must not pay for torch and the model code.
+    from slipstream.agent.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +142,11 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  engine: LLMEngine | None = None,
                  on_fatal: Callable[[str], None] | None = None) -> None:
-        self.engine = engine or LLMEngine(config, scheduler_config)
+        if engine is None:
+            from slipstream.agent.engine.engine import LLMEngine
+
+            engine = LLMEngine(config, scheduler_config)
+        self.engine = engine
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None  # set once the engine died
         self.config = config
@@ -159,6 +167,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def wait_ready(self) -> None:
+        """Nothing to wait for: the engine loaded in the constructor (the engine-core
+        client's twin of this waits for its process)."""
 
     def stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its last step (no locking needed)."""

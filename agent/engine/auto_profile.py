@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from slipstream import __version__
-from slipstream.agent.engine.config import ModelConfig
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import resolve_dtype
 from slipstream.agent.engine.model_runner import resolve_device
 
@@ -129,6 +129,27 @@ def entry_problem(entry: Path, key: ProfileKey) -> str | None:
     except Exception as error:  # noqa: BLE001 - any load failure means: measure again
         return f"corrupt ({type(error).__name__}: {error})"
     return None
+
+
+def with_runtime_profile(config: EngineConfig, threads: int | None = None) -> EngineConfig:
+    """``config`` with the cached (or freshly measured) profile as its ``profile_dir`` when it
+    asks for one (``auto_profile``) and has none; unchanged otherwise. Called in the process
+    that runs the engine, before the engine is built; ``threads``: the torch threads its steps
+    will run with (default: the current count)."""
+    if not config.auto_profile or config.profile_dir is not None:
+        return config
+    budget = f"each iteration packs up to {config.max_batched_tokens} tokens"
+    if not config.parallel.is_single_process:
+        log.warning("no runtime profile: the automatic one covers one device, not tp x spp x "
+                    "kvp = %d ranks; %s (pass --profile for the time-budget packer)",
+                    config.parallel.world_size, budget)
+        return config
+    try:
+        entry = ensure_profile(config.model_dir, config.dtype, config.device, threads)
+    except (OSError, RuntimeError, ValueError) as error:
+        log.warning("profiling failed (%s: %s); %s", type(error).__name__, error, budget)
+        return config
+    return dataclasses.replace(config, profile_dir=entry)
 
 
 @contextlib.contextmanager

@@ -32,11 +32,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
-import torch
 
-from slipstream.agent.engine.sampler import GrammarMasks
 from slipstream.agent.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.sampler import GrammarMasks
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,10 @@ class MaskJob:
 
     def __init__(self, pool: ThreadPoolExecutor | None, executor: llguidance.LLExecutor | None,
                  rows: list[tuple[int, llguidance.LLMatcher]], vocab_size: int) -> None:
+        # torch only here, where masks are made (the engine's side): the API process of a
+        # two-process server checks grammars with this module and never imports torch.
+        import llguidance.torch
+
         self._rows = rows
         self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
         # llguidance's thread pool, for large batches only (PARALLEL_MIN_ROWS).
@@ -123,6 +127,8 @@ class MaskJob:
             return range(first, self._next)
 
     def _fill(self, indices: range) -> None:
+        import llguidance.torch  # already loaded by __init__
+
         try:
             live = [(self._rows[index][1], index) for index in indices
                     if not self._rows[index][1].is_error()]
@@ -147,6 +153,8 @@ class MaskJob:
             self._fill(indices)
 
     def __call__(self) -> GrammarMasks:
+        from slipstream.agent.engine.sampler import GrammarMasks
+
         while indices := self._take(1):
             self._fill(indices)
         with self._lock:

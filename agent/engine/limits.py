@@ -43,5 +43,5 @@ class RequestLimits:
             raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
                              f"{self.kv_blocks_total}")
         if params.grammar is not None and not self.structured_outputs:
-            raise ValueError("structured outputs and forced tool calls need a single-process "
-                             "engine (tp, spp and kvp all 1) for now")
+            raise ValueError("structured outputs and forced tool calls need an engine "
+                             "without worker processes (tp, spp and kvp all 1) for now")

@@ -1,7 +1,9 @@
 """``slipstream serve``: load a model into the engine and serve it over the OpenAI API.
 
     [--config FILE: the CRD's AgentConfig --defaults_from_config()--> flag defaults]
-    argv -> EngineConfig + SchedulerConfig + ServerConfig -> AsyncEngine -> build_app() -> uvicorn
+    argv -> EngineConfig + SchedulerConfig + ServerConfig -> serving engine -> build_app() -> uvicorn
+    serving engine: EngineCoreClient, the engine in a process of its own (the default; this
+    process never imports torch), or AsyncEngine on a thread here (``--single-process``)
 
 In a cluster the operator writes the ServingReplica's engine settings into a ConfigMap, mounts
 it, and starts ``slipstream serve --config /etc/slipstream/engine.yaml`` plus the ports: the
@@ -23,11 +25,10 @@ requests get a 503 and the process exits with ``EXIT_ENGINE_DEAD`` so it is rest
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS, EngineConfig,
@@ -42,6 +43,9 @@ from slipstream.agent.scheduler.flags import add_short_prefill_arguments, short_
 from slipstream.agent.server.config import (
     DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_READ_TIMEOUT_S, TOOL_CALL_PARSERS, ServerConfig)
+
+if TYPE_CHECKING:
+    from slipstream.agent.server.engine_core import ServingEngine
 
 DEFAULT_HOST = "127.0.0.1"
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
@@ -100,15 +104,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-batched-tokens", type=int, default=512, metavar="TOKENS",
                        help="most tokens in one engine iteration (decodes + prefill chunks)")
     model.add_argument("--seed", type=int, default=0, help="engine random seed")
-    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    model.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine (scheduler, KV blocks, model or workers) in a "
                             "process of its own, so HTTP, tokenization and detokenization "
-                            "never stretch its steps (default: on a thread of the server "
-                            "process)")
+                            "never stretch its steps (the default; docs/engine.md)")
+    model.add_argument("--single-process", dest="engine_process", action="store_false",
+                       default=None,
+                       help="run the engine on a thread of the server process instead "
+                            "(the same as --no-engine-process)")
     model.add_argument("--engine-threads", type=int, default=0, metavar="N",
-                       help="torch CPU threads of the engine-core process with "
-                            "--engine-process (0: OMP_NUM_THREADS if set, else every CPU but one, "
-                            "which the HTTP process keeps)")
+                       help="torch CPU threads of the engine-core process (0: "
+                            "OMP_NUM_THREADS if set, else every CPU but one, which the HTTP "
+                            "process keeps)")
 
     graphs = parser.add_argument_group(
         "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
@@ -387,40 +394,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
+        auto_profile=args.profile is None and not args.no_profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
                                 kvp_tokens_per_group=args.kvp_tokens_per_group),
         disagg=disagg_config_from_args(args))
-
-
-def runtime_profile(args: argparse.Namespace, config: EngineConfig) -> Path | None:
-    """The profile the time-budget packer uses: ``--profile``; none with ``--no-profile``;
-    otherwise the cached one for this model and device, measured first if there is none."""
-    log = logging.getLogger(__name__)
-    if args.profile is not None:
-        return Path(args.profile)
-    if args.no_profile:
-        return None  # the engine logs the packer it runs
-    if not config.parallel.is_single_process:
-        log.warning("no runtime profile: the automatic one covers one device, not tp x spp x "
-                    "kvp = %d ranks; each iteration packs up to %d tokens (pass --profile for "
-                    "the time-budget packer)", config.parallel.world_size,
-                    args.max_batched_tokens)
-        return None
-    import torch
-
-    from slipstream.agent.engine.auto_profile import ensure_profile
-    from slipstream.agent.server.engine_core import core_threads
-
-    threads = (core_threads(args.engine_threads) if args.engine_process else None) or \
-        torch.get_num_threads()
-    try:
-        return ensure_profile(config.model_dir, config.dtype, config.device, threads)
-    except (OSError, RuntimeError, ValueError) as error:
-        log.warning("profiling failed (%s: %s); each iteration packs up to %d tokens "
-                    "(--max-batched-tokens)", type(error).__name__, error,
-                    args.max_batched_tokens)
-        return None
 
 
 def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
@@ -434,22 +412,19 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Heavy imports (torch via the engine) only once we are really serving.
-    from slipstream.agent.engine.async_engine import AsyncEngine
+    # Heavy imports only once we are really serving; torch and the model code only in the
+    # process that runs the engine (the engine core's, unless --single-process).
     from slipstream.agent.engine.errors import EngineDeadError
-    from slipstream.agent.parallel.compose import build_engine
-    from slipstream.agent.server.api import build_app
-    from slipstream.agent.server.drain import DrainingServer, reserve_port
-    from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
-    from slipstream.agent.server.engine_core import EngineCoreClient
+    from slipstream.agent.server.drain import reserve_port
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger(__name__)
 
     try:
         server_config = server_config_from_args(args)
     except ValueError as error:
-        logging.getLogger(__name__).error("cannot start: %s", error)
+        log.error("cannot start: %s", error)
         return 2
     # The ports first: one in use fails now, not after the model has loaded.
     try:
@@ -464,23 +439,22 @@ def run(args: argparse.Namespace) -> int:
             return _port_in_use("--control-port", server_config.host,
                                 server_config.control_port, error)
     try:
-        engine_config = engine_config_from_args(args)
-        engine_config = dataclasses.replace(engine_config,
-                                            profile_dir=runtime_profile(args, engine_config))
-        engine: AsyncEngine | EngineCoreClient
-        if args.engine_threads < 0:
-            raise ValueError("--engine-threads must be 0 (automatic) or more")
-        if args.engine_process and engine_config.disagg.enabled:
-            raise ValueError("--engine-process does not support --role prefill/decode yet")
-        if args.engine_process:
-            engine = EngineCoreClient(engine_config, scheduler_config_from_args(args),
-                                      threads=args.engine_threads)
-        else:
-            engine = AsyncEngine(engine_config, engine=build_engine(
-                engine_config, scheduler_config_from_args(args)))
+        engine = _start_engine(args, engine_config_from_args(args))
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
-        logging.getLogger(__name__).error("cannot start: %s", error)
+        log.error("cannot start: %s", error)
+        listener.close()
+        return 2
+    # While the engine core starts (it imports torch and loads the model), this process
+    # imports the HTTP side.
+    from slipstream.agent.server.api import build_app
+    from slipstream.agent.server.drain import DrainingServer
+    from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
+
+    try:
+        engine.wait_ready()
+    except EngineDeadError as error:
+        log.error("cannot start: %s", error)
         listener.close()
         return 2
     app = build_app(engine, server_config)
@@ -523,6 +497,33 @@ def run(args: argparse.Namespace) -> int:
     if not server.started:  # start-up failed (the port, the warm-up); uvicorn said why
         return 2
     return 0
+
+
+def use_engine_process(args: argparse.Namespace) -> bool:
+    """Whether the engine runs in a process of its own: yes unless ``--single-process``
+    (or ``--no-engine-process``) says otherwise."""
+    return args.engine_process is not False
+
+
+def _start_engine(args: argparse.Namespace, engine_config: EngineConfig) -> ServingEngine:
+    """The serving engine the flags ask for. In two processes this returns once the engine
+    core is spawned (``wait_ready`` waits for it to load); in one, once the model is loaded."""
+    if args.engine_threads < 0:
+        raise ValueError("--engine-threads must be 0 (automatic) or more")
+    if use_engine_process(args):
+        from slipstream.agent.server.engine_core import EngineCoreClient
+
+        return EngineCoreClient(engine_config, scheduler_config_from_args(args),
+                                threads=args.engine_threads, wait=False)
+    from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.engine.auto_profile import with_runtime_profile
+    from slipstream.agent.parallel.compose import build_engine
+
+    logging.getLogger(__name__).info("the engine runs on a thread of this process "
+                                     "(--single-process)")
+    engine_config = with_runtime_profile(engine_config)
+    return AsyncEngine(engine_config, engine=build_engine(
+        engine_config, scheduler_config_from_args(args)))
 
 
 def _port_in_use(flag: str, host: str, port: int, error: OSError) -> int:

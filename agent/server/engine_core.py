@@ -48,7 +48,7 @@ from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParam
 from slipstream.agent.engine.stats import EngineStats, StepStats, StepSummary
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
-from slipstream.agent.scheduler.scheduler import SchedulerConfig
+from slipstream.agent.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from slipstream.agent.engine.async_engine import AsyncEngine
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 0.5  # idle: how often the core re-checks its workers and sends fresh stats
 START_TIMEOUT_S = 600.0
+AUTO_PROFILE_TIMEOUT_S = 3600.0  # added to the start timeout when the core may profile first
 STOP_TIMEOUT_S = 30.0
 EXIT_CORE_DEAD = 3
 
@@ -155,6 +156,12 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
     engine: LLMEngine | None = None
     failure = ""
     try:
+        from slipstream.agent.engine.auto_profile import with_runtime_profile
+
+        # A first start profiles here, in the process and with the threads the steps use;
+        # its progress lines are worth showing at this process's WARNING level.
+        logging.getLogger("slipstream.agent.engine.auto_profile").setLevel(logging.INFO)
+        config = with_runtime_profile(config, core_threads(threads))
         engine = build_engine(config, scheduler_config, output_text=False)
     except Exception as error:  # noqa: BLE001 - tell the API process why, then exit
         failure = str(error) or type(error).__name__
@@ -308,13 +315,22 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  on_fatal: Callable[[str], None] | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S, threads: int = 0) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, threads: int = 0,
+                 wait: bool = True) -> None:
+        """Spawn the engine core. With ``wait`` (the default) return once it has loaded;
+        without, return at once and call ``wait_ready`` before using the engine, so the
+        caller's own start-up work overlaps the core's."""
         self.config = config
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None
         self.healthy = False
         self.draining = False  # set by drain(): takes no new requests, finishes the rest
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        # A first start may profile the engine before building it (auto_profile.py): minutes
+        # on a CPU, more on a loaded one; a start cut short would only profile again.
+        if config.auto_profile and config.profile_dir is None:
+            start_timeout_s += AUTO_PROFILE_TIMEOUT_S
+        self._start_timeout_s = start_timeout_s
+        self._ready: Ready | None = None
         self._observer: Callable[[StepSummary], None] | None = None
         self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
@@ -327,16 +343,32 @@ class EngineCoreClient:
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.LINGER, 0)
         output_port = self._outputs.bind_to_random_port("tcp://127.0.0.1")
+        # The core first: it has the long way to go (torch, the model); the tokenizer loads
+        # here meanwhile.
         self._process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="slipstream-engine-core",
             args=(config, scheduler_config, f"tcp://127.0.0.1:{command_port}",
                   f"tcp://127.0.0.1:{output_port}", threads))
         self._process.start()
         try:
-            ready = self._wait_ready(start_timeout_s)
+            self.tokenizer = Tokenizer.from_dir(config.model_dir)
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.close()
             raise
+
+    def wait_ready(self) -> None:
+        """Wait until the core has loaded the engine (``EngineDeadError`` if it failed or
+        did not answer in time); idempotent. Closes the core on failure."""
+        if self._ready is not None:
+            return
+        try:
+            ready = self._wait_ready(self._start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._ready = ready
         self.model_name = ready.model_name
         self.limits = ready.limits
         self.max_model_len = ready.limits.max_model_len
@@ -546,9 +578,11 @@ def _add_text(text: TextStream, output: RequestOutput) -> tuple[RequestOutput, b
             stopped_here = not output.finished
             output.finished, output.finish_reason = True, FinishReason.STOP.value
             return output, stopped_here
-    if output.finished and output.finish_reason in (FinishReason.LENGTH.value,
-                                                    FinishReason.STOP.value):
-        pieces.append(text.flush())  # the length limit, or a grammar that is complete
+    if output.finished and output.kv_transfer is None and output.finish_reason in (
+            FinishReason.LENGTH.value, FinishReason.STOP.value):
+        # The length limit, or a grammar that is complete. Not a prefill-role hand-off: the
+        # decode instance goes on from this token, so held text stays held, as in one process.
+        pieces.append(text.flush())
     output.new_text = "".join(pieces)
     return output, False
 

@@ -40,10 +40,10 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
-    config = cli.engine_config_from_args(args)
-    config = dataclasses.replace(config, profile_dir=cli.runtime_profile(args, config),
-                                 num_kv_blocks=64)
-    return LLMEngine(config, cli.scheduler_config_from_args(args))
+    """What `slipstream serve` builds in the process that runs the engine."""
+    config = auto_profile.with_runtime_profile(cli.engine_config_from_args(args))
+    return LLMEngine(dataclasses.replace(config, num_kv_blocks=64),
+                     cli.scheduler_config_from_args(args))
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +122,12 @@ def test_second_start_reads_the_cache_without_profiling(first_start, cache_dir, 
 
 def test_no_profile_packs_the_fixed_token_budget(tiny_model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
+    args = _parse("--model", str(tiny_model_dir), "--device", "cpu", "--no-profile",
+                  "--max-batched-tokens", "300")
+    assert not cli.engine_config_from_args(args).auto_profile
+    assert cli.engine_config_from_args(_parse("--model", str(tiny_model_dir))).auto_profile
     with caplog.at_level(logging.INFO):
-        engine = _engine(_parse("--model", str(tiny_model_dir), "--device", "cpu",
-                                "--no-profile", "--max-batched-tokens", "300"))
+        engine = _engine(args)
     assert isinstance(engine.scheduler.model, TokenBudgetModel)
     engine.close()
     assert not (tmp_path / "runtime-profiles").exists()
@@ -145,7 +148,9 @@ def test_a_given_profile_wins_over_the_cache(first_start, cache_dir, tiny_model_
     for path in entry.iterdir():
         (given / path.name).write_bytes(path.read_bytes())
     args = _parse("--model", str(tiny_model_dir), "--device", "cpu", "--profile", str(given))
-    assert cli.runtime_profile(args, cli.engine_config_from_args(args)) == given
+    config = cli.engine_config_from_args(args)
+    assert not config.auto_profile
+    assert auto_profile.with_runtime_profile(config).profile_dir == given
     assert not (tmp_path / "empty-cache").exists()
     with pytest.raises(SystemExit):
         _parse("--profile", str(given), "--no-profile")  # one or the other

@@ -117,7 +117,8 @@ def _default_layout() -> str:
     in a process of its own) or "thread" (on a thread of the server process)."""
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    return "process" if parser.get_default("engine_process") else "thread"
+    flags = argparse.Namespace(engine_process=parser.get_default("engine_process"))
+    return "process" if cli.use_engine_process(flags) else "thread"
 
 
 DEFAULT_LAYOUT = _default_layout()

@@ -1,5 +1,5 @@
-"""The engine in its own process (``--engine-process``): the same answers as the
-engine on a thread of the server process (text, stop strings, token counts), and when the
+"""The engine in its own process (the default): the same answers as the engine on a thread
+of the server process (``--single-process``: text, stop strings, token counts), and when the
 engine-core process dies the server fails what was in flight, refuses new work with 503 and
 exits non-zero, never hanging."""
 
@@ -49,17 +49,29 @@ def _answers(base_url: str, model: str) -> list[tuple[str, str, int]]:
 
 
 def test_engine_process_answers_like_the_engine_thread(server, start_server):
-    assert not _spawned(server.process.pid)  # the default: the engine on a thread
-    thread_answers = _answers(server.base_url, server.model)
-    split = start_server("--engine-process")
-    assert _core_process(split.process.pid) is not None
-    split_answers = _answers(split.base_url, split.model)
+    assert _core_process(server.process.pid) is not None  # the default: two processes
+    split_answers = _answers(server.base_url, server.model)
+    single = start_server("--single-process")
+    assert not _spawned(single.process.pid)
+    thread_answers = _answers(single.base_url, single.model)
     assert split_answers == thread_answers
     assert any(reason == "stop" for _, reason, _ in split_answers), split_answers
 
 
+def _maps_torch(process: psutil.Process) -> bool:
+    return any("libtorch" in region.path for region in process.memory_maps())
+
+
+def test_the_api_process_never_loads_torch(server):
+    """Only the engine core pays for torch and the model: the HTTP process starts light, so
+    it is up as soon as the core is, even on a loaded machine."""
+    api = psutil.Process(server.process.pid)
+    assert not _maps_torch(api)
+    assert _maps_torch(_core_process(server.process.pid))
+
+
 def test_killed_engine_core_fails_requests_and_exits_nonzero(start_server):
-    server = start_server("--engine-process")
+    server = start_server()
     core = _core_process(server.process.pid)
     body = {"model": server.model, "prompt": "a long answer please", "max_tokens": 1500,
             "temperature": 0, "ignore_eos": True}

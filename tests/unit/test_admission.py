@@ -66,7 +66,7 @@ def test_grammars_need_an_engine_that_runs_masks_itself() -> None:
     params = SamplingParams(max_tokens=4, grammar='start: "yes" | "no"')
     check_admission(Door(), "a", [1], params)
     parallel = RequestLimits(100, 64, 1000, structured_outputs=False)
-    with pytest.raises(ValueError, match="single-process engine"):
+    with pytest.raises(ValueError, match="without worker processes"):
         check_admission(Door(limits=parallel), "a", [1], params)
 
 

@@ -34,3 +34,11 @@ def test_the_table_orders_by_goodput_and_checks_the_live_goals():
     assert "Goodput order: lars > edf > fcfs." in text
     assert "1.67x EDF's (goal <= 2)" in text  # 0.25 s against 0.15 s
     assert "better than FCFS's (goal >= 10)" in text and "commit abc" in text
+
+
+def test_a_profile_measured_under_load_marks_the_table_not_valid():
+    summary = {"lars": summarize(records([0.1, 0.2], long_ttft=1.0), 10.0)}
+    settings = {"duration_s": 10.0, "requests": 3, "rate_req_per_s": 0.2,
+                "load_average_before": [15.0, 0, 0], "load_average_after": [15.0, 0, 0]}
+    assert "Not valid" not in table(summary, settings | {"profile_step_overhead_ms": 8.0})
+    assert "Not valid" in table(summary, settings | {"profile_step_overhead_ms": 147.0})
