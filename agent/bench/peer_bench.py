@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                              "'none' (no time-budget packer: a fixed token budget per "
                              "iteration, `slipstream serve --no-profile`)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     skip = set(filter(None, args.skip.split(",")))
     quantized = packaged_default_gguf()
     if quantized is None:
