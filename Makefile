@@ -97,8 +97,10 @@ bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgs
 	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
 
 bench-server: setup  ## one process vs engine in its own process: tok/s, TTFT, TPOT at 1..1000 streams
-	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny 100m \
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny \
 	  --concurrency 1 64 256 1000 --out $(RESULTS)/server
+	$(BIN)/python -m slipstream.agent.bench.server_bench --models 100m \
+	  --prompt-tokens 8 --output-tokens 8 --concurrency 1 64 256 1000 --out $(RESULTS)/server-100m
 
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
 	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
@@ -154,6 +156,9 @@ bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instanc
 
 bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
 	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
+
+bench-pd-overlap: setup transfer-engine-libs  ## streaming KV hand-off vs pull at end, live CPU, Mooncake TCP (docs/disaggregation.md)
+	$(BIN)/python -m slipstream.agent.bench.pd_overlap --out $(RESULTS)/pd-overlap
 
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live

@@ -215,6 +215,7 @@ def compare(preset: LivePreset, args: argparse.Namespace) -> dict:
     results = {
         "model_preset": preset.model_preset, "model": model_dir.name, "profile": profile.name,
         "qps": qps, "num_requests": len(compared), "torch_threads": args.torch_threads,
+        "engine_layout": "two processes (the serve default: engine core + API process)",
         "target_batch_time_ms": preset.target_batch_time_ms,
         "load_average_before_server": list(load_before),
         "load_average_measured_run": {"start": list(load_start), "end": list(load_end)},

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,8 @@ import llguidance
 from slipstream.agent.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import torch
+
     from slipstream.agent.engine.sampler import GrammarMasks
 
 log = logging.getLogger(__name__)
@@ -99,16 +101,18 @@ class MaskJob:
     (the sampler does, after the forward) fills the rows the helper has not taken yet itself,
     then waits only for the rows the helper is filling at that moment: on a busy host, where
     the helper thread may not get a core during the forward, the sampler never waits for the
-    thread to be scheduled, only for work in progress."""
+    thread to be scheduled, only for work in progress.
 
-    def __init__(self, pool: ThreadPoolExecutor | None, executor: llguidance.LLExecutor | None,
-                 rows: list[tuple[int, llguidance.LLMatcher]], vocab_size: int) -> None:
-        # torch only here, where masks are made (the engine's side): the API process of a
-        # two-process server checks grammars with this module and never imports torch.
-        import llguidance.torch
+    Each row is written straight into ``bitmask`` (a buffer ``MaskWorkers`` reuses) through
+    llguidance's pointer call, which computes with the GIL released; per row the Python side
+    is a claim and one call, so the two threads hardly contend for the GIL."""
 
+    def __init__(self, rows: list[tuple[int, llguidance.LLMatcher]], bitmask: torch.Tensor,
+                 executor: llguidance.LLExecutor | None = None) -> None:
         self._rows = rows
-        self._bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
+        self._bitmask = bitmask
+        self._row_bytes = bitmask.shape[1] * bitmask.element_size()
+        self._base = bitmask.data_ptr()
         # llguidance's thread pool, for large batches only (PARALLEL_MIN_ROWS).
         self._executor = executor if len(rows) >= PARALLEL_MIN_ROWS else None
         self._lock = threading.Lock()
@@ -116,8 +120,6 @@ class MaskJob:
         self._next = 0  # rows [0, _next) are taken (by the helper or the sampler)
         self._done = 0
         self._error: BaseException | None = None
-        if pool is not None:
-            pool.submit(self._help)
 
     def _take(self, count: int) -> range:
         """Claim up to ``count`` of the rows nobody has taken yet."""
@@ -127,17 +129,18 @@ class MaskJob:
             return range(first, self._next)
 
     def _fill(self, indices: range) -> None:
-        import llguidance.torch  # already loaded by __init__
-
         try:
-            live = [(self._rows[index][1], index) for index in indices
-                    if not self._rows[index][1].is_error()]
-            if self._executor is not None and len(live) > 1:
-                llguidance.torch.fill_next_token_bitmask_par(self._executor, live,
-                                                             self._bitmask)
+            if self._executor is not None and len(indices) > 1:
+                live = [(self._rows[index][1], index) for index in indices
+                        if not self._rows[index][1].is_error()]
+                self._executor.unsafe_compute_mask_ptr(live, self._base, self._row_bytes,
+                                                       len(self._rows))
             else:
-                for matcher, index in live:  # each call releases the GIL while it computes
-                    llguidance.torch.fill_next_token_bitmask(matcher, self._bitmask, index)
+                rows, base, size = self._rows, self._base, self._row_bytes
+                for index in indices:
+                    matcher = rows[index][1]
+                    if not matcher.is_error():  # the call releases the GIL while it computes
+                        matcher.unsafe_compute_mask_ptr(base + index * size, size)
         except BaseException as error:  # handed to the sampler
             self._error = self._error or error
         finally:
@@ -146,20 +149,24 @@ class MaskJob:
                 if self._done == len(self._rows):
                     self._all_done.notify_all()
 
-    def _help(self) -> None:
+    def help(self) -> None:
         """The helper thread: every row with the thread pool, else one row at a time."""
         chunk = len(self._rows) if self._executor is not None else 1
         while indices := self._take(chunk):
             self._fill(indices)
 
-    def __call__(self) -> GrammarMasks:
-        from slipstream.agent.engine.sampler import GrammarMasks
-
+    def wait(self) -> None:
+        """Fill the rows nobody has taken, then wait for those in progress."""
         while indices := self._take(1):
             self._fill(indices)
         with self._lock:
             while self._done < len(self._rows):
                 self._all_done.wait()
+
+    def __call__(self) -> GrammarMasks:
+        from slipstream.agent.engine.sampler import GrammarMasks
+
+        self.wait()
         if self._error is not None:
             raise self._error
         dead = [index for index, (_, matcher) in enumerate(self._rows) if matcher.is_error()]
@@ -170,23 +177,59 @@ class MaskJob:
 
 
 class MaskWorkers:
-    """The thread and llguidance executor that compute masks beside the forward."""
+    """The helper thread (and, on large hosts, llguidance's executor) that compute masks
+    beside the forward, and the bitmask buffers they write: two, used in turn and grown when
+    a batch has more guided rows, so a step allocates nothing and the previous step's masks
+    are never overwritten while a sampler may still read them."""
 
     def __init__(self, vocab_size: int, cpus: int | None = None) -> None:
+        # torch only here, where masks are made (the engine's side): the API process of a
+        # two-process server checks grammars with this module and never imports torch.
+        import torch
+
         self.vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-masks")
+        self._jobs: queue.SimpleQueue[MaskJob | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="slipstream-masks",
+                                        daemon=True)
+        self._thread.start()
         cpus = cpus if cpus is not None else _usable_cpus()
         self._executor = llguidance.LLExecutor() if cpus >= PARALLEL_MIN_CPUS else None
+        self._buffers: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
+        self._turn = 0
+        self._last: MaskJob | None = None
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job.help()
+
+    def _bitmask(self, rows: int) -> torch.Tensor:
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer.shape[0] < rows:
+            import llguidance.torch
+
+            buffer = llguidance.torch.allocate_token_bitmask(max(rows, 2 * buffer.shape[0]),
+                                                             self.vocab_size)
+            self._buffers[self._turn] = buffer
+        return buffer[:rows]
 
     def start(self, rows: list[tuple[int, llguidance.LLMatcher]]) -> MaskJob | None:
         """Start computing the masks of ``rows`` (sampler row, matcher); None if there are
         none, so a batch without grammars pays nothing."""
+        if self._last is not None:  # its matchers may be this job's: never fill one twice
+            self._last.wait()
+            self._last = None
         if not rows:
             return None
-        return MaskJob(self._pool, self._executor, rows, self.vocab_size)
+        job = MaskJob(rows, self._bitmask(len(rows)), self._executor)
+        self._last = job
+        self._jobs.put(job)
+        return job
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._last is not None:
+            self._last.wait()
+        self._jobs.put(None)
 
 
 def _usable_cpus() -> int:

@@ -258,12 +258,14 @@ _STALE_FILES = ("model.safetensors.index.json", "pytorch_model.bin",
 
 
 def write_tiny_model(out_dir: str | Path, preset_name: str = "tiny", seed: int = 0,
-                     force: bool = False) -> list[Path]:
+                     force: bool = False, preset: TinyModelPreset | None = None) -> list[Path]:
     """Write the model directory and return the files written. Refuses a non-empty
-    directory unless ``force`` (then our files are overwritten and stale weights removed)."""
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
-    preset = PRESETS[preset_name]
+    directory unless ``force`` (then our files are overwritten and stale weights removed).
+    ``preset`` (a benchmark's own shape) overrides ``preset_name``."""
+    if preset is None:
+        if preset_name not in PRESETS:
+            raise ValueError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
+        preset = PRESETS[preset_name]
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")

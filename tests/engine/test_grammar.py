@@ -197,3 +197,40 @@ def test_forced_tool_calls_always_parse(engine, family, parallel):
         assert parallel or len(calls) == 1
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_mask_jobs_give_each_row_its_own_mask_whoever_fills_it(engine):
+    """The sampler's side of a ``MaskJob`` fills what the helper thread has not reached:
+    with the helper held up, the sampler fills every row; either way each row holds exactly
+    its matcher's mask (checked against llguidance's own call), and a job's buffer is not
+    the one the previous job handed out."""
+    import threading
+
+    import llguidance.torch
+    import torch
+
+    from slipstream.agent.engine.grammar import MaskWorkers
+
+    grammar = json_schema_grammar(PERSON)
+    matchers = [engine.grammar.matcher(grammar) for _ in range(5)]
+    for matcher, prefix in zip(matchers, ['{"name":"a', '{"name":"', '{', '', '{"name":"bc"']):
+        assert matcher.consume_tokens(engine.tokenizer.encode(prefix, add_special_tokens=False))
+    vocab = engine.grammar.lltokenizer.vocab_size
+    expected = llguidance.torch.allocate_token_bitmask(len(matchers), vocab)
+    for index, matcher in enumerate(matchers):
+        llguidance.torch.fill_next_token_bitmask(matcher, expected, index)
+    assert len({tuple(row.tolist()) for row in expected}) > 1  # the rows differ
+
+    workers = MaskWorkers(vocab)
+    rows = [(2 * index + 1, matcher) for index, matcher in enumerate(matchers)]
+    free = workers.start(rows)().allowed.clone()
+    release = threading.Event()
+    blocker = type("Blocker", (), {"help": lambda self: release.wait(60)})()
+    workers._jobs.put(blocker)  # the helper thread is busy: this step's rows are the sampler's
+    job = workers.start(rows)
+    masks = job()
+    release.set()
+    assert masks.rows == [row for row, _ in rows] and masks.dead_rows == []
+    assert torch.equal(free, expected) and torch.equal(masks.allowed, expected)
+    assert masks.allowed.data_ptr() != workers.start(rows)().allowed.data_ptr()
+    workers.close()

@@ -133,3 +133,20 @@ def test_handle_round_trips_through_json_and_rejects_bad_fields():
         KVHandle.from_json({**handle.to_json(), "block_ids": [1]})
     with pytest.raises(ValueError, match="transport must be one of"):
         KVHandle.from_json({**handle.to_json(), "transport": "carrier-pigeon"})
+    with pytest.raises(ValueError, match="first_token_id must be >= 0"):
+        KVHandle.from_json({**handle.to_json(), "first_token_id": -1})
+
+
+def test_a_streaming_handle_round_trips_and_carries_no_blocks():
+    layout = KVLayout(2, 16, 2, 8, "float32")
+    handle = KVHandle("t", "zmq", "tcp://127.0.0.1:1", "", (), layout, (), 20,
+                      prompt_digest([1, 2]), -1, streaming=True)
+    raw = handle.to_json()
+    assert raw["streaming"] is True and raw["block_ids"] == []
+    assert KVHandle.from_json(raw) == handle
+    with pytest.raises(ValueError, match="carries no block_ids"):
+        KVHandle.from_json({**raw, "block_ids": [4, 5]})
+    # A complete handle from an older prefill instance has no "streaming" field.
+    complete = {**raw, "streaming": None, "block_ids": [4, 5], "first_token_id": 3}
+    del complete["streaming"]
+    assert KVHandle.from_json(complete).streaming is False
