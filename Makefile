@@ -167,6 +167,9 @@ bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's ow
 bench-cuda-graphs: setup  ## short-prefill latency per (length, batch) bucket, eager vs CUDA graph (GPU only)
 	$(BIN)/python -m slipstream.agent.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs
 
+bench-first-start: setup default-model  ## how long serve's first start spends profiling (tiny, SmolLM2) and the second reading it (docs/scheduling.md)
+	$(BIN)/python -m slipstream.agent.bench.first_start --out $(RESULTS)/first-start
+
 bench-peer: setup default-model  ## Slipstream vs llama.cpp's llama-server, same GGUF, this CPU: tok/s at 1/8/32 streams, convoy TTFT (docs/peers.md; builds llama.cpp once, ~10 min)
 	$(BIN)/python -m slipstream.agent.bench.peer_bench --out $(RESULTS)/peer
 

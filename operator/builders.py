@@ -177,11 +177,19 @@ def agent_command(*, rank: int, role: str | None = None) -> list[str]:
     runs `slipstream worker` for its node's ranks. The rank layout comes from the
     SLIPSTREAM_* variables (see ``parallel_env``). Everything the spec says about the engine
     is in the mounted ConfigMap; the flags are only the ports the pod declares (the address
-    to bind is $POD_IP, which the agent reads itself) and, with disaggregation, the role."""
+    to bind is $POD_IP, which the agent reads itself), ``--no-profile`` and, with
+    disaggregation, the role.
+
+    ``--no-profile``: a pod's file system does not outlive it, so a server that profiled
+    itself on start (``slipstream serve`` does, outside a cluster) would profile again in
+    every pod that autoscaling, a rolling update or a restart creates, minutes before it can
+    be ready. Pods pack a fixed token budget until a profile made once per node and GPU type
+    can be handed to them (docs/scheduling.md)."""
     if rank > 0:
         return ["slipstream", "worker"]
     command = ["slipstream", "serve", "--config", f"{CONFIG_MOUNT_DIR}/{ENGINE_CONFIG_FILE}",
-               "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT)]
+               "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT),
+               "--no-profile"]
     if role is not None:
         command += ["--role", role]
     if role == PREFILL_ROLE:

@@ -15,8 +15,10 @@ same prompts, side by side in one run (``make bench-peer``; docs/peers.md).
    (F32) and for Slipstream under LARS and under FCFS.
 
 Both servers get the same thread count. llama.cpp runs with ``--parallel 32`` slots over one
-unified KV buffer that holds a full-context request. Slipstream runs with a runtime profile (the
-time-budget packer), made once and cached like ``sim_vs_live`` does, unless ``--profile none``.
+unified KV buffer that holds a full-context request. Slipstream runs with the runtime profile
+(the time-budget packer) that ``slipstream serve`` makes on its first start and caches
+(auto_profile.py), unless ``--profile none``; the benchmark makes or reads it before the
+first server starts, so the profiling time is reported, not mixed into a server's start.
 Building llama.cpp takes about 10 minutes on 2 cores the first time (agent/bench/llamacpp.py);
 it is never part of ``make test``.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -41,7 +44,7 @@ from slipstream.agent.bench.llamacpp import bin_dir, ensure_built
 from slipstream.agent.bench.local_process import running
 from slipstream.agent.bench.serve_bench import LoadConfig, run_load
 from slipstream.agent.bench.serve_metrics import RequestTiming, serving_metrics
-from slipstream.agent.bench.sim_vs_live import cached_profile
+from slipstream.agent.engine.auto_profile import ensure_profile
 from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir
 from slipstream.agent.parallel.launch import free_port
@@ -94,7 +97,7 @@ def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
                 "--port", str(port), "--control-port", "0", "--served-model-name", MODEL_NAME,
                 "--max-model-len", str(CONTEXT_TOKENS),
                 "--num-kv-blocks", str(2 * CONTEXT_TOKENS // 16),
-                *(["--profile", str(profile_dir)] if profile_dir else []),
+                *(["--profile", str(profile_dir)] if profile_dir else ["--no-profile"]),
                 "--policy", system.policy,
                 "--max-space-share-fraction", space_share,
                 "--long-request-threshold-tokens", str(long_threshold_tokens),
@@ -192,6 +195,11 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _write_partial(out: Path, report: dict) -> None:
+    """What has been measured so far, so a run cut short still leaves its figures."""
+    (out / "peer.partial.json").write_text(json.dumps(report, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -202,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=1, help="requests per stream")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--convoy-duration-s", type=float, default=60.0)
-    parser.add_argument("--convoy-rate", type=float, default=0.5,
+    # 45 s at 2/3 per second: about 30 short requests; two full-context documents. Each
+    # document is ~3 TFLOP of prefill for SmolLM2 on two CPU cores (about a minute), so three
+    # servers x three documents would not fit the run in 12 minutes.
+    parser.add_argument("--convoy-duration-s", type=float, default=45.0)
+    parser.add_argument("--convoy-rate", type=float, default=2 / 3,
                         help="short requests per second")
-    parser.add_argument("--long-count", type=int, default=3)
+    parser.add_argument("--long-count", type=int, default=2)
     parser.add_argument("--long-tokens", type=int, default=CONTEXT_TOKENS - 16,
                         help="prompt tokens of each long document")
     parser.add_argument("--long-threshold-tokens", type=int, default=2048,
@@ -214,11 +225,14 @@ def main(argv: list[str] | None = None) -> int:
                         "throughput, convoy, q4_1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="auto",
-                        help="Slipstream's runtime profile: 'auto' (`slipstream profile --grid "
-                             "small`, made once and cached), a profile directory, or 'none' "
-                             "(no time-budget packer: a fixed token budget per iteration, "
-                             "what `slipstream serve` does without --profile)")
+                        help="Slipstream's runtime profile: 'auto' (the one `slipstream serve` "
+                             "makes on its first start and caches), a profile directory, or "
+                             "'none' (no time-budget packer: a fixed token budget per "
+                             "iteration, `slipstream serve --no-profile`)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     skip = set(filter(None, args.skip.split(",")))
     quantized = packaged_default_gguf()
     if quantized is None:
@@ -228,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = cached_model_dir(quantized, slipstream_cache_dir())
     started = time.monotonic()
     profile_dir = (None if args.profile == "none" else
-                   cached_profile(model_dir, "small", args.threads, refresh=False)
+                   ensure_profile(model_dir, "auto", "cpu", args.threads)
                    if args.profile == "auto" else Path(args.profile))
     profile_s = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
@@ -251,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     throughput(url, int(s), args.prompt_tokens, args.output_tokens, args.waves)
                     for s in args.streams.split(",")]
                 print(json.dumps({system.name: report["throughput"][system.name]}))
+                _write_partial(args.out, report)
     requests = convoy_workload(args.seed, args.convoy_duration_s, args.convoy_rate,
                                args.long_count, args.long_tokens)
     if "convoy" not in skip:
@@ -265,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({system.name: {k: v for k, v in
                                                 report["convoy"][system.name].items()
                                                 if k != "short_ttft_s"}}))
+                _write_partial(args.out, report)
     summary: dict = {}
     if report["throughput"]:
         ours = report["throughput"]["slipstream (fp32)"]
@@ -289,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                           "load_average_before": list(load_before),
                           "load_average_after": list(os.getloadavg())}
     (args.out / "peer.json").write_text(json.dumps(report, indent=2))
+    (args.out / "peer.partial.json").unlink(missing_ok=True)
     plot(report, args.out / "peer.png")
     print(json.dumps({"summary": summary, "settings": report["settings"]}, indent=2))
     return 0

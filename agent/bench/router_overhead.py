@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, dict[str, list[float]]] = {
         path: {"ttft": [], "e2e": []} for path in ("direct", "router")}
     with _process(["serve", "--port", str(agent_port), "--device", "cpu", "--log-level",
-                   "warning"], f"{agent_url}/health", args.out / "serve.log"), \
+                   "warning", "--no-profile"], f"{agent_url}/health", args.out / "serve.log"), \
             _process(["router", "--port", str(router_port), "--backend", f"{agent_url}=short",
                       "--log-level", "warning"], f"{router_url}/health",
                      args.out / "router.log"), httpx.Client(timeout=60) as client:

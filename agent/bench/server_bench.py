@@ -49,7 +49,7 @@ def measure(preset: str, layout: str, concurrency: int, args: argparse.Namespace
                "--model", str(model_dir(preset)), "--port", str(port), "--control-port", "0",
                "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs",
                str(args.max_num_seqs), "--served-model-name", MODEL_NAME,
-               "--log-level", "warning", LAYOUTS[layout]]
+               "--log-level", "warning", "--no-profile", LAYOUTS[layout]]
     env = {k: v for k, v in os.environ.items() if k != "POD_IP"}
     log = log_dir / f"serve-{preset}-{layout}-{concurrency}.log"
     with log.open("wb") as out:

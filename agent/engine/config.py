@@ -197,6 +197,9 @@ class EngineConfig:
     # A profile directory (``slipstream profile``) turns on the time-budget packer; without
     # one the scheduler packs a plain token budget of max_batched_tokens.
     profile_dir: Path | None = None
+    # With no profile_dir: measure one (or read the cached one) before the engine is built
+    # (auto_profile.with_runtime_profile; `slipstream serve` without --profile/--no-profile).
+    auto_profile: bool = False
     # Run batches made only of fresh short prefills through the padded static-shape path,
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     cuda_graphs: bool = False

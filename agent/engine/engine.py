@@ -112,6 +112,12 @@ class LLMEngine:
                                           prefix_caching=scheduler_config.prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager,
                                    predictor=_load_predictor(config))
+        if config.profile_dir is None:
+            log.info("packer: a fixed budget of %d tokens per iteration (no runtime profile)",
+                     scheduler_config.max_batched_tokens)
+        else:
+            log.info("packer: time budget of %g ms per iteration, runtime profile %s",
+                     scheduler_config.target_batch_time_ms, config.profile_dir)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids)
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,

@@ -55,28 +55,42 @@ DECODE_BATCH_GRID = (1, 2, 4, 8, 16, 32, 64)
 DECODE_KV_GRID = (256, 1024, 4096, 16384, 32768)
 
 
-def best_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+def best_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2,
+            max_ms: float | None = None) -> float:
     """The fastest of ``repeats`` timed runs, in ms. Interference from other processes only
-    ever adds time, so the minimum is the most repeatable estimate on a shared machine."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
+    ever adds time, so the minimum is the most repeatable estimate on a shared machine.
+
+    With ``max_ms`` (the quick grid of a server's first start), a point is warmed up once and
+    stops once its runs took that long, after at least one timed run: a slow point is measured
+    fewer times, and its noise is a smaller share of it."""
+    def timed() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - started) * 1000)
+        return (time.perf_counter() - started) * 1000
+
+    spent = 0.0
+    for _ in range(warmup if max_ms is None else min(warmup, 1)):
+        spent += timed()
+    samples: list[float] = []
+    for _ in range(repeats):
+        samples.append(timed())
+        spent += samples[-1]
+        if max_ms is not None and spent > max_ms:
+            break
     return min(samples)
 
 
 class Profiler:
-    def __init__(self, runner: ModelRunner, repeats: int = 7) -> None:
+    def __init__(self, runner: ModelRunner, repeats: int = 7,
+                 max_point_ms: float | None = None) -> None:
         self.runner = runner
         self.device = runner.device
         self.repeats = repeats
+        self.max_point_ms = max_point_ms  # see best_ms
         # ModuleDict hands out plain Modules; these are the model's decoder layers.
         self.layers = cast(list[LlamaDecoderLayer], list(runner.model.model.layers.values()))
         self.layer = self.layers[0]
@@ -118,7 +132,8 @@ class Profiler:
         def on_every_layer(op: Callable[[LlamaDecoderLayer], object]) -> Callable[[], object]:
             return lambda: [op(layer) for layer in layers]
 
-        return {name: best_ms(on_every_layer(op), self.device, self.repeats) / len(layers)
+        return {name: best_ms(on_every_layer(op), self.device, self.repeats,
+                              max_ms=self.max_point_ms) / len(layers)
                 for name, op in ops.items()}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
@@ -144,7 +159,8 @@ class Profiler:
                             device=self.device, dtype=self.runner.dtype)
         k_cache, v_cache = self.runner.kv_caches[0]
         return best_ms(lambda: backend.run(query, k_cache, v_cache, attn.scale,
-                                             return_lse=False), self.device, self.repeats)
+                                             return_lse=False), self.device, self.repeats,
+                       max_ms=self.max_point_ms)
 
     def prefill_attention(self, kv_before: int, chunk: int) -> float:
         return self._attention_ms([(kv_before, chunk)])
@@ -184,8 +200,9 @@ def predict_ms(predictor: RuntimePredictor, batch: Batch) -> float:
     return predict_batch_time_ms(predictor, prefills, decode_kv_lens)
 
 
-def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 5) -> float:
-    return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1)
+def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 5,
+                       max_ms: float | None = None) -> float:
+    return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1, max_ms=max_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +215,7 @@ class ProfileGrid:
     calibration_batches: int = 24  # random ModelRunner batches for the runner overhead
     calibration_repeats: int = 5
     engine_load: CalibrationLoad = CalibrationLoad()  # engine steps for the host overhead
+    max_point_ms: float | None = None  # stop repeating a grid point after this long (best_ms)
 
 
 # "small" keeps profiling a ~100M-parameter model on a 2-core CPU to a few minutes: fewer
@@ -210,6 +228,18 @@ PROFILE_GRIDS = {
                          calibration_batches=16, calibration_repeats=3,
                          engine_load=CalibrationLoad(waves=(1, 4, 12, 24),
                                                      prompt_tokens=(16, 200))),
+    # "quick" is what `slipstream serve` measures on its first start (auto_profile.py): what the
+    # time-budget packer needs, as fast as possible. Three points per attention axis (the
+    # predictor interpolates between them and extrapolates past the last), linear ops up to
+    # 512 tokens (beyond, linear in tokens: a 512-token GEMM is compute-bound already), a slow
+    # point timed once after one warm-up, and a lighter calibration.
+    "quick": ProfileGrid(tokens=(1, 8, 32, 128, 512),
+                         prefill_kv=(0, 1024, 4096), prefill_chunk=(32, 128, 512),
+                         decode_batch=(1, 8, 64), decode_kv=(256, 2048, 16384),
+                         calibration_batches=4, calibration_repeats=1,
+                         engine_load=CalibrationLoad(waves=(1, 4, 12), prompt_tokens=(16, 160),
+                                                     output_tokens=(8, 24)),
+                         max_point_ms=200.0),
 }
 
 
@@ -238,7 +268,8 @@ def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
     """(sequences, execute - tables ms) over random mixed batches: decodes with KV up to 2K
     next to prefill chunks, shapes a serving load may not reach."""
     predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
-    return [(len(batch.chunks), measure_execute_ms(runner, batch, grid.calibration_repeats)
+    return [(len(batch.chunks), measure_execute_ms(runner, batch, grid.calibration_repeats,
+                                                   grid.max_point_ms)
              - predict_ms(predictor, batch))
             for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
                                              2048)]
@@ -246,7 +277,7 @@ def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
 
 def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
                         random_batches: Sequence[tuple[int, float]],
-                        meta: ProfileMeta) -> ProfileMeta:
+                        meta: ProfileMeta, dtype: str = "auto") -> ProfileMeta:
     """``meta`` with the runner and host overheads, fitted on the steps the real LLMEngine runs when it
     packs a serving load with this profile (see step_calibration.py); the runner's also on
     ``random_batches``, with as much weight in total as the engine steps."""
@@ -254,8 +285,8 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
     # usual 50 ms target (a ~100M model on one CPU core takes ~50 ms for 32 tokens).
     bootstrap = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
     target_ms = max(50.0, 2.0 * predict_batch_time_ms(bootstrap, [(128, 128)], []))
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device=device, profile_dir=profile_dir,
-                                    num_kv_blocks=4096),
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
+                                    profile_dir=profile_dir, num_kv_blocks=4096),
                        SchedulerConfig(target_batch_time_ms=target_ms))
     try:
         timings = time_engine_steps(engine, load)
@@ -275,11 +306,11 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int,
-            grid: ProfileGrid = ProfileGrid()) -> Path:
+            grid: ProfileGrid = ProfileGrid(), dtype: str = "auto") -> Path:
     model_config = ModelConfig.from_dir(model_dir)
     # Calibration batches hold up to 24 decodes of 2K tokens plus three prefill chunks.
     needed_blocks = max(2 * max(grid.decode_kv), 60_000) // BLOCK_SIZE + 64
-    runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device,
+    runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
                                       num_kv_blocks=needed_blocks), model_config)
     steps = len(grid.tokens) + len(grid.prefill_kv) * len(grid.prefill_chunk) + \
         len(grid.decode_batch) * len(grid.decode_kv) + 2
@@ -289,8 +320,9 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
                               "num_key_value_heads": model_config.num_kv_heads,
                               "intermediate_size": model_config.intermediate_size},
                        linear_profiled_max_tokens=max(grid.tokens))
-    with torch.inference_mode(), tqdm(total=steps, unit="point", desc="profiling") as progress:
-        tables = measure_tables(Profiler(runner, repeats), grid, progress)
+    with torch.inference_mode(), tqdm(total=steps, unit="point", desc="profiling",
+                                      mininterval=2.0) as progress:
+        tables = measure_tables(Profiler(runner, repeats, grid.max_point_ms), grid, progress)
         write_profile(out, tables, meta)
         # Random batches first: a rough overhead, so the engine below packs sensibly.
         random_batches = random_batch_residuals(runner, out, grid)
@@ -302,7 +334,7 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         progress.update()
         del runner  # the engine below loads its own copy of the weights
         meta = fit_on_engine_steps(model_dir, device, out, grid.engine_load, random_batches,
-                                   meta)
+                                   meta, dtype)
         progress.update()
     write_profile(out, tables, meta)
     return out
@@ -314,14 +346,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--out", type=Path, required=True, help="profile directory to write")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per grid point")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        default="auto", help="as `slipstream serve --dtype`")
     parser.add_argument("--grid", choices=sorted(PROFILE_GRIDS), default="full",
-                        help="grid size: 'small' profiles a ~100M-parameter CPU model in minutes")
+                        help="grid size: 'small' profiles a ~100M-parameter CPU model in minutes; "
+                             "'quick' is what `slipstream serve` measures on its first start")
 
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.agent.engine.tiny_model import ensure_default_model
 
     model_dir = args.model or ensure_default_model()
-    out = profile(model_dir, args.device, args.out, args.repeats, PROFILE_GRIDS[args.grid])
+    out = profile(model_dir, args.device, args.out, args.repeats, PROFILE_GRIDS[args.grid],
+                  dtype=args.dtype)
     print(f"wrote profile of {model_dir.name} to {out}")
     return 0

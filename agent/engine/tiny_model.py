@@ -295,10 +295,17 @@ def write_tiny_model(out_dir: str | Path, preset_name: str = "tiny", seed: int =
 
 
 def slipstream_cache_dir() -> Path:
-    """Where Slipstream keeps generated files: ``$SLIPSTREAM_CACHE_DIR`` or
-    ``~/.cache/slipstream``. The only place that reads the variable."""
+    """Where Slipstream keeps generated files (converted models, runtime profiles):
+    ``$SLIPSTREAM_CACHE_DIR``, else the user cache directory of the XDG base directory spec,
+    ``$XDG_CACHE_HOME/slipstream`` (``~/.cache/slipstream`` when that is unset). The only place
+    that reads the variables."""
     configured = os.environ.get(CACHE_DIR_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "slipstream"
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The spec says a relative path is invalid and is to be ignored.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "slipstream"
 
 
 def _is_current(model_dir: Path) -> bool:

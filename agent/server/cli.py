@@ -222,13 +222,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "reserved share for late long prefills; docs/scheduling.md), "
                             "lars-classic (Medha's least relative slack), fcfs, edf, lrs, "
                             "srpt (TRAIL, limited preemption) or justitia (fair per app_id)")
-    sched.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                       help="runtime profile from `slipstream profile`; enables the time-budget "
-                            "packer (adaptive chunking). Without it each iteration packs "
-                            "--max-batched-tokens tokens")
+    profile = sched.add_mutually_exclusive_group()
+    profile.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                         help="runtime profile from `slipstream profile`, for the time-budget "
+                              "packer (adaptive chunking). Default: the server profiles the "
+                              "engine on its first start (minutes on a CPU; a progress bar "
+                              "shows it) and caches that per model, dtype, device, thread "
+                              "count and engine version (docs/scheduling.md)")
+    profile.add_argument("--no-profile", action="store_true",
+                         help="no profile: each iteration packs a fixed budget of "
+                              "--max-batched-tokens tokens (starts without profiling)")
     sched.add_argument("--target-batch-time-ms", type=float, default=None, metavar="MS",
-                       help="iteration time budget with --profile; default: --slo-tpot-ms if "
-                            "given, else 50")
+                       help="iteration time budget of the time-budget packer; default: "
+                            "--slo-tpot-ms if given, else 50")
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
                        help="most of the budget a long prefill yields to short ones (Medha)")
     sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144,
@@ -388,6 +394,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
+        auto_profile=args.profile is None and not args.no_profile,
         cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
                                 kvp_tokens_per_group=args.kvp_tokens_per_group),
@@ -509,10 +516,12 @@ def _start_engine(args: argparse.Namespace, engine_config: EngineConfig) -> Serv
         return EngineCoreClient(engine_config, scheduler_config_from_args(args),
                                 threads=args.engine_threads, wait=False)
     from slipstream.agent.engine.async_engine import AsyncEngine
+    from slipstream.agent.engine.auto_profile import with_runtime_profile
     from slipstream.agent.parallel.compose import build_engine
 
     logging.getLogger(__name__).info("the engine runs on a thread of this process "
                                      "(--single-process)")
+    engine_config = with_runtime_profile(engine_config)
     return AsyncEngine(engine_config, engine=build_engine(
         engine_config, scheduler_config_from_args(args)))
 

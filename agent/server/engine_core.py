@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 0.5  # idle: how often the core re-checks its workers and sends fresh stats
 START_TIMEOUT_S = 600.0
+AUTO_PROFILE_TIMEOUT_S = 3600.0  # added to the start timeout when the core may profile first
 STOP_TIMEOUT_S = 30.0
 EXIT_CORE_DEAD = 3
 
@@ -155,6 +156,12 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
     engine: LLMEngine | None = None
     failure = ""
     try:
+        from slipstream.agent.engine.auto_profile import with_runtime_profile
+
+        # A first start profiles here, in the process and with the threads the steps use;
+        # its progress lines are worth showing at this process's WARNING level.
+        logging.getLogger("slipstream.agent.engine.auto_profile").setLevel(logging.INFO)
+        config = with_runtime_profile(config, core_threads(threads))
         engine = build_engine(config, scheduler_config, output_text=False)
     except Exception as error:  # noqa: BLE001 - tell the API process why, then exit
         failure = str(error) or type(error).__name__
@@ -318,6 +325,10 @@ class EngineCoreClient:
         self.fatal_error: str | None = None
         self.healthy = False
         self.draining = False  # set by drain(): takes no new requests, finishes the rest
+        # A first start may profile the engine before building it (auto_profile.py): minutes
+        # on a CPU, more on a loaded one; a start cut short would only profile again.
+        if config.auto_profile and config.profile_dir is None:
+            start_timeout_s += AUTO_PROFILE_TIMEOUT_S
         self._start_timeout_s = start_timeout_s
         self._ready: Ready | None = None
         self._observer: Callable[[StepSummary], None] | None = None

@@ -32,7 +32,7 @@ def parallel_server(tiny_model_dir, tmp_path):
     base_url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "slipstream.cli", "serve", "--model", str(tiny_model_dir),
             "--device", "cpu", "--spp", "2", "--port", str(port), "--max-model-len", "4096",
-            "--num-kv-blocks", "512", "--log-level", "warning"]
+            "--num-kv-blocks", "512", "--log-level", "warning", "--no-profile"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
     with local_process.running(argv, log_path, f"{base_url}/health", env=env,
                                timeout_s=START_TIMEOUT_S) as process:

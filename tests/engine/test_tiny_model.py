@@ -126,3 +126,16 @@ def test_ensure_default_model_rebuilds_outdated_format(tmp_path: Path, monkeypat
     assert ensure_default_model() == model_dir
     assert (model_dir / "model.safetensors").is_file()
     assert [path.name for path in model_dir.parent.iterdir()] == ["tiny-llama-seed0"]
+
+
+def test_cache_dir_is_the_variable_else_the_xdg_user_cache(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(tiny_model.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tiny_model.slipstream_cache_dir() == tmp_path / "xdg" / "slipstream"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/path")  # invalid per the spec: ignored
+    assert tiny_model.slipstream_cache_dir() == Path.home() / ".cache" / "slipstream"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert tiny_model.slipstream_cache_dir() == Path.home() / ".cache" / "slipstream"
+    monkeypatch.setenv(tiny_model.CACHE_DIR_ENV, str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tiny_model.slipstream_cache_dir() == tmp_path / "mine"

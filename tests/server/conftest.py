@@ -89,7 +89,8 @@ def serve(model_dir: Path, log_dir: Path, *extra_args: str,
                        "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
                        "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
-                       "--control-port", str(control_port), *extra_args)
+                       "--control-port", str(control_port),
+                       *([] if "--profile" in extra_args else ["--no-profile"]), *extra_args)
     base_url = f"http://127.0.0.1:{port}"
     with local_process.running(argv, log_dir / "serve.log", f"{base_url}/health", env=env,
                                timeout_s=SERVER_START_TIMEOUT_S) as process:

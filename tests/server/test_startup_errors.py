@@ -20,7 +20,7 @@ START_TIMEOUT_S = 300  # torch's import alone takes a while on a loaded machine
 
 def serve_argv(model_dir: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "slipstream.cli", "serve", "--model", str(model_dir),
-            "--host", "127.0.0.1", *flags]
+            "--host", "127.0.0.1", "--no-profile", *flags]
 
 
 def environment() -> dict[str, str]:

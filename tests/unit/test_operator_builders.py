@@ -38,7 +38,8 @@ def test_rank0_pod_serves_the_mounted_config_on_its_pod_ip():
     container = manifest["spec"]["containers"][0]
     assert container["command"] == [
         "slipstream", "serve", "--config", f"{builders.CONFIG_MOUNT_DIR}/engine.yaml",
-        "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT)]
+        "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT),
+        "--no-profile"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts[builders.CONFIG_VOLUME]["mountPath"] == builders.CONFIG_MOUNT_DIR
     volumes = {v["name"]: v for v in manifest["spec"]["volumes"]}

@@ -91,7 +91,7 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line(tiny_model_dir, ca
 
     monkeypatch.setattr(uvicorn.Server, "run", must_not_serve)
     args = _parse(["--model", str(tiny_model_dir), "--device", "cpu", "--control-port", "0",
-                   "--kv-cache-memory", "64TiB"])
+                   "--kv-cache-memory", "64TiB", "--no-profile"])
     with caplog.at_level("ERROR"):
         assert cli.run(args) == 2
     [line] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]

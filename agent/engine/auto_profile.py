@@ -1,0 +1,205 @@
+"""The runtime profile a server makes for itself on its first start, so the time-budget packer
+is on by default.
+
+    slipstream serve (no --profile, no --no-profile)
+        --> ProfileKey(model files, dtype, device, threads, engine version)
+        --> <cache>/runtime-profiles/<model>-<device>-<dtype>-<hash>/
+              key.json matches and the tables load?  yes --> use it (no profiling)
+                                                     no  --> one-line warning if it was there
+                                                             (stale or corrupt), then
+                                                             `slipstream profile --grid quick`
+                                                             into <entry>.partial, renamed into place
+
+The entry's name holds a hash of the model's path, the device, the dtype and the thread count,
+so each of those gets its own entry. ``key.json`` holds the whole key: an entry made by another
+engine version, or from model files that changed since, is stale and measured again in place. An
+entry that no longer loads (a truncated table, a missing file) is corrupt and measured again.
+A lock file serializes servers that start together on one machine: the second waits for the
+first one's profile and reads it.
+
+Bump ``PROFILER_VERSION`` when the profiler, the kernels or the engine's step change what a
+step costs, so cached profiles are measured again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from slipstream import __version__
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.loader import resolve_dtype
+from slipstream.agent.engine.model_runner import resolve_device
+
+log = logging.getLogger(__name__)
+
+PROFILER_VERSION = "1"
+GRID = "quick"
+REPEATS = 3
+KEY_FILE = "key.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileKey:
+    """What a profile's timings depend on."""
+
+    model: str  # the model directory, resolved
+    model_files: str  # hash of config.json and the weight files' names, sizes and times
+    dtype: str  # resolved: float32, bfloat16, float16
+    device: str  # cpu or cuda, with the processor's or GPU's name
+    threads: int  # torch CPU threads the engine runs with
+    engine_version: str  # slipstream, profiler and torch versions, and the grid
+
+    def entry_name(self, model_name: str) -> str:
+        """Named by where the profile applies (model, device, dtype, threads), so a profile
+        that a new engine version or changed model files made stale is replaced in place."""
+        identity = [self.model, self.dtype, self.device, self.threads]
+        digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:12]
+        return f"{model_name}-{self.device.split(':')[0]}-{self.dtype}-{digest}"
+
+
+def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
+                grid: str = GRID) -> ProfileKey:
+    model_config = ModelConfig.from_dir(model_dir)
+    torch_device = resolve_device(device)
+    resolved = resolve_dtype(dtype, model_config, torch_device)
+    return ProfileKey(model=str(model_dir.resolve()), model_files=_model_files_hash(model_dir),
+                      dtype=str(resolved).removeprefix("torch."),
+                      device=_device_name(torch_device), threads=threads,
+                      engine_version=f"slipstream {__version__}, profiler {PROFILER_VERSION}, "
+                                     f"torch {torch.__version__}, grid {grid}")
+
+
+def _model_files_hash(model_dir: Path) -> str:
+    files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors")),
+             *sorted(model_dir.glob("*.bin"))]
+    facts = [(path.name, path.stat().st_size, path.stat().st_mtime_ns)
+             for path in files if path.is_file()]
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{_cpu_model()} x{os.cpu_count()}"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cache_root() -> Path:
+    from slipstream.agent.engine.tiny_model import slipstream_cache_dir
+
+    return slipstream_cache_dir() / "runtime-profiles"
+
+
+def entry_problem(entry: Path, key: ProfileKey) -> str | None:
+    """Why the cached profile at ``entry`` cannot be used for ``key`` (None: it can)."""
+    from slipstream.agent.scheduler.predictor import RuntimePredictor
+
+    if not entry.exists():
+        return "missing"
+    try:
+        stored = json.loads((entry / KEY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"corrupt ({KEY_FILE}: {error})"
+    if stored != dataclasses.asdict(key):
+        changed = sorted(name for name, value in dataclasses.asdict(key).items()
+                         if stored.get(name) != value)
+        return f"stale ({', '.join(changed)} changed)"
+    try:
+        RuntimePredictor.from_directory(entry, cache_dir=None)
+    except Exception as error:  # noqa: BLE001 - any load failure means: measure again
+        return f"corrupt ({type(error).__name__}: {error})"
+    return None
+
+
+def with_runtime_profile(config: EngineConfig, threads: int | None = None) -> EngineConfig:
+    """``config`` with the cached (or freshly measured) profile as its ``profile_dir`` when it
+    asks for one (``auto_profile``) and has none; unchanged otherwise. Called in the process
+    that runs the engine, before the engine is built; ``threads``: the torch threads its steps
+    will run with (default: the current count)."""
+    if not config.auto_profile or config.profile_dir is not None:
+        return config
+    budget = f"each iteration packs up to {config.max_batched_tokens} tokens"
+    if not config.parallel.is_single_process:
+        log.warning("no runtime profile: the automatic one covers one device, not tp x spp x "
+                    "kvp = %d ranks; %s (pass --profile for the time-budget packer)",
+                    config.parallel.world_size, budget)
+        return config
+    try:
+        entry = ensure_profile(config.model_dir, config.dtype, config.device, threads)
+    except (OSError, RuntimeError, ValueError) as error:
+        log.warning("profiling failed (%s: %s); %s", type(error).__name__, error, budget)
+        return config
+    return dataclasses.replace(config, profile_dir=entry)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
+                   threads: int | None = None, root: Path | None = None,
+                   grid: str | None = None) -> Path:
+    """The cached profile of ``model_dir`` on this device, measured first if there is none
+    (or only a stale or corrupt one)."""
+    from slipstream.agent.engine.profiler import PROFILE_GRIDS, profile
+
+    grid = grid or GRID
+    threads = threads or torch.get_num_threads()
+    key = profile_key(model_dir, dtype, device, threads, grid)
+    root = root or cache_root()
+    entry = root / key.entry_name(model_dir.name)
+    with _locked(root / f"{entry.name}.lock"):
+        problem = entry_problem(entry, key)
+        if problem is None:
+            log.info("runtime profile: %s (cached; the time-budget packer is on)", entry)
+            return entry
+        if problem != "missing":
+            log.warning("ignoring the cached runtime profile %s: %s; profiling again", entry,
+                        problem)
+        log.info("first start of %s on this device (%s, %s, %d threads): profiling the engine "
+                 "for the time-budget packer, once, into %s. It takes minutes on a CPU and "
+                 "goes wrong on a busy machine; --no-profile skips it, --profile DIR uses one "
+                 "you made", model_dir.name, key.device, key.dtype, threads, root)
+        staging = entry.with_name(entry.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        started = time.monotonic()
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            profile(model_dir, device, staging, REPEATS, PROFILE_GRIDS[grid], dtype=dtype)
+        finally:
+            torch.set_num_threads(previous_threads)
+        (staging / KEY_FILE).write_text(json.dumps(dataclasses.asdict(key), indent=1) + "\n",
+                                        encoding="utf-8")
+        shutil.rmtree(entry, ignore_errors=True)
+        staging.rename(entry)
+        log.info("profiled %s in %.0f s; cached at %s", model_dir.name,
+                 time.monotonic() - started, entry)
+    return entry
