@@ -52,8 +52,10 @@ def test_short_pool_pressure_moves_one_instance_per_cooldown(dev_cluster, sr_nam
                "rebalance": {"enabled": True, "periodSeconds": 2,
                              "cooldownSeconds": COOLDOWN_S, "hysteresis": 0.2,
                              "minPerPool": 1}},
-        # A TTFT objective the CPU tiny model misses under load: SLO deviation is the signal.
-        slo={"ttftSeconds": 0.005}))
+        # A TTFT objective no first token can meet (0.1 ms), so every served request adds SLO
+        # deviation, the signal, on whatever the engine's speed: 5 ms was missed by the one-
+        # process layout under load, but an engine core in its own process often meets it.
+        slo={"ttftSeconds": 0.0001}))
     replica = wait_ready(dev_cluster, namespace, "mixed", "4/4")
     assert (replica["status"]["pools"]["short"], replica["status"]["pools"]["long"]) == (1, 3)
 
