@@ -252,9 +252,12 @@ def timed(what: str):
 class ClosedLoopLoad:
     """``clients`` threads that each call ``one_request(client_index, turn)`` back to back
     (with ``pause_s`` between turns) until the block ends, counting what succeeded, what
-    failed and which backends answered (whatever non-None ``one_request`` returned)."""
+    failed and which backends answered (whatever non-None ``one_request`` returned).
+    ``one_request`` returns ``NOTHING_SENT`` when it sent no request (nothing is counted)."""
 
-    def __init__(self, clients: int, one_request: Callable[[int, int], str | None],
+    NOTHING_SENT = object()
+
+    def __init__(self, clients: int, one_request: Callable[[int, int], object],
                  pause_s: float = 0.0) -> None:
         self.one_request, self.pause_s = one_request, pause_s
         self.stop = threading.Event()
@@ -284,9 +287,11 @@ class ClosedLoopLoad:
                 with self.lock:
                     self.failures.append(repr(error))
             else:
+                if backend is self.NOTHING_SENT:
+                    continue
                 with self.lock:
                     self.ok += 1
-                    if backend is not None:
+                    if isinstance(backend, str):
                         self.served_by.add(backend)
             turn += 1
             self.stop.wait(self.pause_s)

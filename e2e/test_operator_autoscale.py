@@ -70,13 +70,13 @@ class Load(ClosedLoopLoad):
         self.dev_cluster, self.namespace, self.service = dev_cluster, namespace, service
         super().__init__(clients, self._one, pause_s)
 
-    def _one(self, k: int, turn: int) -> str | None:
+    def _one(self, k: int, turn: int) -> object:
         backends = service_backends(self.dev_cluster, self.namespace, self.service)
         while not backends and not self.stop.is_set():
             self.stop.wait(0.2)
             backends = service_backends(self.dev_cluster, self.namespace, self.service)
         if not backends:
-            return None
+            return self.NOTHING_SENT
         pod = backends[(k + turn) % len(backends)]
         client = openai.OpenAI(base_url=f"http://{pod_ip(pod)}:8000/v1", api_key="unused",
                                max_retries=0, timeout=120)
