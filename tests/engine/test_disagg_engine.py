@@ -24,9 +24,10 @@ from tests.engine.test_kv_transfer import TRANSPORTS
 pytestmark = pytest.mark.timeout(300)
 
 
-def _engine(model_dir, role="mixed", transport="zmq", **disagg) -> LLMEngine:
+def _engine(model_dir, role="mixed", transport="zmq", max_batched_tokens=64,
+            **disagg) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=96,
-                                  max_batched_tokens=64,
+                                  max_batched_tokens=max_batched_tokens,
                                   disagg=DisaggConfig(role=role, transport=transport,
                                                       **disagg)))
 
@@ -272,9 +273,7 @@ def test_streaming_handoff_equals_mixed_for_many_prompts(tiny_model_dir, transpo
         expected = mixed.generate(prompts, params)
     finally:
         mixed.close()
-    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
-                                     max_batched_tokens=32,
-                                     disagg=DisaggConfig(role="prefill", transport=transport)))
+    prefill = _engine(tiny_model_dir, "prefill", transport, max_batched_tokens=32)
     decode = _engine(tiny_model_dir, "decode", transport, blocks_per_read=1)
     try:
         for i, prompt in enumerate(prompts):
@@ -303,6 +302,17 @@ def _step_until_chunk(prefill: LLMEngine, request_id: str, tokens: int) -> None:
         assert not any(o.finished for o in prefill.step())
 
 
+def _past_first_chunk(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
+                      params: SamplingParams) -> None:
+    """Hand request "d" off and run its prefill ("p-d") one 32-token chunk in, until the
+    decode side holds that chunk's two blocks."""
+    _start_handoff(prefill, decode, prompt, params, "d")
+    _step_until_chunk(prefill, "p-d", 32)
+    assert decode.disagg is not None
+    _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
+              "the decode instance to receive the first chunk's two blocks")
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_blocks_arrive_while_later_prefill_chunks_are_still_to_compute(tiny_model_dir, transport):
     """The overlap itself: after the first 32-token chunk of a 150-token prompt, the decode
@@ -315,16 +325,10 @@ def test_blocks_arrive_while_later_prefill_chunks_are_still_to_compute(tiny_mode
         expected = mixed.generate([prompt], params)[0]
     finally:
         mixed.close()
-    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
-                                     max_batched_tokens=32,
-                                     disagg=DisaggConfig(role="prefill", transport=transport)))
+    prefill = _engine(tiny_model_dir, "prefill", transport, max_batched_tokens=32)
     decode = _engine(tiny_model_dir, "decode", transport, blocks_per_read=1)
     try:
-        _start_handoff(prefill, decode, prompt, params, "d")
-        _step_until_chunk(prefill, "p-d", 32)
-        assert decode.disagg is not None
-        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
-                  "the decode instance to receive the first chunk's two blocks")
+        _past_first_chunk(prefill, decode, prompt, params)
         request = prefill.scheduler.requests["p-d"]
         assert request.num_computed_tokens < len(prompt)  # later chunks not computed yet
         _step_until_chunk(prefill, "p-d", 96)
@@ -349,15 +353,10 @@ def test_blocks_arrive_while_later_prefill_chunks_are_still_to_compute(tiny_mode
 def test_prefill_aborted_mid_prompt_fails_the_decode_side_cleanly(tiny_model_dir):
     prompt = list(range(3, 103))  # 100 tokens: four 32-token chunks
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
-                                     max_batched_tokens=32,
-                                     disagg=DisaggConfig(role="prefill", transport="zmq")))
+    prefill = _engine(tiny_model_dir, "prefill", max_batched_tokens=32)
     decode = _engine(tiny_model_dir, "decode")
     try:
-        _start_handoff(prefill, decode, prompt, params, "d")
-        _step_until_chunk(prefill, "p-d", 32)
-        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
-                  "the first chunk's blocks")
+        _past_first_chunk(prefill, decode, prompt, params)
         prefill.abort("p-d")  # a client gone, or the router gave up on this prefill
         assert prefill.block_manager.kv_blocks_used == 0 and len(prefill.disagg.exports) == 0
         outputs: dict = {}
@@ -374,17 +373,10 @@ def test_prefill_aborted_mid_prompt_fails_the_decode_side_cleanly(tiny_model_dir
 def test_prefill_instance_dying_mid_prompt_fails_the_decode_side_cleanly(tiny_model_dir):
     prompt = list(range(3, 103))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
-                                     max_batched_tokens=32,
-                                     disagg=DisaggConfig(role="prefill", transport="zmq")))
-    decode = LLMEngine(EngineConfig(
-        model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
-        disagg=DisaggConfig(role="decode", transport="zmq", transfer_timeout_s=0.5)))
+    prefill = _engine(tiny_model_dir, "prefill", max_batched_tokens=32)
+    decode = _engine(tiny_model_dir, "decode", transfer_timeout_s=0.5)
     try:
-        _start_handoff(prefill, decode, prompt, params, "d")
-        _step_until_chunk(prefill, "p-d", 32)
-        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
-                  "the first chunk's blocks")
+        _past_first_chunk(prefill, decode, prompt, params)
         prefill.close()  # its side channel goes with it, mid-prompt
         outputs: dict = {}
         _run(decode, {"d"}, outputs)
@@ -402,15 +394,10 @@ def test_decode_side_giving_up_mid_prompt_frees_the_prefill_hold(tiny_model_dir)
     sides are back at zero blocks."""
     prompt = list(range(3, 103))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prefill = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=96,
-                                     max_batched_tokens=32,
-                                     disagg=DisaggConfig(role="prefill", transport="zmq")))
+    prefill = _engine(tiny_model_dir, "prefill", max_batched_tokens=32)
     decode = _engine(tiny_model_dir, "decode")
     try:
-        _start_handoff(prefill, decode, prompt, params, "d")
-        _step_until_chunk(prefill, "p-d", 32)
-        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
-                  "the first chunk's blocks")
+        _past_first_chunk(prefill, decode, prompt, params)
         assert decode.abort("d") is not None
         _wait_for(lambda: (decode.step(), decode.disagg.num_pending)[1] == 0,
                   "the decode side to end its transfer")
