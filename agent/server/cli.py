@@ -320,8 +320,9 @@ def defaults_from_config(path: Path) -> dict[str, Any]:
     unknown = sorted(set(values) - set(CONFIG_FLAGS))
     if unknown:
         raise ValueError(f"fields slipstream serve does not read: {', '.join(unknown)}")
-    defaults = {CONFIG_FLAGS[field]: not value if field in NEGATED_CONFIG_FIELDS else value
-                for field, value in values.items()}
+    defaults: dict[str, Any] = {
+        CONFIG_FLAGS[field]: not value if field in NEGATED_CONFIG_FIELDS else value
+        for field, value in values.items()}
     if "model" in defaults:
         defaults["model"] = Path(defaults["model"])
     return defaults
