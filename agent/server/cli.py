@@ -25,8 +25,10 @@ requests get a 503 and the process exits with ``EXIT_ENGINE_DEAD`` so it is rest
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,8 @@ from slipstream.agent.server.config import (
     DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_READ_TIMEOUT_S, TOOL_CALL_PARSERS, ServerConfig)
 
 if TYPE_CHECKING:
+    from slipstream.agent.server.api_processes import ApiProcesses
+    from slipstream.agent.server.control import PoolHolder
     from slipstream.agent.server.engine_core import ServingEngine
 
 DEFAULT_HOST = "127.0.0.1"
@@ -112,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=None,
                        help="run the engine on a thread of the server process instead "
                             "(the same as --no-engine-process)")
+    model.add_argument("--api-processes", type=int, default=1, metavar="N",
+                       help="HTTP processes sharing the one engine core, all on --port "
+                            "(SO_REUSEPORT): each tokenizes, detokenizes and streams the "
+                            "requests it accepted; /metrics merges their request metrics. "
+                            "Needs the engine in its own process and the mixed role "
+                            "(docs/engine.md)")
     model.add_argument("--engine-threads", type=int, default=0, metavar="N",
                        help="torch CPU threads of the engine-core process (0: "
                             "OMP_NUM_THREADS if set, else every CPU but one, which the HTTP "
@@ -418,23 +428,56 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Heavy imports only once we are really serving; torch and the model code only in the
-    # process that runs the engine (the engine core's, unless --single-process).
-    from slipstream.agent.engine.errors import EngineDeadError
-    from slipstream.agent.server.drain import reserve_port
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger(__name__)
 
     try:
         server_config = server_config_from_args(args)
+        check_api_processes(args)
     except ValueError as error:
         log.error("cannot start: %s", error)
         return 2
+    shared_dir = None
+    if args.api_processes > 1:
+        from slipstream.agent.server.api_processes import make_shared_dir
+        from slipstream.agent.server.metrics import merge_across_processes
+
+        shared_dir = make_shared_dir()
+        merge_across_processes(str(shared_dir))  # before any metric exists
+    try:
+        return _serve(args, server_config, shared_dir)
+    finally:
+        if shared_dir is not None:
+            shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def check_api_processes(args: argparse.Namespace) -> None:
+    """ValueError when ``--api-processes`` cannot be served as asked."""
+    if args.api_processes < 1:
+        raise ValueError("--api-processes must be 1 or more")
+    if args.api_processes == 1:
+        return
+    if not use_engine_process(args):
+        raise ValueError("--api-processes above 1 needs the engine in a process of its own "
+                         "(leave out --single-process)")
+    if disagg_config_from_args(args).role != "mixed":
+        raise ValueError("--api-processes above 1 serves the mixed role only; prefill and "
+                         "decode instances run one API process")
+
+
+def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Path | None
+           ) -> int:
+    # Heavy imports only once we are really serving; torch and the model code only in the
+    # process that runs the engine (the engine core's, unless --single-process).
+    from slipstream.agent.engine.errors import EngineDeadError
+    from slipstream.agent.server.drain import reserve_port
+
+    log = logging.getLogger(__name__)
     # The ports first: one in use fails now, not after the model has loaded.
     try:
-        listener = reserve_port(server_config.host, server_config.port)
+        listener = reserve_port(server_config.host, server_config.port,
+                                shared=shared_dir is not None)
     except OSError as error:
         return _port_in_use("--port", server_config.host, server_config.port, error)
     if server_config.control_port:
@@ -445,7 +488,8 @@ def run(args: argparse.Namespace) -> int:
             return _port_in_use("--control-port", server_config.host,
                                 server_config.control_port, error)
     try:
-        engine = _start_engine(args, engine_config_from_args(args))
+        engine_config = engine_config_from_args(args)
+        engine = _start_engine(args, engine_config)
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         log.error("cannot start: %s", error)
@@ -464,13 +508,26 @@ def run(args: argparse.Namespace) -> int:
         listener.close()
         return 2
     app = build_app(engine, server_config)
+    metrics = app.state.serving.metrics
+    others: ApiProcesses | None = None  # --api-processes: the API processes after this one
+    pool_holder: PoolHolder = metrics
+    if shared_dir is not None:
+        from slipstream.agent.server.api_processes import (
+            EXIT_GRACE_S, ApiProcesses, PoolEverywhere)
+        from slipstream.agent.server.engine_core import EngineCoreClient
+
+        assert isinstance(engine, EngineCoreClient)  # check_api_processes made sure
+        extra = ApiProcesses(args.api_processes - 1, engine, engine_config, shared_dir)
+        engine.before_shutdown = lambda: extra.wait(server_config.drain_timeout_s +
+                                                    EXIT_GRACE_S)
+        others, pool_holder = extra, PoolEverywhere(metrics, engine)
     control_server = None
     if server_config.control_port:
         from slipstream.agent.server.control import ControlService, start_control_server
 
         try:
             control_server, _ = start_control_server(
-                ControlService(engine, app.state.serving.metrics), server_config.host,
+                ControlService(engine, pool_holder), server_config.host,
                 server_config.control_port)
         except OSError as error:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
@@ -487,8 +544,16 @@ def run(args: argparse.Namespace) -> int:
     # A dead worker ends the process (non-zero), after the in-flight requests got their errors.
     engine.on_fatal = lambda _reason: setattr(server, "should_exit", True)
     port = listener.getsockname()[1]  # the real one, also for --port 0
-    server.on_started = lambda: _print_banner(server_config, port, engine.model_name,
-                                              engine.max_model_len)
+
+    def on_started() -> None:
+        if others is not None:
+            # Now that the core is warm and this process serves: the others, on its port.
+            others.start(port, dataclasses.replace(server_config, pool=metrics.pool))
+        _print_banner(server_config, port, engine.model_name, engine.max_model_len)
+
+    server.on_started = on_started
+    if others is not None:
+        server.on_drain = others.drain
     try:
         server.run(sockets=[listener])
     except SystemExit:  # uvicorn's way to report a failed start-up; it logged why

@@ -90,7 +90,8 @@ class StatsSource(Protocol):
 class PoolHolder(Protocol):
     """ServingMetrics: the pool label that new requests' metrics carry."""
 
-    pool: str
+    @property
+    def pool(self) -> str: ...
 
     def set_pool(self, pool: str) -> None: ...
 

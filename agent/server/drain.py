@@ -51,6 +51,7 @@ class DrainingServer(uvicorn.Server):
         self.draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_started: Callable[[], None] | None = None
+        self.on_drain: Callable[[], None] | None = None  # passes the drain on (api_processes)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -67,6 +68,8 @@ class DrainingServer(uvicorn.Server):
         log.info("draining: no new requests; %d in flight get up to %.0f s to finish",
                  in_flight, self.drain_timeout_s)
         self._engine.drain()
+        if self.on_drain is not None:
+            self.on_drain()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.call_later, self.drain_timeout_s,
                                             self._drain_deadline)
@@ -98,15 +101,18 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int, *, shared: bool = False) -> socket.socket:
     """Bind ``host:port`` now, before the model loads, so that a port in use fails at once
     (OSError) rather than minutes later. The socket does not listen yet: until uvicorn
     starts serving on it (``DrainingServer.run(sockets=[...])``), a connection is refused,
-    not left waiting, so nobody mistakes a loading server for a ready one."""
+    not left waiting, so nobody mistakes a loading server for a ready one. ``shared``: with
+    SO_REUSEPORT, for the other API processes of ``--api-processes`` to bind it too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()

@@ -24,6 +24,7 @@ Failure: if the core reports a dead worker, or its process exits, every open req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -32,6 +33,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Protocol, cast
 
 import msgspec
@@ -53,6 +55,7 @@ from slipstream.agent.scheduler.config import SchedulerConfig
 if TYPE_CHECKING:
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.engine import LLMEngine
+    from slipstream.agent.server.api_processes import ClientAddress
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,16 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     slo: RequestSLO | None
     kv_transfer: dict | None = None
     share_prompt_with: str | None = None
+    client: int = 0  # the API process that sent it (--api-processes); its outputs go there
+
+
+class Attach(msgspec.Struct, tag="attach", array_like=True):
+    """Another API process (``--api-processes``), sent by the first one: take its commands
+    from ``command_addr`` too, and send it a ``Ready``, then its requests' outputs and every
+    step's stats and summaries at ``output_addr``."""
+    client: int
+    command_addr: str
+    output_addr: str
 
 
 class WarmUp(msgspec.Struct, tag="warm_up", array_like=True):
@@ -113,10 +126,16 @@ class WarmedUp(msgspec.Struct, tag="warmed_up", array_like=True):
     error: str | None
 
 
+class SetPool(msgspec.Struct, tag="set_pool", array_like=True):
+    """From the first API process to the others: label requests with this pool from now on
+    (the operator moved the instance)."""
+    pool: str
+
+
 _encoder = msgspec.msgpack.Encoder()
-Command = Add | Abort | Shutdown | WarmUp | CutInFlight
+Command = Add | Abort | Shutdown | WarmUp | CutInFlight | Attach
 _command_decoder = msgspec.msgpack.Decoder(Command)
-_core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp)
+_core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp | SetPool)
 
 
 # -- the engine-core process ------------------------------------------------------------------
@@ -185,10 +204,12 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
                 # collector's generations it cannot cause pauses inside schedule().
                 gc.collect()
                 gc.freeze()
-                outputs.send(_encoder.encode(Ready(engine.model_name, engine.limits,
-                                                   engine.stats(),
-                                                   sorted(engine.eos_token_ids))))
-                code = _CoreLoop(engine, commands, outputs).run()
+                outputs.send(_encoder.encode(_ready(engine)))
+                loop = _CoreLoop(engine, commands, outputs, context)
+                try:
+                    code = loop.run()
+                finally:
+                    loop.close_clients()
             finally:
                 engine.close()
     finally:
@@ -198,14 +219,26 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
     raise SystemExit(code)
 
 
+def _ready(engine: LLMEngine) -> Ready:
+    return Ready(engine.model_name, engine.limits, engine.stats(), sorted(engine.eos_token_ids))
+
+
 class _CoreLoop:
-    def __init__(self, engine: LLMEngine, commands: zmq.Socket, outputs: zmq.Socket) -> None:
+    def __init__(self, engine: LLMEngine, commands: zmq.Socket, outputs: zmq.Socket,
+                 context: zmq.Context) -> None:
         self.engine = engine
         self.commands = commands
-        self.outputs = outputs
+        self.outputs = outputs  # to the first API process (client 0)
+        self.context = context
         self.poller = zmq.Poller()
         self.poller.register(commands, zmq.POLLIN)
         self.steps: list[StepSummary] = []
+        # --api-processes: the other API processes' output sockets, which API process sent
+        # each request in flight, and refusals owed to a client other than the first.
+        self.clients: dict[int, zmq.Socket] = {}
+        self.owner: dict[str, int] = {}
+        self.refused: dict[int, list[RequestOutput]] = {}
+        self.dropping: set[int] = set()  # clients whose outputs were dropped (logged once)
         engine.on_step = self._on_step
 
     def _on_step(self, step: StepStats) -> None:
@@ -230,7 +263,10 @@ class _CoreLoop:
                     outputs += engine.poll_transfers()  # acknowledged KV hand-offs
             except EngineDeadError as error:
                 log.error("the engine is dead: %s", error)
-                self.outputs.send(_encoder.encode(Dead(str(error))))
+                dead = _encoder.encode(Dead(str(error)))
+                self.outputs.send(dead)
+                for client in self.clients:
+                    self._send_to(client, dead)
                 return EXIT_CORE_DEAD
             except Exception:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed; failing in-flight requests")
@@ -240,7 +276,46 @@ class _CoreLoop:
 
     def _send(self, outputs: list[RequestOutput]) -> None:
         steps, self.steps = self.steps, []
-        self.outputs.send(_encoder.encode(Outputs(outputs, self.engine.stats(), steps)))
+        stats = self.engine.stats()
+        if not self.clients:
+            self.outputs.send(_encoder.encode(Outputs(outputs, stats, steps)))
+            return
+        # Several API processes: each gets its own requests' outputs, and all of them the
+        # same stats and step summaries (each exports the engine-level metrics itself).
+        by_client, self.refused = self.refused, {}
+        for output in outputs:
+            client = self.owner.get(output.request_id, 0)
+            if output.finished:
+                self.owner.pop(output.request_id, None)
+            by_client.setdefault(client, []).append(output)
+        self.outputs.send(_encoder.encode(Outputs(by_client.pop(0, []), stats, steps)))
+        for client in self.clients:
+            self._send_to(client, _encoder.encode(Outputs(by_client.get(client, []), stats,
+                                                          steps)))
+
+    def _send_to(self, client: int, raw: bytes) -> None:
+        """To an API process other than the first: never blocks the loop. A process that
+        stops reading has died, and the first process then ends the server."""
+        try:
+            self.clients[client].send(raw, zmq.NOBLOCK)
+        except zmq.Again:
+            if client not in self.dropping:
+                self.dropping.add(client)
+                log.warning("API process %d is not reading its outputs; dropping them",
+                            client)
+
+    def _attach(self, command: Attach) -> None:
+        self.commands.connect(command.command_addr)
+        socket = self.context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(command.output_addr)
+        self.clients[command.client] = socket
+        self._send_to(command.client, _encoder.encode(_ready(self.engine)))
+
+    def close_clients(self) -> None:
+        for socket in self.clients.values():
+            socket.close(0)
+        self.clients.clear()
 
     def _drain(self, outputs: list[RequestOutput]) -> bool:
         """Apply every command that has arrived; False on shutdown."""
@@ -259,12 +334,20 @@ class _CoreLoop:
                                        kv_transfer=command.kv_transfer,
                                        share_prompt_with=command.share_prompt_with)
                 except ValueError as error:
-                    outputs.append(error_output(command.request_id, str(error),
-                                                 INVALID_REQUEST))
+                    refusal = error_output(command.request_id, str(error), INVALID_REQUEST)
+                    if command.client == 0:
+                        outputs.append(refusal)
+                    else:  # to the sender, whoever owns a request of that id
+                        self.refused.setdefault(command.client, []).append(refusal)
+                    continue
+                if command.client != 0:
+                    self.owner[command.request_id] = command.client
             elif isinstance(command, Abort):
                 for request_id in command.request_ids:
                     if (output := engine.abort(request_id)) is not None:
                         outputs.append(output)
+            elif isinstance(command, Attach):
+                self._attach(command)
             elif isinstance(command, CutInFlight):
                 outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
             elif isinstance(command, WarmUp):
@@ -316,12 +399,19 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  on_fatal: Callable[[str], None] | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, threads: int = 0,
-                 wait: bool = True) -> None:
+                 wait: bool = True, attach: ClientAddress | None = None) -> None:
         """Spawn the engine core. With ``wait`` (the default) return once it has loaded;
         without, return at once and call ``wait_ready`` before using the engine, so the
-        caller's own start-up work overlaps the core's."""
+        caller's own start-up work overlaps the core's.
+
+        With ``attach`` (an API process after the first, ``--api-processes``): spawn
+        nothing, bind the two addresses the first process told the core about
+        (``attach_api_process``), and serve from the core that process runs."""
         self.config = config
         self.on_fatal = on_fatal
+        self.on_set_pool: Callable[[str], None] | None = None  # attached: pool moves
+        # The first of several API processes: waits for the others before the core stops.
+        self.before_shutdown: Callable[[], None] | None = None
         self.fatal_error: str | None = None
         self.healthy = False
         self.draining = False  # set by drain(): takes no new requests, finishes the rest
@@ -336,20 +426,28 @@ class EngineCoreClient:
         self._send_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._relays: list[zmq.Socket] = []  # to the other API processes (SetPool, Dead)
         self._context = zmq.Context()
         self._commands = self._context.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.LINGER, 0)
-        command_port = self._commands.bind_to_random_port("tcp://127.0.0.1")
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.setsockopt(zmq.LINGER, 0)
-        output_port = self._outputs.bind_to_random_port("tcp://127.0.0.1")
-        # The core first: it has the long way to go (torch, the model); the tokenizer loads
-        # here meanwhile.
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="slipstream-engine-core",
-            args=(config, scheduler_config, f"tcp://127.0.0.1:{command_port}",
-                  f"tcp://127.0.0.1:{output_port}", threads))
-        self._process.start()
+        self._process: BaseProcess | None = None
+        self.client = 0
+        if attach is not None:
+            self.client = attach.client
+            self._commands.bind(attach.command_addr)
+            self._outputs.bind(attach.output_addr)
+        else:
+            command_port = self._commands.bind_to_random_port("tcp://127.0.0.1")
+            output_port = self._outputs.bind_to_random_port("tcp://127.0.0.1")
+            # The core first: it has the long way to go (torch, the model); the tokenizer
+            # loads here meanwhile.
+            self._process = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, name="slipstream-engine-core",
+                args=(config, scheduler_config, f"tcp://127.0.0.1:{command_port}",
+                      f"tcp://127.0.0.1:{output_port}", threads))
+            self._process.start()
         try:
             self.tokenizer = Tokenizer.from_dir(config.model_dir)
             if wait:
@@ -395,10 +493,40 @@ class EngineCoreClient:
                     raise EngineDeadError(message.reason)
                 if isinstance(message, kinds):
                     return cast(msgspec.Struct, message)
-            elif not self._process.is_alive():
-                raise EngineDeadError(f"the engine core exited with code "
-                                      f"{self._process.exitcode} while starting")
+            elif (code := self._core_exit_code()) is not None:
+                raise EngineDeadError(f"the engine core exited with code {code} while "
+                                      f"starting")
         raise EngineDeadError("the engine core did not answer within the timeout")
+
+    def _core_exit_code(self) -> int | None:
+        """The core's exit code once it has exited; None while it runs, and always in an
+        attached API process (the first one tells it when the core dies)."""
+        if self._process is None or self._process.is_alive():
+            return None
+        return self._process.exitcode if self._process.exitcode is not None else -1
+
+    def attach_api_process(self, client: int, address: ClientAddress) -> None:
+        """Serve API process ``client`` (``--api-processes``) from this core too: it binds
+        ``address``; the core connects to it, and so does this process, to pass on pool
+        moves and the core's death."""
+        relay = self._context.socket(zmq.PUSH)
+        relay.setsockopt(zmq.LINGER, 0)
+        relay.connect(address.output_addr)
+        with self._send_lock:
+            self._relays.append(relay)
+        self._send(Attach(client, address.command_addr, address.output_addr))
+
+    def relay_pool(self, pool: str) -> None:
+        """Tell the other API processes the instance now serves ``pool``; any thread."""
+        self._relay(SetPool(pool))
+
+    def _relay(self, message: SetPool | Dead) -> None:
+        raw = _encoder.encode(message)
+        with self._send_lock:
+            for relay in self._relays:
+                if not relay.closed:
+                    with contextlib.suppress(zmq.ZMQError):
+                        relay.send(raw, zmq.NOBLOCK)
 
     def set_step_observer(self, observer: StepObserver) -> None:
         self._observer = observer.observe_summary
@@ -412,7 +540,7 @@ class EngineCoreClient:
         (``LLMEngine.warm_up``), so ``healthy`` means it has served. Raises if that fails."""
         if self._thread is not None:
             return
-        if warm_up:
+        if warm_up and self._process is not None:  # attached: the first process warmed it
             self._send(WarmUp())
             try:
                 warmed = await asyncio.to_thread(self._wait_for, (WarmedUp,), START_TIMEOUT_S)
@@ -444,10 +572,17 @@ class EngineCoreClient:
         return request_id in self._streams
 
     async def shutdown(self) -> None:
-        """Let the core fail what is left (drained), then stop it."""
-        if self.fatal_error is None and self._process.is_alive():
-            self._send(Shutdown())
-            await asyncio.to_thread(self._process.join, STOP_TIMEOUT_S)
+        """Let the core fail what is left (drained), then stop it. An attached API process
+        leaves the core running: it aborts its own requests, if any are left."""
+        if self._process is None:
+            if self.fatal_error is None and self._streams:
+                self._send(Abort(list(self._streams)))
+        else:
+            if self.before_shutdown is not None:
+                await asyncio.to_thread(self.before_shutdown)
+            if self.fatal_error is None and self._process.is_alive():
+                self._send(Shutdown())
+                await asyncio.to_thread(self._process.join, STOP_TIMEOUT_S)
         self._stopping.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 5)
@@ -455,18 +590,21 @@ class EngineCoreClient:
         self.close()
 
     def close(self) -> None:
-        """Stop the core process if it still runs; idempotent."""
+        """Stop the core process if it still runs (this process started it); idempotent."""
         self._stopping.set()
-        if self._process.is_alive():
+        if self._process is not None and self._process.is_alive():
             self._process.terminate()
             self._process.join(5)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
-        if not self._context.closed:
-            self._commands.close(0)
-            self._outputs.close(0)
-            self._context.term()
+        with self._send_lock:
+            if not self._context.closed:
+                for relay in self._relays:
+                    relay.close(0)
+                self._commands.close(0)
+                self._outputs.close(0)
+                self._context.term()
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  app_id: str = "default", priority: int = 0,
@@ -480,7 +618,7 @@ class EngineCoreClient:
                                             TextStream(self.tokenizer, prompt_token_ids,
                                                        params.stop))
         self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                       kv_transfer, share_prompt_with))
+                       kv_transfer, share_prompt_with, self.client))
         if self.fatal_error is not None:  # died after the check above: answer now
             queue.put_nowait(dead_output(request_id))
         return stream_outputs(request_id, queue, self._streams,
@@ -502,8 +640,9 @@ class EngineCoreClient:
         while not self._stopping.is_set():
             try:
                 if not socket.poll(int(IDLE_CHECK_S * 1000)):
-                    if not self._process.is_alive() and not self._stopping.is_set():
-                        self._die(f"the engine core exited with code {self._process.exitcode}")
+                    code = self._core_exit_code()
+                    if code is not None and not self._stopping.is_set():
+                        self._die(f"the engine core exited with code {code}")
                         return
                     continue
                 raw = socket.recv()
@@ -519,6 +658,8 @@ class EngineCoreClient:
             elif isinstance(message, Dead):
                 self._die(message.reason)
                 return
+            elif isinstance(message, SetPool) and self.on_set_pool is not None:
+                self.on_set_pool(message.pool)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
@@ -538,11 +679,17 @@ class EngineCoreClient:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
+    def fail(self, reason: str) -> None:
+        """Treat the engine as dead (another API process of this server died); any thread."""
+        if self.fatal_error is None:
+            self._die(reason)
+
     def _die(self, reason: str) -> None:
         log.error("the engine core is dead, failing every request: %s", reason)
         self.fatal_error = reason
         self.healthy = False  # before the failures are delivered: they must read as 503
         self._deliver([dead_output(request_id) for request_id in list(self._streams)])
+        self._relay(Dead(reason))
         if self.on_fatal is not None:
             self.on_fatal(reason)
 

@@ -10,16 +10,27 @@ so the SLO dashboards can split them the way the pools split traffic. Names and 
 from ``metric_names``, the registry the dashboards and alert rules are checked against.
 Everything lives in a private ``CollectorRegistry``: two apps in one process (tests) never
 share series.
+
+Several API processes (``slipstream serve --api-processes N``) share one engine core, and a
+scrape reaches whichever process the kernel hands the connection to. There
+``$PROMETHEUS_MULTIPROC_DIR`` is set (by the first process, before any metric exists) and
+the request-level series (latency histograms, request/token/SLO counters, the in-flight
+gauge, summed) are merged from every process's files by prometheus_client's
+``MultiProcessCollector``. The engine-level series (batch histograms, queue and KV gauges)
+and the constants come from the answering process alone: every API process is sent the same
+step summaries and stats, so each holds the same values.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
-    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest)
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest, values)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from slipstream.agent.engine.sampling_params import RequestOutput
@@ -39,6 +50,14 @@ DEFAULT_ATTAINMENT_TARGET = 0.99
 disable_created_metrics()
 
 
+def merge_across_processes(directory: str) -> None:
+    """Record request metrics in files under ``directory`` that every API process reads at
+    a scrape (prometheus_client's multiprocess mode). Call before any metric exists; the
+    processes this one starts afterwards inherit it through the environment."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.get_value_class()
+
+
 def with_bound(buckets: tuple[float, ...], bound_s: float | None) -> tuple[float, ...]:
     """``buckets`` plus the SLO threshold itself, so ``le="<slo>"`` counts attainment exactly."""
     return buckets if bound_s is None else tuple(sorted({*buckets, float(bound_s)}))
@@ -53,8 +72,10 @@ def _counter(spec: names.MetricSpec, registry: CollectorRegistry) -> Counter:
     return Counter(spec.constructor_name, spec.help, spec.labels, registry=registry)
 
 
-def _gauge(spec: names.MetricSpec, registry: CollectorRegistry) -> Gauge:
-    return Gauge(spec.name, spec.help, spec.labels, registry=registry)
+def _summed_gauge(spec: names.MetricSpec, registry: CollectorRegistry) -> Gauge:
+    # Summed over the live API processes when there are several (ignored with one).
+    return Gauge(spec.name, spec.help, spec.labels, registry=registry,
+                 multiprocess_mode="livesum")
 
 
 class ServingMetrics:
@@ -79,12 +100,20 @@ class ServingMetrics:
         self.prompt_tokens = _counter(names.PROMPT_TOKENS, reg)
         self.generation_tokens = _counter(names.GENERATION_TOKENS, reg)
         self.slo_outcomes = _counter(names.SLO_REQUESTS, reg)
-        self.in_flight = _gauge(names.REQUESTS_IN_FLIGHT, reg)
+        self.in_flight = _summed_gauge(names.REQUESTS_IN_FLIGHT, reg)
         self._create_children()
-        self._set_constants(attainment_target)
         self.step_metrics = StepMetrics()
-        reg.register(self.step_metrics)
-        reg.register(EngineStatsCollector(stats_source))
+        local: list[Collector] = [InstanceCollector(self, attainment_target), self.step_metrics,
+                                  EngineStatsCollector(stats_source)]
+        for collector in local:
+            reg.register(collector)
+        # Several API processes: what a scrape of this one shows (see the module docstring).
+        self._exported = reg
+        if multiprocess_dir := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self._exported = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(self._exported, path=multiprocess_dir)
+            for collector in local:
+                self._exported.register(collector)
 
     def _create_children(self) -> None:
         """Export every label combination from the start (as zeros), so rates and ratios in
@@ -101,23 +130,12 @@ class ServingMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
 
-    def _set_constants(self, attainment_target: float) -> None:
-        self._pool_role = _gauge(names.POOL_ROLE, self.registry)
-        self._pool_role.labels(self.pool).set(1)
-        _gauge(names.SLO_ATTAINMENT_TARGET, self.registry).set(attainment_target)
-        if self.default_slo.ttft_s is not None:
-            _gauge(names.SLO_TTFT_TARGET, self.registry).set(self.default_slo.ttft_s)
-        if self.default_slo.tpot_s is not None:
-            _gauge(names.SLO_TPOT_TARGET, self.registry).set(self.default_slo.tpot_s)
-
     def set_pool(self, pool: str) -> None:
         """Serve another prefill pool from now on (the operator moved this instance): new
         requests carry the new label, and the pool-role gauge says so."""
         if pool == self.pool:
             return
-        self._pool_role.remove(self.pool)
         self.pool = pool
-        self._pool_role.labels(pool).set(1)
         self._create_children()
 
     def request_class(self, num_prompt_tokens: int) -> str:
@@ -137,7 +155,7 @@ class ServingMetrics:
                             self.effective_slo(slo))
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exported)
 
 
 class RequestTimer:
@@ -215,6 +233,28 @@ class RequestTimer:
             counter.labels("tpot", "met" if met else "missed", *self._labels).inc()
         # Goodput counts requests that met every objective they had.
         counter.labels("all", "met" if all_met else "missed", *self._labels).inc()
+
+
+class InstanceCollector(Collector):
+    """The instance's constants: its pool (``slipstream_pool_role_info``, 1 for the pool it
+    serves now) and its SLO targets."""
+
+    def __init__(self, metrics: ServingMetrics, attainment_target: float) -> None:
+        self._metrics = metrics
+        self._attainment_target = attainment_target
+
+    def collect(self) -> Iterator[Metric]:
+        role = GaugeMetricFamily(names.POOL_ROLE.name, names.POOL_ROLE.help,
+                                 labels=names.POOL_ROLE.labels)
+        role.add_metric([self._metrics.pool], 1)
+        yield role
+        yield GaugeMetricFamily(names.SLO_ATTAINMENT_TARGET.name,
+                                names.SLO_ATTAINMENT_TARGET.help, value=self._attainment_target)
+        slo = self._metrics.default_slo
+        for spec, value in ((names.SLO_TTFT_TARGET, slo.ttft_s),
+                            (names.SLO_TPOT_TARGET, slo.tpot_s)):
+            if value is not None:
+                yield GaugeMetricFamily(spec.name, spec.help, value=value)
 
 
 class EngineStatsCollector(Collector):
