@@ -18,7 +18,7 @@ import pytest
 from slipstream.agent.server import cli
 
 NUM_STREAMS = 16  # all on one of the two processes: probability 2**-15
-OUTPUT_TOKENS = 24
+OUTPUT_TOKENS = 200  # still streaming while the test counts the connections
 LONG_OUTPUT_TOKENS = 1500  # still running when the core is killed
 START_TIMEOUT_S = 120.0
 EXIT_TIMEOUT_S = 60.0
