@@ -37,13 +37,13 @@ GRAMMAR = json_schema_grammar(SCHEMA)
 # Two guided requests (greedy, and sampled with a seed) and a plain one, sharing batches;
 # the prompts are long enough for a few 32-token chunks, so prefill chunks and decodes mix.
 PROMPTS = [[(13 * i + 5 * j + 3) % 4000 for j in range(40 + 25 * i)] for i in range(3)]
-PARAMS = [SamplingParams(max_tokens=150, temperature=0.0, grammar=GRAMMAR),
-          SamplingParams(max_tokens=150, temperature=1.0, seed=7, grammar=GRAMMAR),
+PARAMS = [SamplingParams(max_tokens=300, temperature=0.0, grammar=GRAMMAR),
+          SamplingParams(max_tokens=300, temperature=1.0, seed=7, grammar=GRAMMAR),
           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
 
 
 def make_engine(model_dir, parallel: ParallelConfig) -> LLMEngine:
-    return build_engine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=64,
+    return build_engine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=96,
                                      parallel=parallel),
                         SchedulerConfig(max_batched_tokens=32))
 
