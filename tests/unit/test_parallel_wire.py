@@ -124,6 +124,7 @@ def test_a_batch_with_guided_rows_is_marked_for_its_masks():
     _, plain = decode_batch(encode_batch(1, differ.diff(Batch(chunks=(chunk,)))))
     _, masked = decode_batch(encode_batch(2, differ.diff(Batch(chunks=(chunk,)), masked=True)))
     assert not plain.masked and masked.masked
+    tables.apply(plain)
     assert tables.apply(masked).chunks[0].sampling.guided
 
 
