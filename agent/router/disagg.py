@@ -73,6 +73,10 @@ CHAIN_ATTEMPTS = 2  # the first try, and one retry of the whole chain
 # Error codes in a prefill stream's error event that say the request never ran there.
 _RETRY_CODES = frozenset({DRAINED, SHUTTING_DOWN, KV_TRANSFER_FAILED, "engine_unavailable",
                           "no_instance_available"})
+# A decode leg that failed because the hold it reads is gone: how long to wait for the
+# prefill stream's end, which tells a request that ended at its first token (the prefill
+# dropped its hold) from a failed transfer.
+HOLD_GONE_GRACE_S = 5.0
 CLIENT_CLOSED_STATUS = 499  # nginx's name for it; nobody reads it, the client is gone
 
 
@@ -186,12 +190,18 @@ class DisaggChain:
         drain = asyncio.ensure_future(_read_to_end(events, leading))
         try:
             if decode is not None:
-                await asyncio.wait({drain, decode}, return_when=asyncio.FIRST_COMPLETED)
-                if not drain.done() and decode.exception() is not None:
+                legs: set[asyncio.Future[Any]] = {drain, decode}
+                await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+                failure = None if drain.done() else decode.exception()
+                if isinstance(failure, APIError) and failure.code == KV_TRANSFER_FAILED:
+                    # The hold is gone: most often the prefill ended at its first token and
+                    # dropped it, and its answer is on the way. Wait a little for it.
+                    await asyncio.wait({drain}, timeout=HOLD_GONE_GRACE_S)
+                if failure is not None and not drain.done():
                     # The decode leg failed while the prompt computes: stop the prefill too
                     # (its instance aborts the request and drops the hold).
                     await _settle(drain)
-                    raise _as_retry(decode.exception())
+                    raise _as_retry(failure)
             end = await drain
         except BaseException:
             await _settle(drain, decode)
@@ -263,8 +273,9 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
             pass
 
     watcher = asyncio.ensure_future(client_left())
+    racing: set[asyncio.Future[Any]] = {task, watcher}
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():

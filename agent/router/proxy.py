@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from slipstream.agent.engine.errors import KV_TRANSFER_FAILED
 from slipstream.agent.router.classify import RoutedRequest
 from slipstream.agent.router.config import RouterConfig
 from slipstream.agent.router.dispatcher import Dispatcher, Lease, NoInstanceError
@@ -47,7 +48,14 @@ T = TypeVar("T")
 
 class RetryableFailure(Exception):
     """The request never ran on the instance (no connection, or a 503); another may serve
-    it. The instance gets no traffic for the cooldown: it is down, draining or saturated."""
+    it. The instance gets no traffic for the cooldown: it is down, draining or saturated;
+    unless ``instance_ok`` (a decode instance that could not fetch the request's KV from
+    its prefill instance, which says nothing about the decode instance itself)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code  # the instance's error code, if it said one
+        self.instance_ok = code == KV_TRANSFER_FAILED
 
 
 class Proxy:
@@ -76,13 +84,16 @@ class Proxy:
         finish_tag = self._dispatcher.tag(routed)
         tried: set[str] = set()
         last_failure = "no instance answered"
+        # A decode leg refused because its KV could not be fetched keeps that code: the
+        # disaggregated chain tells it from a decode pool with no room.
+        code = "no_instance_available"
         for attempt in range(self._config.max_attempts):
             try:
                 lease = await self._dispatcher.acquire(routed, finish_tag, frozenset(tried))
             except NoInstanceError as error:
                 self._count(routed, routed.request_class, "rejected")
                 message = str(error) if attempt == 0 else f"{error}; last failure: {last_failure}"
-                raise APIError(503, message, code="no_instance_available") from None
+                raise APIError(503, message, code=code) from None
             tried.add(lease.instance.name)
             if attempt > 0:
                 self._metrics.retries.labels(lease.instance.pool).inc()
@@ -90,16 +101,20 @@ class Proxy:
                 return await attempt_on(lease)
             except RetryableFailure as failure:
                 last_failure = f"{lease.instance.name}: {failure}"
+                code = KV_TRANSFER_FAILED if failure.code == KV_TRANSFER_FAILED \
+                    else "no_instance_available"
                 log.warning("attempt %d on %s was refused, trying another instance: %s",
                             attempt + 1, lease.instance.name, failure)
-                lease.instance.mark_failed(time.monotonic(), self._config.unhealthy_cooldown_s)
+                if not failure.instance_ok:
+                    lease.instance.mark_failed(time.monotonic(),
+                                               self._config.unhealthy_cooldown_s)
                 lease.finish()
             except BaseException:  # the client went away, or a bug: free the slot
                 lease.finish()
                 raise
         self._count(routed, routed.request_class, "error")
         raise APIError(503, f"{self._config.max_attempts} instances refused the request; last: "
-                            f"{last_failure}", code="no_instance_available")
+                            f"{last_failure}", code=code)
 
     async def _attempt(self, path: str, body: bytes, headers: dict[str, str],
                        routed: RoutedRequest, lease: Lease) -> Response:
@@ -114,8 +129,7 @@ class Proxy:
             self._finish_failed(routed, lease, error)
             raise instance_lost(error) from None
         if upstream.status_code == 503:
-            text = await _read_quietly(upstream)
-            raise RetryableFailure(f"HTTP 503: {text[:200]}")
+            raise await _refused(upstream)
         if upstream.status_code >= 400 or not routed.stream:
             return await self._whole_body(upstream, routed, lease)
         # One iterator for the whole stream: the prefix is read from it, the rest follows.
@@ -152,8 +166,7 @@ class Proxy:
             self._finish_failed(routed, lease, error)
             raise instance_lost(error) from None
         if upstream.status_code == 503:
-            text = await _read_quietly(upstream)
-            raise RetryableFailure(f"HTTP 503: {text[:200]}")
+            raise await _refused(upstream)
         if upstream.status_code >= 400:
             return await self._whole_body(upstream, routed, lease)
         return EventStream(upstream, lease, lambda outcome: self._count(
@@ -389,6 +402,16 @@ def _is_openai_error(content: bytes) -> bool:
 def _printable(content: bytes, limit: int = 200) -> str:
     text = content[:limit].decode(errors="replace")
     return "".join(ch if ch.isprintable() else " " for ch in text).strip() or "(no body)"
+
+
+async def _refused(upstream: httpx.Response) -> RetryableFailure:
+    """A 503: the request never ran there."""
+    text = await _read_quietly(upstream)
+    try:
+        code = json.loads(text)["error"]["code"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        code = None
+    return RetryableFailure(f"HTTP 503: {text[:200]}", code if isinstance(code, str) else None)
 
 
 async def _read_quietly(upstream: httpx.Response) -> str:

@@ -214,3 +214,47 @@ def test_a_prefill_agent_without_streamed_legs_gets_the_unstreamed_chain():
     assert [(stream, params.get("do_remote_prefill", False)) for _, stream, params in calls] \
         == [(True, False), (False, False), (None, True)]
     assert calls[2][2] == {**COMPLETE_HANDLE, "do_remote_prefill": True}
+
+
+def test_a_decode_leg_refused_because_the_prefill_ended_at_its_first_token():
+    """The race the real agents run: the prefill ends at its first token and drops its hold;
+    the decode instance, reading that hold, answers 503 kv_transfer_failed before the
+    router has the prefill's end. The client still gets the prefill's answer, and the decode
+    instance is not put in cooldown (it did nothing wrong): the next request reaches it."""
+    decode_calls = []
+
+    async def run() -> list[tuple[int, bytes]]:
+        decode_refused = asyncio.Event()
+
+        async def prefill_stream():
+            yield _sse({"object": "slipstream.kv_transfer", "kv_transfer_params":
+                        STREAMING_HANDLE})[0]
+            await asyncio.wait_for(decode_refused.wait(), 10)
+            await asyncio.sleep(0.2)  # the refusal reaches the router first
+            for chunk in _sse(_chunk(" end", "stop")):
+                yield chunk
+
+        async def agent(request: httpx.Request) -> httpx.Response:
+            if request.url.port == httpx.URL(PREFILL.url).port:
+                return httpx.Response(200, content=prefill_stream(),
+                                      headers={"content-type": "text/event-stream"})
+            decode_calls.append(json.loads(request.content)["kv_transfer_params"])
+            decode_refused.set()
+            return httpx.Response(503, json={"error": {
+                "message": "the KV cache of this request could not be fetched from its "
+                           "prefill instance", "type": "server_error", "param": None,
+                "code": "kv_transfer_failed"}})
+
+        chain = _chain(agent)
+        results = []
+        for _ in range(2):
+            decode_refused.clear()
+            results.append(await _forward(chain, {"prompt": "x"}))
+        return results
+
+    for status, content in asyncio.run(run()):
+        assert status == 200, content
+        answer = json.loads(content)
+        assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == \
+            (" end", "stop")
+    assert len(decode_calls) == 2
