@@ -176,8 +176,7 @@ class LLMEngine:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.model_config.vocab_size, self.max_model_len,
-                             self.block_manager.kv_blocks_total,
-                             structured_outputs=self.config.parallel.is_single_process)
+                             self.block_manager.kv_blocks_total)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
@@ -536,7 +535,8 @@ class LLMEngine:
 
     def _dispatch(self, batch: Batch, schedule_start_s: float) -> None:
         execute_start_s = self.clock()
-        seq = self.runner.submit(batch)
+        masks = self._mask_job(batch.chunks)
+        seq = self.runner.submit(batch) if masks is None else self.runner.submit(batch, masks)
         requests = self.scheduler.requests
         generations = {chunk.request_id: requests[chunk.request_id].num_preemptions
                        for chunk in batch.chunks}
