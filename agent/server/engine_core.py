@@ -105,6 +105,12 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class DropKV(msgspec.Struct, tag="drop_kv", array_like=True):
+    """Prefill role: a stop string (found here, in the API process) ended requests at their
+    first token after the core had handed their KV off; free those holds."""
+    transfer_ids: list[str]
+
+
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_name: str
     limits: RequestLimits
@@ -133,7 +139,7 @@ class SetPool(msgspec.Struct, tag="set_pool", array_like=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-Command = Add | Abort | Shutdown | WarmUp | CutInFlight | Attach
+Command = Add | Abort | Shutdown | WarmUp | CutInFlight | DropKV | Attach
 _command_decoder = msgspec.msgpack.Decoder(Command)
 _core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp | SetPool)
 
@@ -342,6 +348,11 @@ class _CoreLoop:
                     continue
                 if command.client != 0:
                     self.owner[command.request_id] = command.client
+                # Prefill role: the streaming KV handle goes out now, not after the step
+                # that computes the first chunk.
+                if (early := engine.handle_output(command.request_id)) is not None:
+                    self._send(outputs + [early])
+                    outputs.clear()
             elif isinstance(command, Abort):
                 for request_id in command.request_ids:
                     if (output := engine.abort(request_id)) is not None:
@@ -350,6 +361,9 @@ class _CoreLoop:
                 self._attach(command)
             elif isinstance(command, CutInFlight):
                 outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
+            elif isinstance(command, DropKV):
+                for transfer_id in command.transfer_ids:
+                    engine.drop_kv(transfer_id)
             elif isinstance(command, WarmUp):
                 self._warm_up()
             else:
@@ -664,6 +678,7 @@ class EngineCoreClient:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         aborts = []
+        drops = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.text is None:
@@ -673,9 +688,17 @@ class EngineCoreClient:
                 stream.text = None  # nothing more goes out
                 if stopped:
                     aborts.append(output.request_id)
+                if output.kv_transfer is not None and \
+                        output.finish_reason != FinishReason.LENGTH.value:
+                    # A stop string in the first token: the request ends here, so the KV
+                    # the core handed off goes to nobody (as in one process).
+                    drops.append(str(output.kv_transfer.get("transfer_id")))
+                    output.kv_transfer = None
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         if aborts:
             self._send(Abort(aborts))
+        if drops:
+            self._send(DropKV(drops))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
