@@ -43,6 +43,18 @@ def test_static_fleet_bills_every_instance_for_the_whole_run():
     assert result.decisions == []
 
 
+def test_a_warm_up_is_not_billed():
+    # The study serves a warm-up before the measured part: billing starts at its end, for the
+    # instances running then (3 static ones), and an instance that stopped before it costs 0.
+    result = simulate_fleet(steady(5, 60), config(90.0), MODEL, instances=3, bill_from_s=20,
+                            bill_until_s=60)
+    assert result.instance_seconds == pytest.approx(3 * 40.0)
+    scaled = simulate_fleet(steady(2, 120), config(150.0), MODEL, instances=4, spec=spec(),
+                            tpot_slo_s=0.2, bill_from_s=100.0, bill_until_s=150.0)
+    assert all(p["instances"] == 1 for p in scaled.timeline if p["time_s"] >= 100.0)
+    assert scaled.instance_seconds == pytest.approx(50.0)  # only the one left at 100 s
+
+
 def test_prompts_share_only_what_their_hash_ids_share():
     # Trace requests without hash ids share no prompt tokens: the prefix cache must find
     # nothing (each record needs its own serial, else every prompt reads as the same tokens).
