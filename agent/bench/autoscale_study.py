@@ -38,7 +38,7 @@ from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
 from slipstream.agent.sim.report import meets_slo, summarize, ttft_s
 from slipstream.agent.sim.simulator import SimConfig, SimResult
 from slipstream.agent.sim.traces import (
-    RateCurve, TraceRequest, diurnal_rate, step_rate, warp_to_rate)
+    RateCurve, TraceRequest, diurnal_rate, merge_streams, step_rate, warp_to_rate)
 from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
 from slipstream.crds.servingreplica import ServingReplicaSpec
 
@@ -317,6 +317,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds served before the measured part (the curve's preceding "
                         "stretch), neither billed nor counted, so that the autoscaler starts "
                         f"with a history as a running operator does (default {WARMUP_S:.0f})")
+    parser.add_argument("--streams", type=int, default=0,
+                        help="copies of the trace played side by side, each a fraction of its "
+                        "hour apart, before the warp (sim/traces.py: merge_streams): a "
+                        "population that many times the trace's, each part at the trace's "
+                        "own pace. 0 (default): the day's mean rate over the trace's, "
+                        "rounded")
     parser.add_argument("--only", choices=("daily", "step"), default=None)
     parser.add_argument("--jobs", type=int, default=1,
                         help="simulations run at once, one process each (the figures do not "
@@ -326,7 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     wall_started = time.perf_counter()
     model, meta = load_model("h100-llama3-8b-tp8")
     instance = InstanceConfig(tp=meta.tp, num_kv_blocks=estimate_kv_blocks(meta, meta.tp, 1, 1))
-    _SHARED.update(model=model, trace=build_workload(WorkloadSpec(trace="azure")),
+    recorded = build_workload(WorkloadSpec(trace="azure"))
+    recorded_qps = (len(recorded) - 1) / (recorded[-1].arrival_s - recorded[0].arrival_s)
+    if args.streams <= 0:
+        args.streams = max(1, round((args.trough_qps + args.peak_qps) / 2 / recorded_qps))
+    _SHARED.update(model=model, trace=merge_streams(recorded, args.streams),
                    base=SimConfig(scheduler=SchedulerConfig(), instance=instance,
                                   num_layers=meta.num_layers,
                                   long_prompt_tokens=LONG_PROMPT_TOKENS))
@@ -359,7 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     tables = [f"Autoscaling study: H100 Llama-3-8B TP8 instances (Vidur tables), LARS, "
               f"TPOT SLO {args.tpot_slo_ms:.0f} ms, TTFT deadline the scheduler's default; "
               f"new instances serve {args.startup_s:.0f} s after the decision; static fleets "
-              f"sized for {args.size_for:.2%} attainment.\n"]
+              f"sized for {args.size_for:.2%} attainment; the Azure conversation trace "
+              f"({recorded_qps:.2f} req/s) as {args.streams} streams side by side; a "
+              f"{args.warmup_s:.0f} s warm-up before each workload.\n"]
     results: dict[str, dict[str, dict]] = {}
     sizing: dict[str, dict] = {}
     for name, (_, duration_s, shape) in shapes.items():
