@@ -171,10 +171,11 @@ def fit_trend(points: tuple[tuple[float, float], ...], now_s: float) -> Trend | 
     if slope == 0.0 or abs(slope) <= TREND_T * standard_error:
         return None
     half = len(points) // 2
-    halves = (_line(points[:half]), _line(points[len(points) - half:]))
-    if any(h is None or h[0] / slope < MIN_HALF_SLOPE_SHARE for h in halves):
+    older, recent = _line(points[:half]), _line(points[len(points) - half:])
+    if older is None or recent is None \
+            or min(older[0] / slope, recent[0] / slope) < MIN_HALF_SLOPE_SHARE:
         return None
-    newer = halves[1][0] if halves[1] is not None else slope
+    newer = recent[0]
     level = mean_v + slope * (now_s - mean_t)
     if abs(newer) < abs(slope):
         # Slowing down: carry on at the mean of the two (the newer half alone, over half the
