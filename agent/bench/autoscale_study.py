@@ -317,12 +317,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds served before the measured part (the curve's preceding "
                         "stretch), neither billed nor counted, so that the autoscaler starts "
                         f"with a history as a running operator does (default {WARMUP_S:.0f})")
-    parser.add_argument("--streams", type=int, default=0,
+    parser.add_argument("--streams", type=int, default=1,
                         help="copies of the trace played side by side, each a fraction of its "
                         "hour apart, before the warp (sim/traces.py: merge_streams): a "
                         "population that many times the trace's, each part at the trace's "
-                        "own pace. 0 (default): the day's mean rate over the trace's, "
-                        "rounded")
+                        "own pace (default 1: the trace alone, replayed faster; 0: the day's "
+                        "mean rate over the trace's, rounded; docs/autoscaling.md)")
     parser.add_argument("--only", choices=("daily", "step"), default=None)
     parser.add_argument("--jobs", type=int, default=1,
                         help="simulations run at once, one process each (the figures do not "
