@@ -32,7 +32,16 @@ from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.sim.traces import TraceRequest
 
 MODEL_NAME = "server-bench"
-LAYOUTS = {"one_process": "--single-process", "two_processes": "--engine-process"}
+LAYOUTS = {"one_process": ["--single-process"], "two_processes": ["--engine-process"]}
+# Optional third arm: the engine core with one torch thread per CPU instead of the default
+# (every CPU but one), to show what the spare CPU is worth to a compute-bound model.
+ALL_THREADS = "two_processes_all_threads"
+
+
+def layout_args(layout: str) -> list[str]:
+    if layout == ALL_THREADS:
+        return ["--engine-process", "--engine-threads", str(len(os.sched_getaffinity(0)))]
+    return LAYOUTS[layout]
 
 
 def model_dir(preset: str) -> Path:
@@ -49,7 +58,7 @@ def measure(preset: str, layout: str, concurrency: int, args: argparse.Namespace
                "--model", str(model_dir(preset)), "--port", str(port), "--control-port", "0",
                "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs",
                str(args.max_num_seqs), "--served-model-name", MODEL_NAME,
-               "--log-level", "warning", "--no-profile", LAYOUTS[layout]]
+               "--log-level", "warning", "--no-profile", *layout_args(layout)]
     env = {k: v for k, v in os.environ.items() if k != "POD_IP"}
     log = log_dir / f"serve-{preset}-{layout}-{concurrency}.log"
     with log.open("wb") as out:
@@ -89,7 +98,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         levels = sorted(by_n, key=int)
         for col, (key, label) in enumerate(keys):
             ax = axes[row][col]
-            for layout in LAYOUTS:
+            for layout in [name for name in (*LAYOUTS, ALL_THREADS) if name in by_n[levels[0]]]:
                 ax.plot([int(n) for n in levels], [by_n[n][layout][key] for n in levels],
                         marker="o", label=layout.replace("_", " "))
             ax.set(xscale="log", xlabel="concurrent streams", ylabel=label,
@@ -112,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the server's --max-num-seqs (its default)")
     parser.add_argument("--num-kv-blocks", type=int, default=8192)
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--all-threads-arm", action="store_true",
+                        help="add a third arm: the engine in its own process with one torch "
+                             "thread per CPU (--engine-threads) instead of every CPU but one")
     args = parser.parse_args(argv)
+    layouts = [*LAYOUTS, *([ALL_THREADS] if args.all_threads_arm else [])]
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "machine": platform.platform(), "processor": platform.processor(),
@@ -123,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         report["results"][preset] = {}
         for concurrency in args.concurrency:
             row = {}
-            for layout in LAYOUTS:  # side by side: one right after the other
+            for layout in layouts:  # side by side: one right after the other
                 row[layout] = measure(preset, layout, concurrency, args, args.out)
                 print(f"{preset} N={concurrency} {layout}: {json.dumps(row[layout])}",
                       flush=True)
             row["throughput_ratio"] = (row["two_processes"]["output_tok_per_s"]
                                        / max(row["one_process"]["output_tok_per_s"], 1e-9))
+            if ALL_THREADS in row:
+                row["all_threads_throughput_ratio"] = (
+                    row[ALL_THREADS]["output_tok_per_s"]
+                    / max(row["one_process"]["output_tok_per_s"], 1e-9))
             report["results"][preset][str(concurrency)] = row
             (args.out / "server_bench.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / "server_bench.png")
