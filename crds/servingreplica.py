@@ -173,8 +173,11 @@ class SchedulerSpec(ApiModel):
 
     policy: str = Field("lars", max_length=16, json_schema_extra=rules(
         one_of("spec.scheduler.policy", SCHEDULER_POLICIES)))
-    target_batch_time_ms: float = Field(50.0, json_schema_extra=rules(
-        positive("spec.scheduler.targetBatchTimeMs", "ms", number=True)))
+    target_batch_time_ms: float | None = Field(
+        None, description="Iteration time budget of the time-budget packer. Unset: the TPOT "
+        "SLO, else 50 ms, raised for a model too slow for 50 ms on its device to twice its "
+        "128-token prefill.", json_schema_extra=rules(
+            positive("spec.scheduler.targetBatchTimeMs", "ms", number=True)))
     max_space_share_fraction: float = Field(0.5, json_schema_extra=rules(Rule(
         "self >= 0.0 && self <= 1.0",
         "spec.scheduler.maxSpaceShareFraction must be within [0, 1]")))

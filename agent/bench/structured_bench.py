@@ -106,7 +106,10 @@ def decode_tokens_per_s(engine: LLMEngine, batch_size: int, grammar: str | None,
 
 def run_benchmark(args: argparse.Namespace) -> dict:
     engine = LLMEngine(EngineConfig(model_dir=_model_dir(args.preset), device=args.device,
-                                    kv_cache_memory=KVCacheMemory(size_bytes=2**30)),
+                                    kv_cache_memory=KVCacheMemory(size_bytes=2**30),
+                                    # the prompts and the timed steps stay far below this; a
+                                    # 131K context (the 100m preset's) would not fit in 1 GiB
+                                    max_model_len=8192),
                        SchedulerConfig(max_num_seqs=max(args.batch_sizes),
                                        max_batched_tokens=4096))
     grammar = json_schema_grammar(SCHEMA)

@@ -46,6 +46,7 @@ from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BlockManager
+from slipstream.agent.scheduler.config import fit_target_to_model
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO, RequestStatus
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -110,8 +111,12 @@ class LLMEngine:
                 raise
         self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
                                           prefix_caching=scheduler_config.prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager,
-                                   predictor=_load_predictor(config))
+        predictor = _load_predictor(config)
+        if predictor is not None:
+            scheduler_config, warning = fit_target_to_model(scheduler_config, predictor)
+            if warning:
+                log.warning("packer: %s", warning)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, predictor=predictor)
         if config.profile_dir is None:
             log.info("packer: a fixed budget of %d tokens per iteration (no runtime profile)",
                      scheduler_config.max_batched_tokens)
@@ -171,8 +176,7 @@ class LLMEngine:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.model_config.vocab_size, self.max_model_len,
-                             self.block_manager.kv_blocks_total,
-                             structured_outputs=self.config.parallel.is_single_process)
+                             self.block_manager.kv_blocks_total)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
@@ -511,7 +515,8 @@ class LLMEngine:
 
     def _dispatch(self, batch: Batch, schedule_start_s: float) -> None:
         execute_start_s = self.clock()
-        seq = self.runner.submit(batch)
+        masks = self._mask_job(batch.chunks)
+        seq = self.runner.submit(batch) if masks is None else self.runner.submit(batch, masks)
         requests = self.scheduler.requests
         generations = {chunk.request_id: requests[chunk.request_id].num_preemptions
                        for chunk in batch.chunks}

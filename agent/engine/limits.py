@@ -15,8 +15,6 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     kv_blocks_total: int
-    # Grammar masks run in the engine's own process only (tp, spp and kvp all 1) for now.
-    structured_outputs: bool = True
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a user-facing message if the request can never be served."""
@@ -42,6 +40,3 @@ class RequestLimits:
         if needed > self.kv_blocks_total:
             raise ValueError(f"the request needs {needed} KV blocks but the cache has only "
                              f"{self.kv_blocks_total}")
-        if params.grammar is not None and not self.structured_outputs:
-            raise ValueError("structured outputs and forced tool calls need an engine "
-                             "without worker processes (tp, spp and kvp all 1) for now")

@@ -181,10 +181,10 @@ class ModelRunner:
     def num_in_flight(self) -> int:
         return len(self._done)
 
-    def submit(self, batch: Batch) -> int:
+    def submit(self, batch: Batch, masks: MaskSource | None = None) -> int:
         seq = self._next_seq
         self._next_seq += 1
-        self._done.append((seq, self.execute(batch)))
+        self._done.append((seq, self.execute(batch, masks)))
         return seq
 
     def collect(self, block: bool) -> list[tuple[int, dict[str, SampledToken]]]:

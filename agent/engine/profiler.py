@@ -44,7 +44,8 @@ from slipstream.agent.engine.step_calibration import (CalibrationLoad, fit_host_
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.config import SchedulerConfig
-from slipstream.agent.scheduler.predictor import RuntimePredictor, predict_batch_time_ms
+from slipstream.agent.scheduler.predictor import (RuntimePredictor, model_floor_target_ms,
+                                                    predict_batch_time_ms)
 from slipstream.agent.scheduler.profile_table import ProfileMeta, write_profile
 from slipstream.kernels.attention import AttentionMetadata
 
@@ -284,7 +285,7 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
     # The packer must fit a prefill chunk next to the decodes, also on a model slower than the
     # usual 50 ms target (a ~100M model on one CPU core takes ~50 ms for 32 tokens).
     bootstrap = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
-    target_ms = max(50.0, 2.0 * predict_batch_time_ms(bootstrap, [(128, 128)], []))
+    target_ms = max(50.0, model_floor_target_ms(bootstrap))
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
                                     profile_dir=profile_dir, num_kv_blocks=4096),
                        SchedulerConfig(target_batch_time_ms=target_ms))
@@ -296,9 +297,12 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
         profile_dir, meta=ProfileMeta(**{**dataclasses.asdict(bootstrap.meta),
                                          "iteration_overhead_ms": 0.0,
                                          "per_sequence_overhead_ms": 0.0}), cache_dir=None)
-    repeat = max(1, round(len(timings) / max(len(random_batches), 1)))
+    # One sample per random batch, not enough copies to match the engine steps: each random
+    # batch is timed once or a few times, and on SmolLM2 (quick grid) four of them were off
+    # the tables by -420 to +600 ms; copied to the engine steps' weight they set a 37 ms
+    # per-sequence overhead, where 32 decodes measure 195 ms against 1,319 ms predicted.
     runner_ms, runner_per_sequence_ms = fit_runner_overhead(
-        timings, lambda batch: predict_ms(tables_only, batch), list(random_batches) * repeat)
+        timings, lambda batch: predict_ms(tables_only, batch), list(random_batches))
     host_ms, host_per_sequence_ms = fit_host_overhead(timings)
     return dataclasses.replace(meta, iteration_overhead_ms=runner_ms,
                                per_sequence_overhead_ms=runner_per_sequence_ms,

@@ -12,6 +12,9 @@ test) picks the runner, so the engine never imports ``agent/parallel``
 - ``execute`` runs one batch and returns its sampled tokens (the plain loop).
 - ``submit``/``collect`` keep up to ``pipeline_depth`` batches in flight (SPP); a runner
   without a pipeline has depth 1 and runs the batch inside ``submit``.
+- ``masks`` (``execute``, ``submit``): the grammar masks of the batch's rows under a grammar,
+  a callable started before the batch runs and called once its logits are ready; the
+  parallel executor ships them to the sampler rank (``agent/parallel/executor.py``).
 - ``release`` says that requests have left the engine (finished, aborted or failed), so a
   runner that keeps per-request state (the workers' copy of block tables) can drop it.
 - ``check_alive`` raises ``EngineDeadError`` when the runner can no longer serve; ``close``
@@ -44,7 +47,9 @@ class Runner(Protocol):
         """``masks``: the grammar masks of the batch's guided rows, where supported."""
         ...
 
-    def submit(self, batch: Batch) -> int: ...
+    def submit(self, batch: Batch, masks: MaskSource | None = None) -> int:
+        """Send ``batch`` (run it, without a pipeline); ``masks`` as for ``execute``."""
+        ...
 
     def collect(self, block: bool) -> list[tuple[int, Sampled]]: ...
 

@@ -7,6 +7,13 @@
 up to ``pipeline_depth`` batches in flight through ``submit``/``collect``. This is the
 ``Runner`` of ``agent/engine/runner.py``.
 
+Grammars: when a batch has rows under a grammar, the engine passes its mask job. The batch
+goes out first; then the controller finishes the masks (its helper thread started them before
+the batch was sent) while the workers run the forward, and sends them to the sampler rank
+alone (MASKS), which waits for them only once its logits are ready. The matchers stay with
+the engine, so a token it drops (a request preempted while its token was in flight) or a
+step it retries (failure isolation) never reaches a grammar's state.
+
 What goes to the workers is a diff (``wire.py``): new requests in full, running ones only
 their new tokens and new block ids; ``release`` tells the workers which requests left.
 
@@ -23,17 +30,20 @@ import time
 from collections import deque
 from collections.abc import Collection
 
+import torch
+
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.model_runner import SampledToken
-from slipstream.agent.engine.sampler import MaskSource
+from slipstream.agent.engine.sampler import GrammarMasks, MaskSource
 from slipstream.agent.parallel.env import NodeEnv
 from slipstream.agent.parallel.launch import LocalWorkers, free_port
 from slipstream.agent.parallel.stage_runner import StageSpan
 from slipstream.agent.parallel.wire import BatchDiffer
 from slipstream.agent.parallel.transport import (
-    BATCH, ERROR, HELLO, INIT, READY, RESULT, STOP, TRACE, TRACE_REPLY, ControllerSocket,
-    PeerLost, decode_object, decode_sampled, encode_batch, encode_object)
+    BATCH, ERROR, HELLO, INIT, MASKS, READY, RESULT, STOP, TRACE, TRACE_REPLY,
+    ControllerSocket, PeerLost, decode_object, decode_sampled, encode_batch, encode_masks,
+    encode_object, identity_of)
 from slipstream.agent.parallel.worker import WorkerInit
 from slipstream.agent.scheduler.batch import Batch
 
@@ -64,6 +74,7 @@ class ParallelExecutor:
         local_ranks = (node_env.node_ranks if node_env.node_ranks is not None
                        else tuple(range(self.world_size)))
         self.pipeline_depth = parallel.spp
+        self._sampler = identity_of(parallel.sampler_rank)
         self.last_forward_s = 0.0  # not measurable from here; kept for the runner interface
         self._next_seq = 0
         self._in_flight: deque[int] = deque()
@@ -131,17 +142,34 @@ class ParallelExecutor:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def submit(self, batch: Batch) -> int:
+    def submit(self, batch: Batch, masks: MaskSource | None = None) -> int:
+        """Send ``batch`` to every rank; with ``masks`` (the grammar masks of its guided
+        rows), finish them while the workers compute and send them to the sampler rank."""
         seq = self._next_seq
         self._next_seq += 1
-        frames = encode_batch(seq, self._differ.diff(batch))
+        frames = encode_batch(seq, self._differ.diff(batch, masked=masks is not None))
         self.last_batch_bytes = sum(len(frame) for frame in frames)
         try:
             self.socket.broadcast(BATCH, *frames)
+            self._in_flight.append(seq)
+            if masks is not None:
+                self.socket.send(self._sampler, MASKS, *self._masks_frames(seq, batch, masks))
         except PeerLost as error:
             raise WorkerLost(str(error)) from None
-        self._in_flight.append(seq)
         return seq
+
+    @staticmethod
+    def _masks_frames(seq: int, batch: Batch, masks: MaskSource) -> list[bytes]:
+        """The step's masks on the wire. If computing them fails, the guided rows fail
+        alone: the sampler rank is waiting for this step's masks either way."""
+        try:
+            return encode_masks(seq, masks() or _no_masks())
+        except Exception:  # noqa: BLE001 - fail the guided rows, spare the batch
+            log.exception("computing grammar masks failed; this step's requests under a "
+                          "grammar fail")
+            sampling = [chunk for chunk in batch.chunks if chunk.sample]
+            return encode_masks(seq, _no_masks([row for row, chunk in enumerate(sampling)
+                                                if chunk.sampling.guided]))
 
     def collect(self, block: bool) -> list[tuple[int, dict[str, SampledToken]]]:
         """Results that have arrived, oldest first; with ``block``, wait for at least one."""
@@ -174,9 +202,7 @@ class ParallelExecutor:
 
     def execute(self, batch: Batch, masks: MaskSource | None = None
                 ) -> dict[str, SampledToken]:
-        if masks is not None:  # the engine refuses grammars with workers (engine.validate)
-            raise ValueError("grammar masks are not supported with parallel workers")
-        seq = self.submit(batch)
+        seq = self.submit(batch, masks)
         while True:
             for done_seq, sampled in self.collect(block=True):
                 if done_seq == seq:
@@ -207,3 +233,9 @@ class ParallelExecutor:
             self.workers.stop()
         if socket is not None:
             socket.close()
+
+
+def _no_masks(dead_rows: list[int] | None = None) -> GrammarMasks:
+    """No row masked; ``dead_rows`` fail."""
+    return GrammarMasks(rows=[], allowed=torch.empty(0, 0, dtype=torch.int32),
+                        dead_rows=dead_rows or [])

@@ -5,7 +5,8 @@
       -> first stage: embed; later stages: recv the residual stream from the previous stage
       -> this stage's decoder layers (TP all-reduces and KVP merges happen inside the layers)
       -> not last stage: send to the next stage (asynchronously: this stage moves on at once)
-         last stage, KVP group 0: logits (vocab-parallel) -> the sampler rank samples
+         last stage, KVP group 0: logits (vocab-parallel) -> the sampler rank samples (with
+         the step's grammar masks from the controller, if any rows are under a grammar)
 
 Each batch's compute span is recorded, so a test (or a trace viewer) can see the pipeline
 overlap: stage 0 starting chunk i+1 while stage 1 still works on chunk i.
@@ -26,7 +27,7 @@ from slipstream.agent.engine.kv_memory import allocate_kv_tensor
 from slipstream.agent.engine.model_runner import (
     FlatInputs, SampledToken, plan_kv_blocks, sample_batch)
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
-from slipstream.agent.engine.sampler import Sampler
+from slipstream.agent.engine.sampler import MaskSource, Sampler
 from slipstream.agent.parallel.groups import ProcessGroups
 from slipstream.agent.parallel.kv_parallel import KVParallelBackend, group_metadata
 from slipstream.agent.parallel.layers import TensorParallelLayers
@@ -90,8 +91,11 @@ class StageRunner:
         self._pending_send: tuple[dist.Work | None, torch.Tensor] | None = None
 
     @torch.inference_mode()
-    def run(self, batch_seq: int, batch: Batch) -> dict[str, SampledToken] | None:
-        """Run this rank's part of ``batch``; the sampler rank returns the sampled tokens."""
+    def run(self, batch_seq: int, batch: Batch, masks: MaskSource | None = None
+            ) -> dict[str, SampledToken] | None:
+        """Run this rank's part of ``batch``; the sampler rank returns the sampled tokens.
+        ``masks`` (sampler rank, a batch with guided rows) gives their grammar masks; it is
+        called after the forward."""
         for copy in batch.swap_out + batch.swap_in:
             self._copy_blocks(copy)
         if not batch.chunks:
@@ -119,7 +123,7 @@ class StageRunner:
         if logits is None:
             raise RuntimeError(f"rank {coords.rank} samples but computed no logits (sampler_rank "
                                "must be a last-stage rank of KVP group 0)")
-        return sample_batch(self.sampler, batch, sample_rows, logits)
+        return sample_batch(self.sampler, batch, sample_rows, logits, masks)
 
     def finish_sends(self) -> None:
         if self._pending_send is not None:

@@ -3,6 +3,9 @@
     controller ROUTER  <---- one DEALER per worker (identity = its rank)
       HELLO (worker joined) -> INIT (engine config) -> READY (KV blocks it can hold)
       BATCH seq, WireBatch    controller -> every worker, once per iteration (a diff: wire.py)
+      MASKS seq, WireMasks, bitmask
+                              controller -> the sampler rank, right after a BATCH that has
+                              rows under a grammar (``WireBatch.masked``)
       RESULT seq, sampled     sampler rank -> controller, once per batch
       TRACE / TRACE_REPLY     compute spans, on request
       ERROR text              a worker failed; STOP: shut down
@@ -24,19 +27,23 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
+import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from slipstream.agent.engine.model_runner import SampledToken
-from slipstream.agent.parallel.wire import WireBatch
+from slipstream.agent.engine.sampler import GrammarMasks
+from slipstream.agent.parallel.wire import WireBatch, WireMasks
 
-HELLO, INIT, READY, BATCH, RESULT, TRACE, TRACE_REPLY, ERROR, STOP = (
-    b"H", b"I", b"R", b"B", b"S", b"T", b"t", b"E", b"Q")
+HELLO, INIT, READY, BATCH, MASKS, RESULT, TRACE, TRACE_REPLY, ERROR, STOP = (
+    b"H", b"I", b"R", b"B", b"M", b"S", b"T", b"t", b"E", b"Q")
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(WireBatch)
+_masks_decoder = msgspec.msgpack.Decoder(WireMasks)
 _sampled_decoder = msgspec.msgpack.Decoder(dict[str, SampledToken])
 
 
@@ -50,6 +57,27 @@ def encode_batch(batch_seq: int, batch: WireBatch) -> list[bytes]:
 
 def decode_batch(frames: list[bytes]) -> tuple[int, WireBatch]:
     return int.from_bytes(frames[0], "little"), _batch_decoder.decode(frames[1])
+
+
+def encode_masks(batch_seq: int, masks: GrammarMasks) -> list[bytes]:
+    """A step's grammar masks: the rows and dead rows in msgpack, the int32 bitmask
+    [rows, words] as raw little-endian bytes (a copy: the engine reuses its buffer)."""
+    allowed = masks.allowed
+    if allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != len(masks.rows):
+        raise TypeError(f"grammar masks cross to the workers as an int32 bitmask with one row "
+                        f"per guided row, not {allowed.dtype} {tuple(allowed.shape)}")
+    words = allowed.shape[1]
+    bitmask = allowed.detach().cpu().contiguous().numpy().astype("<i4", copy=False).tobytes()
+    header = WireMasks(tuple(masks.rows), words, tuple(masks.dead_rows))
+    return [batch_seq.to_bytes(8, "little"), _encoder.encode(header), bitmask]
+
+
+def decode_masks(frames: list[bytes]) -> tuple[int, GrammarMasks]:
+    header = _masks_decoder.decode(frames[1])
+    bits = np.frombuffer(frames[2], dtype="<i4").astype(np.int32)  # a writable native copy
+    allowed = torch.from_numpy(bits.reshape(len(header.rows), header.words))
+    return int.from_bytes(frames[0], "little"), GrammarMasks(
+        rows=list(header.rows), allowed=allowed, dead_rows=list(header.dead_rows))
 
 
 def encode_sampled(batch_seq: int, sampled: dict[str, SampledToken]) -> list[bytes]:

@@ -14,7 +14,11 @@ the controller sends what changed (vLLM v1 does the same with its cached-request
   them before applying the chunks;
 - a request with presence, frequency or repetition penalties carries the tokens they count
   (``ScheduledChunk.history``) on each sampling chunk, in full: the one per-step cost that
-  grows with its length, paid only by requests that ask for penalties.
+  grows with its length, paid only by requests that ask for penalties;
+- a batch with rows under a grammar is marked (``WireBatch.masked``): its masks follow in a
+  message of their own (``WireMasks``), to the sampler rank only, sent while the workers
+  already run the forward (the controller computes them then), and the sampler rank waits
+  for them only when its logits are ready.
 
 ``BatchDiffer`` (controller) and ``WorkerTables`` (every worker) are the two ends; feeding
 ``BatchDiffer.diff`` into ``WorkerTables.apply`` gives back the scheduler's batch exactly
@@ -52,6 +56,16 @@ class WireBatch(msgspec.Struct, array_like=True, frozen=True):
     released: tuple[str, ...] = ()
     swap_out: tuple[BlockCopy, ...] = ()
     swap_in: tuple[BlockCopy, ...] = ()
+    masked: bool = False  # a MASKS message for this batch follows, to the sampler rank
+
+
+class WireMasks(msgspec.Struct, array_like=True, frozen=True):
+    """The header of a step's grammar masks (``sampler.GrammarMasks``); the int32 bitmask
+    ``[len(rows), words]`` travels as a raw frame after it (``transport.encode_masks``)."""
+
+    rows: tuple[int, ...]  # sampler rows (places among the batch's sampling chunks)
+    words: int
+    dead_rows: tuple[int, ...] = ()  # rows whose grammar failed: they fail alone
 
 
 class BatchDiffer:
@@ -73,7 +87,7 @@ class BatchDiffer:
                 del self._sampling[request_id]
                 self._released.append(request_id)
 
-    def diff(self, batch: Batch) -> WireBatch:
+    def diff(self, batch: Batch, masked: bool = False) -> WireBatch:
         chunks = []
         tables, sampling = self._tables, self._sampling
         for chunk in batch.chunks:
@@ -90,7 +104,7 @@ class BatchDiffer:
             chunks.append(WireChunk(request_id, chunk.token_ids, chunk.start_pos, new_blocks,
                                     chunk.sample, chunk.num_generated, full, chunk.history))
         released, self._released = tuple(self._released), []
-        return WireBatch(tuple(chunks), released, batch.swap_out, batch.swap_in)
+        return WireBatch(tuple(chunks), released, batch.swap_out, batch.swap_in, masked)
 
 
 class WorkerTables:

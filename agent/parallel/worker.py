@@ -4,7 +4,8 @@
     python -m slipstream.agent.parallel.worker            (rank etc. in the environment)
       -> connect to the controller -> HELLO -> INIT (engine config) -> process groups, model shard
       -> READY -> loop: BATCH (a diff) -> WorkerTables.apply -> StageRunner.run
-                        -> (sampler rank) RESULT
+                        -> (sampler rank) [MASKS of a masked batch, read once the logits are
+                           ready] -> RESULT
 
 Batches are handled strictly in arrival order on every rank. That order is what makes the
 pipeline safe: a stage always writes a chunk's KV before it reads the next chunk, and
@@ -23,15 +24,17 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.sampler import GrammarMasks
 from slipstream.agent.parallel.env import WorkerEnv
 from slipstream.agent.parallel.transport import (
-    BATCH, ERROR, HELLO, INIT, READY, RESULT, STOP, TRACE, TRACE_REPLY, WorkerSocket,
-    decode_batch, decode_object, encode_object, encode_sampled)
+    BATCH, ERROR, HELLO, INIT, MASKS, READY, RESULT, STOP, TRACE, TRACE_REPLY, WorkerSocket,
+    decode_batch, decode_masks, decode_object, encode_object, encode_sampled)
 
 log = logging.getLogger("slipstream.worker")
 EXIT_CONTROLLER_LOST = 3
@@ -81,7 +84,9 @@ def serve_forever(env: WorkerEnv) -> int:
             kind, frames = sock.recv()
             if kind == BATCH:
                 batch_seq, wire = decode_batch(frames)
-                sampled = runner.run(batch_seq, tables.apply(wire))
+                masks = (_masks_reader(sock, batch_seq)
+                         if wire.masked and runner.is_sampler else None)
+                sampled = runner.run(batch_seq, tables.apply(wire), masks)
                 if sampled is not None:
                     sock.send(RESULT, *encode_sampled(batch_seq, sampled))
             elif kind == TRACE:
@@ -98,6 +103,22 @@ def serve_forever(env: WorkerEnv) -> int:
     sock.close()
     destroy_process_groups()
     return 0
+
+
+def _masks_reader(sock: WorkerSocket, batch_seq: int) -> Callable[[], GrammarMasks]:
+    """The sampler's mask source for a masked batch: the controller sends the masks right
+    after the batch, so they are the next message on this connection."""
+    def read() -> GrammarMasks:
+        kind, frames = sock.recv()
+        if kind != MASKS:
+            raise RuntimeError(f"expected the grammar masks of batch {batch_seq}, got a "
+                               f"{kind!r} message")
+        seq, masks = decode_masks(frames)
+        if seq != batch_seq:
+            raise RuntimeError(f"got the grammar masks of batch {seq} while sampling batch "
+                               f"{batch_seq}")
+        return masks
+    return read
 
 
 def run_worker(env: WorkerEnv) -> None:

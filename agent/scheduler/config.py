@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from slipstream.agent.scheduler.awd import AWDConfig
 from slipstream.agent.scheduler.packer import PackerConfig
+from slipstream.agent.scheduler.predictor import BatchTimeModel, model_floor_target_ms
 
 POLICY_NAMES = ("fcfs", "edf", "lrs", "lars", "lars-classic", "srpt", "justitia")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -25,6 +26,9 @@ class SchedulerConfig:
     max_batched_tokens: int = 512
     policy: str = "lars"
     target_batch_time_ms: float = 50.0  # t_target; should come from the TPOT SLO
+    # Nobody chose the target (no --target-batch-time-ms, no TPOT SLO): with a predictor,
+    # raise it to model_floor_target_ms where the model is too slow for it (engine.py).
+    raise_target_to_model_floor: bool = False
     max_space_share_fraction: float = 0.5
     long_request_threshold_tokens: int = 262_144
     preemption: str = "recompute"
@@ -129,3 +133,24 @@ class SchedulerConfig:
             max_chunk_tokens=self.max_batched_tokens,
             full_batch_fraction=1.0,
         )
+
+
+def fit_target_to_model(config: SchedulerConfig,
+                        model: BatchTimeModel) -> tuple[SchedulerConfig, str | None]:
+    """``config`` with a batch-time target ``model`` can be packed under, and a warning when
+    the target is below the model's floor (``model_floor_target_ms``). A default target
+    (``raise_target_to_model_floor``) is raised to the floor; a chosen one is kept."""
+    floor_ms = model_floor_target_ms(model)
+    target_ms = config.target_batch_time_ms
+    if floor_ms <= target_ms:
+        return config, None
+    if config.raise_target_to_model_floor:
+        return replace(config, target_batch_time_ms=floor_ms), (
+            f"a 128-token prefill is predicted at {floor_ms / 2:.0f} ms on this device, so the "
+            f"default {target_ms:g} ms batch-time target would leave no room for a prefill next "
+            f"to a running decode and requests would run one after another; using "
+            f"{floor_ms:.0f} ms (--target-batch-time-ms or --slo-tpot-ms sets it)")
+    return config, (
+        f"the {target_ms:g} ms batch-time target is below what this model needs on this device "
+        f"({floor_ms:.0f} ms, twice a 128-token prefill): while a request decodes, new prompts "
+        f"get no chunk and wait for the running requests to finish")

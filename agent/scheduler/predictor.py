@@ -211,6 +211,15 @@ def predict_batch_time_ms(model: BatchTimeModel, prefills: Iterable[tuple[int, i
     return estimate.time_ms
 
 
+def model_floor_target_ms(model: BatchTimeModel) -> float:
+    """The smallest batch-time target this model can be packed under on its device: twice a
+    128-token prompt's prefill. Under a smaller target one running decode fills the budget,
+    so no prefill chunk fits beside it and new requests wait for the running ones to finish
+    (the packer only runs an over-budget chunk in an otherwise empty batch). A ~100M model
+    on a CPU core, or any model on a slow device, is there at the usual 50 ms."""
+    return 2.0 * predict_batch_time_ms(model, [(128, 128)], [])
+
+
 def _attended_pairs(kv_before_tokens: float, chunk_tokens: float) -> float:
     """Query-key pairs of a causal chunk over its cached prefix."""
     return chunk_tokens * (kv_before_tokens + chunk_tokens / 2.0)

@@ -234,7 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "--max-batched-tokens tokens (starts without profiling)")
     sched.add_argument("--target-batch-time-ms", type=float, default=None, metavar="MS",
                        help="iteration time budget of the time-budget packer; default: "
-                            "--slo-tpot-ms if given, else 50")
+                            "--slo-tpot-ms if given, else 50, raised for a model too slow "
+                            "for 50 ms on this device to twice its 128-token prefill")
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
                        help="most of the budget a long prefill yields to short ones (Medha)")
     sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144,
@@ -352,10 +353,11 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    target_ms = args.target_batch_time_ms or args.slo_tpot_ms or 50.0
+    chosen_ms = args.target_batch_time_ms or args.slo_tpot_ms
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-        policy=args.policy, target_batch_time_ms=target_ms,
+        policy=args.policy, target_batch_time_ms=chosen_ms or 50.0,
+        raise_target_to_model_floor=not chosen_ms,
         max_space_share_fraction=args.max_space_share_fraction,
         long_request_threshold_tokens=args.long_request_threshold_tokens,
         preemption=args.preemption, prefix_caching=args.prefix_caching,

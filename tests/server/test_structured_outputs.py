@@ -134,3 +134,35 @@ def test_guided_and_plain_requests_run_together(layout_server):
         assert result.choices[0].finish_reason == "stop"
         assert isinstance(result.choices[0].message.parsed, Flags)
     assert [result.choices[0].message.content for result in results[3:]] == [alone] * 3
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 8},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_grammars_with_tensor_parallel_workers_equal_one_process(server, start_server):
+    """``--tp 2``: the grammar masks go from the engine to the sampling worker each step.
+    A parsed answer and a forced tool call, seeded, are exactly the one-process server's."""
+    parallel = start_server("--tp", "2")
+    answers = []
+    for handle in (server, parallel):
+        client = handle.openai_client(timeout=300)
+        parsed = client.beta.chat.completions.parse(
+            model=handle.model, messages=MESSAGES, response_format=Person, max_tokens=600,
+            temperature=1.0, seed=4).choices[0]
+        assert parsed.finish_reason == "stop" and isinstance(parsed.message.parsed, Person)
+        called = client.chat.completions.create(
+            model=handle.model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[WEATHER], tool_choice={"type": "function",
+                                          "function": {"name": "get_weather"}},
+            max_tokens=200, seed=3).choices[0]
+        assert called.finish_reason == "tool_calls"
+        [call] = called.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments),
+                            WEATHER["function"]["parameters"])
+        answers.append((parsed.message.content, call.function.arguments))
+    assert answers[0] == answers[1]

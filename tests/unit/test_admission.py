@@ -62,17 +62,9 @@ def test_requests_that_can_never_be_served_are_refused(prompt: list[int],
         check_admission(Door(), "a", prompt, params)
 
 
-def test_grammars_need_an_engine_that_runs_masks_itself() -> None:
-    params = SamplingParams(max_tokens=4, grammar='start: "yes" | "no"')
-    check_admission(Door(), "a", [1], params)
-    parallel = RequestLimits(100, 64, 1000, structured_outputs=False)
-    with pytest.raises(ValueError, match="without worker processes"):
-        check_admission(Door(limits=parallel), "a", [1], params)
-
-
 def test_limits_cross_to_the_api_process_whole() -> None:
     # The engine core sends its limits in its Ready message; the API process checks with them.
-    limits = RequestLimits(100, 64, 1000, structured_outputs=False)
+    limits = RequestLimits(100, 64, 1000)
     raw = msgspec.msgpack.encode(limits)
     assert msgspec.msgpack.decode(raw, type=RequestLimits) == limits
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import random
 
-from slipstream.agent.parallel.transport import decode_batch, encode_batch
+import pytest
+import torch
+
+from slipstream.agent.engine.sampler import GrammarMasks, grammar_penalty
+from slipstream.agent.parallel.transport import (
+    decode_batch, decode_masks, encode_batch, encode_masks)
 from slipstream.agent.parallel.wire import BatchDiffer, WorkerTables
 from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
@@ -111,3 +116,33 @@ def test_penalties_sampling_options_and_history_cross_the_wire():
                                history=tuple(range(10 + step)))
         rebuilt, _ = _wire_round_trip(differ, tables, Batch(chunks=(chunk,)))
         assert rebuilt.chunks == (chunk,)
+
+
+def test_a_batch_with_guided_rows_is_marked_for_its_masks():
+    differ, tables = BatchDiffer(), WorkerTables()
+    chunk = ScheduledChunk("g", (1, 2), 0, (3,), True, SamplingOptions(guided=True))
+    _, plain = decode_batch(encode_batch(1, differ.diff(Batch(chunks=(chunk,)))))
+    _, masked = decode_batch(encode_batch(2, differ.diff(Batch(chunks=(chunk,)), masked=True)))
+    assert not plain.masked and masked.masked
+    tables.apply(plain)
+    assert tables.apply(masked).chunks[0].sampling.guided
+
+
+def test_grammar_masks_cross_bit_for_bit():
+    generator = torch.Generator().manual_seed(18)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=generator)
+    bits[1] = -1  # every token allowed
+    bits[2, :2] = 0  # none of the first 64
+    seq, back = decode_masks(encode_masks(9, GrammarMasks(rows=[0, 2, 5], allowed=bits,
+                                                          dead_rows=[2])))
+    assert seq == 9 and back.rows == [0, 2, 5] and back.dead_rows == [2]
+    assert back.allowed.dtype == torch.int32 and torch.equal(back.allowed, bits)
+    assert torch.equal(grammar_penalty(back.allowed, 150), grammar_penalty(bits, 150))
+    back.allowed[0, 0] = 0  # the sampler's own copy, not a view of the message
+    # No masked row, only failed ones (what the controller sends when the masks failed).
+    seq, dead = decode_masks(encode_masks(4, GrammarMasks(
+        rows=[], allowed=torch.empty(0, 0, dtype=torch.int32), dead_rows=[1, 3])))
+    assert seq == 4 and dead.rows == [] and dead.dead_rows == [1, 3]
+    assert dead.allowed.shape == (0, 0)
+    with pytest.raises(TypeError, match="int32 bitmask"):
+        encode_masks(1, GrammarMasks(rows=[0], allowed=torch.ones(1, 10, dtype=torch.bool)))
