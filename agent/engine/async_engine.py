@@ -322,6 +322,10 @@ class AsyncEngine:
                 except ValueError as error:
                     self._deliver(error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))
+                else:
+                    # Prefill role: the streaming KV handle goes out before any step.
+                    if (early := self.engine.handle_output(command.request_id)) is not None:
+                        self._deliver(early)
             elif isinstance(command, _CutInFlight):
                 for failed in self._fail_all(DRAINED_MESSAGE, DRAINED):
                     self._deliver(failed)

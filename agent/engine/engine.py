@@ -303,6 +303,26 @@ class LLMEngine:
         decode instance given it reads each chunk's blocks as they are computed)."""
         return self._kv_handles.get(request_id)
 
+    def handle_output(self, request_id: str) -> RequestOutput | None:
+        """Prefill role: the output a serving loop sends right after adding a request whose
+        KV goes to a decode instance: no tokens, not finished, its streaming handle in
+        ``kv_transfer``. It lets a router start the decode leg while the prompt computes;
+        the final output still carries the complete handle (same hold)."""
+        handle = self._kv_handles.get(request_id)
+        request = self.scheduler.requests.get(request_id)
+        if handle is None or request is None:
+            return None
+        return RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
+                             num_prompt_tokens=request.prompt_len, num_output_tokens=0,
+                             kv_transfer=handle)
+
+    def drop_kv(self, transfer_id: str) -> None:
+        """Prefill role: free a hold handed off already (a stop string found after the
+        engine finished the request, by the API process of a two-process server); a
+        decode instance reading it is told it is gone."""
+        if self.disagg is not None and self.disagg.exports is not None:
+            self.disagg.exports.drop(transfer_id)
+
     def _end_export(self, request_id: str) -> None:
         """Prefill role: the request ends here; a hold it did not hand off is freed."""
         if request_id in self._exporting:
@@ -604,9 +624,12 @@ class LLMEngine:
             # the request, its KV goes to a decode instance, which continues from it.
             if reason is None:
                 assert self.disagg is not None
-                reason = FinishReason.LENGTH
                 handle = self.disagg.export(request, now)
                 kv_transfer = handle.to_json() if handle is not None else None
+                # No handle: the decode side gave up on this hand-off mid-prompt (it
+                # acknowledged early). Not a natural end either, so a router does not
+                # mistake the first token for the whole answer.
+                reason = FinishReason.LENGTH if handle is not None else FinishReason.ABORT
             self._end_export(request_id)
         if reason is not None:
             outputs = request.num_output_tokens

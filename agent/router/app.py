@@ -103,7 +103,7 @@ class Router:
             raise RuntimeError("a request reached the router before its start-up")
         headers = forwarded_headers(request.headers)
         if self.table.has_decode_instances() and chainable(body):
-            return await self.chain.forward(path, endpoint, body, headers, routed)
+            return await self.chain.forward(path, endpoint, body, headers, routed, request)
         return await self.proxy.forward(path, raw, headers, routed)
 
     def instances_view(self) -> list[dict]:

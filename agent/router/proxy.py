@@ -26,12 +26,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from slipstream.agent.engine.errors import KV_TRANSFER_FAILED
 from slipstream.agent.router.classify import RoutedRequest
 from slipstream.agent.router.config import RouterConfig
 from slipstream.agent.router.dispatcher import Dispatcher, Lease, NoInstanceError
@@ -42,11 +43,19 @@ log = logging.getLogger(__name__)
 BACKEND_HEADER = "x-slipstream-backend"
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
 
 
 class RetryableFailure(Exception):
     """The request never ran on the instance (no connection, or a 503); another may serve
-    it. The instance gets no traffic for the cooldown: it is down, draining or saturated."""
+    it. The instance gets no traffic for the cooldown: it is down, draining or saturated;
+    unless ``instance_ok`` (a decode instance that could not fetch the request's KV from
+    its prefill instance, which says nothing about the decode instance itself)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code  # the instance's error code, if it said one
+        self.instance_ok = code == KV_TRANSFER_FAILED
 
 
 class Proxy:
@@ -59,33 +68,53 @@ class Proxy:
 
     async def forward(self, path: str, body: bytes, headers: dict[str, str],
                       routed: RoutedRequest) -> Response:
+        return await self._placed(routed, lambda lease: self._attempt(
+            path, body, headers, routed, lease))
+
+    async def open_stream(self, path: str, body: bytes, headers: dict[str, str],
+                          routed: RoutedRequest) -> EventStream | Response:
+        """Send a streaming request that the router reads itself, event by event (the
+        prefill leg of a disaggregated chain), placed and retried as ``forward`` does. An
+        instance's HTTP error comes back as a ``Response``, as from ``forward``."""
+        return await self._placed(routed, lambda lease: self._open(
+            path, body, headers, routed, lease))
+
+    async def _placed(self, routed: RoutedRequest,
+                      attempt_on: Callable[[Lease], Awaitable[T]]) -> T:
         finish_tag = self._dispatcher.tag(routed)
         tried: set[str] = set()
         last_failure = "no instance answered"
+        # A decode leg refused because its KV could not be fetched keeps that code: the
+        # disaggregated chain tells it from a decode pool with no room.
+        code = "no_instance_available"
         for attempt in range(self._config.max_attempts):
             try:
                 lease = await self._dispatcher.acquire(routed, finish_tag, frozenset(tried))
             except NoInstanceError as error:
                 self._count(routed, routed.request_class, "rejected")
                 message = str(error) if attempt == 0 else f"{error}; last failure: {last_failure}"
-                raise APIError(503, message, code="no_instance_available") from None
+                raise APIError(503, message, code=code) from None
             tried.add(lease.instance.name)
             if attempt > 0:
                 self._metrics.retries.labels(lease.instance.pool).inc()
             try:
-                return await self._attempt(path, body, headers, routed, lease)
+                return await attempt_on(lease)
             except RetryableFailure as failure:
                 last_failure = f"{lease.instance.name}: {failure}"
+                code = KV_TRANSFER_FAILED if failure.code == KV_TRANSFER_FAILED \
+                    else "no_instance_available"
                 log.warning("attempt %d on %s was refused, trying another instance: %s",
                             attempt + 1, lease.instance.name, failure)
-                lease.instance.mark_failed(time.monotonic(), self._config.unhealthy_cooldown_s)
+                if not failure.instance_ok:
+                    lease.instance.mark_failed(time.monotonic(),
+                                               self._config.unhealthy_cooldown_s)
                 lease.finish()
             except BaseException:  # the client went away, or a bug: free the slot
                 lease.finish()
                 raise
         self._count(routed, routed.request_class, "error")
         raise APIError(503, f"{self._config.max_attempts} instances refused the request; last: "
-                            f"{last_failure}", code="no_instance_available")
+                            f"{last_failure}", code=code)
 
     async def _attempt(self, path: str, body: bytes, headers: dict[str, str],
                        routed: RoutedRequest, lease: Lease) -> Response:
@@ -100,8 +129,7 @@ class Proxy:
             self._finish_failed(routed, lease, error)
             raise instance_lost(error) from None
         if upstream.status_code == 503:
-            text = await _read_quietly(upstream)
-            raise RetryableFailure(f"HTTP 503: {text[:200]}")
+            raise await _refused(upstream)
         if upstream.status_code >= 400 or not routed.stream:
             return await self._whole_body(upstream, routed, lease)
         # One iterator for the whole stream: the prefix is read from it, the rest follows.
@@ -125,6 +153,24 @@ class Proxy:
                                     status_code=upstream.status_code,
                                     media_type="text/event-stream",
                                     headers={**SSE_HEADERS, BACKEND_HEADER: lease.instance.name})
+
+    async def _open(self, path: str, body: bytes, headers: dict[str, str],
+                    routed: RoutedRequest, lease: Lease) -> EventStream | Response:
+        request = self._client.build_request("POST", f"{lease.instance.spec.url}{path}",
+                                             content=body, headers=headers)
+        try:
+            upstream = await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            raise RetryableFailure(f"no connection: {type(error).__name__}") from None
+        except httpx.TransportError as error:
+            self._finish_failed(routed, lease, error)
+            raise instance_lost(error) from None
+        if upstream.status_code == 503:
+            raise await _refused(upstream)
+        if upstream.status_code >= 400:
+            return await self._whole_body(upstream, routed, lease)
+        return EventStream(upstream, lease, lambda outcome: self._count(
+            routed, lease.instance.pool, outcome))
 
     async def _whole_body(self, upstream: httpx.Response, routed: RoutedRequest,
                           lease: Lease) -> Response:
@@ -229,6 +275,68 @@ class _PassThroughResponse(StreamingResponse):
         finally:
             await self._on_close()
 
+    async def discard(self) -> None:
+        """Never send it: close the upstream stream (the instance aborts the request)."""
+        await self._on_close()
+
+
+async def discard(response: Response) -> None:
+    """Drop a response that will not be sent; a held upstream stream is closed."""
+    if isinstance(response, _PassThroughResponse):
+        await response.discard()
+
+
+class EventStream:
+    """An instance's SSE stream read by the router itself, as JSON objects (``[DONE]`` and
+    lines that are not JSON objects are skipped). ``aclose`` ends it: the instance aborts a
+    request still running, and the lease is released."""
+
+    def __init__(self, upstream: httpx.Response, lease: Lease,
+                 count: Callable[[str], None]) -> None:
+        self.upstream = upstream
+        self.lease = lease
+        self.instance_name = lease.instance.name
+        self._count = count
+        self._outcome = "cancelled"
+
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+        """The events in order; an instance lost mid-stream raises ``APIError`` (502)."""
+        buffer = b""
+        try:
+            async for chunk in self.upstream.aiter_bytes():
+                buffer += chunk
+                while (end := buffer.find(b"\n\n")) >= 0:
+                    event, buffer = buffer[:end], buffer[end + 2:]
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            if self._outcome != "error":
+                                self._outcome = "ok"
+                            continue
+                        try:
+                            data = json.loads(payload)
+                        except (json.JSONDecodeError, UnicodeDecodeError):
+                            continue
+                        if isinstance(data, dict):
+                            if "error" in data:
+                                self._outcome = "error"
+                            elif _event_state(payload) == "token":
+                                self.lease.first_token()  # the instance is past the prompt
+                            yield data
+        except httpx.TransportError as error:
+            self._outcome = "error"
+            raise APIError(502, f"the instance serving this request failed mid-stream "
+                                f"({type(error).__name__})", code="instance_failed") from None
+
+    async def aclose(self) -> None:
+        if self.lease.finished:
+            return
+        await self.upstream.aclose()
+        self.lease.finish()
+        self._count(self._outcome)
+
 
 def forwarded_headers(headers: Any) -> dict[str, str]:
     return {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
@@ -294,6 +402,16 @@ def _is_openai_error(content: bytes) -> bool:
 def _printable(content: bytes, limit: int = 200) -> str:
     text = content[:limit].decode(errors="replace")
     return "".join(ch if ch.isprintable() else " " for ch in text).strip() or "(no body)"
+
+
+async def _refused(upstream: httpx.Response) -> RetryableFailure:
+    """A 503: the request never ran there."""
+    text = await _read_quietly(upstream)
+    try:
+        code = json.loads(text)["error"]["code"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        code = None
+    return RetryableFailure(f"HTTP 503: {text[:200]}", code if isinstance(code, str) else None)
 
 
 async def _read_quietly(upstream: httpx.Response) -> str:

@@ -26,8 +26,8 @@ from slipstream.agent.engine.grammar import lark_grammar
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
-    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, prepare, sse_event,
-    start_choices, stream_events, tokenize, with_kv_transfer)
+    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, kv_handle_event,
+    prepare, sse_event, start_choices, stream_events, tokenize, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, FunctionCallDelta,
@@ -153,6 +153,8 @@ async def _stream(ctx: ServingContext, choices: Choices, request_id: str, model:
     def usage(_final: RequestOutput) -> bytes:
         return chunk([], Usage.of(*choices.usage_counts()))
 
+    if handle_event := kv_handle_event(choices, request_id):
+        yield handle_event  # a prefill leg's streaming KV handle, for the router
     for index in range(len(choices.generations)):
         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
     async for event in stream_events(choices, render, usage if include_usage else None):

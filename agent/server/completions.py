@@ -18,8 +18,8 @@ from starlette.requests import Request
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
 from slipstream.agent.server.generation import (
-    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, prepare, sse_event,
-    start_choices, stream_events, tokenize, with_kv_transfer)
+    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, kv_handle_event,
+    prepare, sse_event, start_choices, stream_events, tokenize, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)
@@ -101,7 +101,8 @@ def _stream(ctx: ServingContext, choices: Choices, request_id: str, model: str,
             id=request_id, created=created, model=model, choices=[],
             usage=Usage.of(*choices.usage_counts())).model_dump_json())
 
-    return stream_events(choices, render, usage if include_usage else None)
+    return stream_events(choices, render, usage if include_usage else None,
+                         prelude=kv_handle_event(choices, request_id))
 
 
 def completion_logprobs(ctx: ServingContext, token_logprobs: list[TokenLogprob],

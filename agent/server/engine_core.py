@@ -92,6 +92,12 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class DropKV(msgspec.Struct, tag="drop_kv", array_like=True):
+    """Prefill role: a stop string (found here, in the API process) ended requests at their
+    first token after the core had handed their KV off; free those holds."""
+    transfer_ids: list[str]
+
+
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     model_name: str
     limits: RequestLimits
@@ -114,7 +120,7 @@ class WarmedUp(msgspec.Struct, tag="warmed_up", array_like=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
-Command = Add | Abort | Shutdown | WarmUp | CutInFlight
+Command = Add | Abort | Shutdown | WarmUp | CutInFlight | DropKV
 _command_decoder = msgspec.msgpack.Decoder(Command)
 _core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp)
 
@@ -261,12 +267,21 @@ class _CoreLoop:
                 except ValueError as error:
                     outputs.append(error_output(command.request_id, str(error),
                                                  INVALID_REQUEST))
+                else:
+                    # Prefill role: the streaming KV handle goes out now, not after the
+                    # step that computes the first chunk.
+                    if (early := engine.handle_output(command.request_id)) is not None:
+                        self._send(outputs + [early])
+                        outputs.clear()
             elif isinstance(command, Abort):
                 for request_id in command.request_ids:
                     if (output := engine.abort(request_id)) is not None:
                         outputs.append(output)
             elif isinstance(command, CutInFlight):
                 outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
+            elif isinstance(command, DropKV):
+                for transfer_id in command.transfer_ids:
+                    engine.drop_kv(transfer_id)
             elif isinstance(command, WarmUp):
                 self._warm_up()
             else:
@@ -523,6 +538,7 @@ class EngineCoreClient:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         aborts = []
+        drops = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.text is None:
@@ -532,9 +548,17 @@ class EngineCoreClient:
                 stream.text = None  # nothing more goes out
                 if stopped:
                     aborts.append(output.request_id)
+                if output.kv_transfer is not None and \
+                        output.finish_reason != FinishReason.LENGTH.value:
+                    # A stop string in the first token: the request ends here, so the KV
+                    # the core handed off goes to nobody (as in one process).
+                    drops.append(str(output.kv_transfer.get("transfer_id")))
+                    output.kv_transfer = None
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         if aborts:
             self._send(Abort(aborts))
+        if drops:
+            self._send(DropKV(drops))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 

@@ -157,9 +157,6 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
     kv_transfer = body.kv_transfer_params
-    if kv_transfer and kv_transfer.get("do_remote_decode") and body.stream:
-        raise bad_request("kv_transfer_params.do_remote_decode needs stream=false: the KV "
-                          "handle comes back in the response body", param="stream")
     if kv_transfer and body.num_choices > 1:
         raise bad_request("kv_transfer_params needs n=1", param="n")
     params = build_sampling_params(body, resolved_max_tokens, logprobs, grammar)
@@ -271,6 +268,11 @@ class Generation:
         self._outputs = outputs
         self._first = first
         self._timer = timer
+
+    @property
+    def first(self) -> RequestOutput:
+        """The output ``start_generation`` waited for."""
+        return self._first
 
     async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         output: RequestOutput | None = self._first
@@ -450,6 +452,22 @@ def with_kv_transfer(body: dict[str, Any], final: RequestOutput) -> dict[str, An
     return body
 
 
+# The ``object`` of the events a streamed prefill leg adds for the router (never a client's).
+KV_TRANSFER_OBJECT = "slipstream.kv_transfer"
+
+
+def kv_handle_event(choices: Choices, request_id: str) -> bytes:
+    """A streamed prefill leg (``do_remote_decode``): its first event, before any token, is
+    the streaming KV handle, so a router can start the decode leg while the prompt is still
+    computing (the decode instance reads each chunk's blocks as they are done). Empty for
+    every other request."""
+    first = choices.generations[0].first
+    if first.kv_transfer is None or first.finished:
+        return b""
+    return sse_event(json.dumps({"id": request_id, "object": KV_TRANSFER_OBJECT,
+                                 "kv_transfer_params": first.kv_transfer}))
+
+
 async def collect_outputs(http_request: Request, generation: Generation) -> list[RequestOutput]:
     """All outputs of a non-streaming request; an engine failure becomes a 500."""
     outputs = await run_until_disconnect(http_request, generation.collect())
@@ -470,12 +488,16 @@ def sse_event(json_text: str) -> bytes:
 
 async def stream_events(generation: Generation | Choices,
                         render: Callable[[RequestOutput], bytes],
-                        usage: Callable[[RequestOutput], bytes] | None
-                        ) -> AsyncIterator[bytes]:
-    """The SSE body every streaming endpoint shares: ``render`` of each output that brings
-    tokens or the finish, an engine failure as an error event (which ends the stream), then
-    ``usage`` of the last output when asked for, then ``[DONE]``."""
+                        usage: Callable[[RequestOutput], bytes] | None,
+                        prelude: bytes = b"") -> AsyncIterator[bytes]:
+    """The SSE body every streaming endpoint shares: ``prelude`` if any, ``render`` of each
+    output that brings tokens or the finish, an engine failure as an error event (which ends
+    the stream), the complete KV handle of a prefill leg that handed its KV off (an event of
+    ``KV_TRANSFER_OBJECT``), then ``usage`` of the last output when asked for, then
+    ``[DONE]``."""
     final: RequestOutput | None = None
+    if prelude:
+        yield prelude
     async with contextlib.aclosing(generation.__aiter__()) as outputs:
         async for output in outputs:
             final = output
@@ -485,6 +507,9 @@ async def stream_events(generation: Generation | Choices,
             if not output.new_token_ids and not output.finished:
                 continue
             yield render(output)
+    if final is not None and final.finished and final.kv_transfer is not None:
+        yield sse_event(json.dumps({"object": KV_TRANSFER_OBJECT,
+                                    "kv_transfer_params": final.kv_transfer}))
     if usage is not None and final is not None:
         yield usage(final)
     yield SSE_DONE

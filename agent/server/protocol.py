@@ -74,6 +74,7 @@ class _GenerationRequest(_StrictModel):
     # Prefill/decode disaggregation, as vLLM names it: {"do_remote_decode": true} asks a
     # prefill instance to keep the KV for a decode instance; the handle it answers with
     # (plus "do_remote_prefill": true) makes a decode instance fetch that KV and continue.
+    # Streamed, a prefill leg's first event is the streaming handle (generation.py).
     kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")

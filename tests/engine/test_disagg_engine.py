@@ -407,6 +407,7 @@ def test_decode_side_giving_up_mid_prompt_frees_the_prefill_hold(tiny_model_dir)
         _run(prefill, {"p-d"}, out)
         final = out["p-d"][-1]
         assert final.kv_transfer is None  # nobody to hand it to any more
+        assert final.finish_reason == "abort"  # and not an answer ending at its first token
         assert prefill.block_manager.kv_blocks_used == 0
         assert prefill.stats().kv_transfers_acknowledged == 1
     finally:

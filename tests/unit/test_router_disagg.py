@@ -5,12 +5,17 @@ to the decode instance holding the least KV, skipping one whose KV would overflo
 from __future__ import annotations
 
 import asyncio
+import json
 
-from slipstream.agent.router.classify import RoutedRequest
-from slipstream.agent.router.disagg import chainable
+import httpx
+
+from slipstream.agent.router.classify import COMPLETIONS, RoutedRequest
+from slipstream.agent.router.disagg import DisaggChain, chainable
 from slipstream.agent.router.instances import AgentReport, InstanceTable
+from slipstream.agent.router.metrics import RouterMetrics
+from slipstream.agent.router.proxy import Proxy
 
-from tests.unit.test_router_routing import ManualClock, make_dispatcher, spec
+from tests.unit.test_router_routing import ManualClock, make_config, make_dispatcher, spec
 
 
 def _routed(request_class: str, prompt_tokens: int) -> RoutedRequest:
@@ -77,3 +82,179 @@ def test_only_plain_requests_are_chained():
     assert not chainable({"prompt": "hi", "echo": True})
     assert not chainable({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}})
     assert not chainable(None)
+
+
+# ---- the chain's order of events, against scripted agents (httpx.MockTransport) ----------
+# The real agents and Mooncake are in tests/server/test_disagg_serving.py; these scripts pin
+# down what the router does at each turn, including the turns real agents rarely take.
+
+PREFILL, DECODE = spec("p1", "short"), spec("d333", "decode")  # distinct ports
+STREAMING_HANDLE = {"transfer_id": "t1", "transport": "mooncake", "side_channel": "tcp://x",
+                    "endpoint": "x", "block_ids": [], "first_token_id": -1, "streaming": True}
+COMPLETE_HANDLE = {**STREAMING_HANDLE, "block_ids": [1, 2], "first_token_id": 7,
+                   "streaming": False}
+
+
+def _sse(*events: dict) -> list[bytes]:
+    return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+
+def _chunk(text: str, finish_reason: str | None = None) -> dict:
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
+
+
+def _chain(agent) -> DisaggChain:
+    table = InstanceTable(clock=ManualClock())
+    table.upsert(PREFILL)
+    table.upsert(DECODE)
+    proxy = Proxy(make_config(), make_dispatcher(table),
+                  httpx.AsyncClient(transport=httpx.MockTransport(agent)), RouterMetrics())
+    return DisaggChain(proxy, table)
+
+
+async def _forward(chain: DisaggChain, body: dict) -> tuple[int, bytes]:
+    routed = RoutedRequest("short", 3, "default", bool(body.get("stream")), 8, None, 0.0)
+    response = await chain.forward("/v1/completions", COMPLETIONS, body, {}, routed)
+    if hasattr(response, "body_iterator"):
+        return response.status_code, b"".join([chunk async for chunk in response.body_iterator])
+    return response.status_code, bytes(response.body)
+
+
+def test_the_decode_leg_starts_on_the_early_handle_before_the_prompt_is_done():
+    """The scripted prefill stream sends its first token only after the decode leg has
+    arrived: the chain completes only if the decode leg starts on the first event."""
+    async def run() -> tuple[int, bytes, list]:
+        decode_arrived = asyncio.Event()
+        calls = []
+
+        async def prefill_stream():
+            yield _sse({"object": "slipstream.kv_transfer", "kv_transfer_params":
+                        STREAMING_HANDLE})[0]
+            await asyncio.wait_for(decode_arrived.wait(), 10)
+            for chunk in _sse(_chunk(" a", "length"), {"object": "slipstream.kv_transfer",
+                                                       "kv_transfer_params": COMPLETE_HANDLE}):
+                yield chunk
+
+        async def agent(request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            calls.append((request.url.port, body["stream"], body["kv_transfer_params"]))
+            if request.url.port == httpx.URL(PREFILL.url).port:
+                return httpx.Response(200, content=prefill_stream(),
+                                      headers={"content-type": "text/event-stream"})
+            decode_arrived.set()
+            return httpx.Response(200, json={**_chunk(" a b c", "length"), "usage": None})
+
+        status, content = await _forward(_chain(agent), {"prompt": "x", "stream": False})
+        return status, content, calls
+
+    status, content, calls = asyncio.run(run())
+    assert status == 200 and json.loads(content)["choices"][0]["text"] == " a b c"
+    (prefill_port, prefill_stream, asked), (_, _, handle) = calls
+    assert prefill_stream is True and asked == {"do_remote_decode": True}
+    assert handle == {**STREAMING_HANDLE, "do_remote_prefill": True}
+
+
+def test_a_prefill_ending_at_its_first_token_cancels_the_decode_leg():
+    async def run() -> tuple[int, bytes, bool]:
+        decode_cancelled = asyncio.Event()
+        decode_arrived = asyncio.Event()
+
+        async def prefill_stream():
+            yield _sse({"object": "slipstream.kv_transfer", "kv_transfer_params":
+                        STREAMING_HANDLE})[0]
+            await asyncio.wait_for(decode_arrived.wait(), 10)
+            for chunk in _sse(_chunk(" end", "stop")):
+                yield chunk
+
+        async def agent(request: httpx.Request) -> httpx.Response:
+            if request.url.port == httpx.URL(PREFILL.url).port:
+                return httpx.Response(200, content=prefill_stream(),
+                                      headers={"content-type": "text/event-stream"})
+            decode_arrived.set()
+            try:
+                await asyncio.sleep(30)  # waiting for KV that will never be complete
+            except asyncio.CancelledError:
+                decode_cancelled.set()
+                raise
+            raise AssertionError("the decode leg was not cancelled")
+
+        status, content = await _forward(_chain(agent), {"prompt": "x", "stream": True})
+        return status, content, decode_cancelled.is_set()
+
+    status, content, cancelled = asyncio.run(run())
+    assert status == 200 and cancelled
+    events = [json.loads(line[6:]) for line in content.decode().split("\n\n")
+              if line.startswith("data: {")]
+    assert [e["choices"][0]["text"] for e in events] == [" end"]  # no handle, no usage
+    assert events[0]["choices"][0]["finish_reason"] == "stop"
+    assert content.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_prefill_agent_without_streamed_legs_gets_the_unstreamed_chain():
+    """An agent from before streamed hand-offs refuses stream=true with do_remote_decode
+    (a 400 on ``stream``): the router asks it again with stream=false and chains as before."""
+    calls = []
+
+    def agent(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls.append((request.url.port, body.get("stream"), body["kv_transfer_params"]))
+        if request.url.port == httpx.URL(PREFILL.url).port:
+            if body["stream"]:
+                return httpx.Response(400, json={"error": {
+                    "message": "kv_transfer_params.do_remote_decode needs stream=false: the "
+                               "KV handle comes back in the response body",
+                    "type": "invalid_request_error", "param": "stream", "code": None}})
+            return httpx.Response(200, json={**_chunk(" a", "length"), "usage": None,
+                                             "kv_transfer_params": COMPLETE_HANDLE})
+        return httpx.Response(200, json={**_chunk(" a b", "length"), "usage": None})
+
+    status, content = asyncio.run(_forward(_chain(agent), {"prompt": "x"}))
+    assert status == 200 and json.loads(content)["choices"][0]["text"] == " a b"
+    assert [(stream, params.get("do_remote_prefill", False)) for _, stream, params in calls] \
+        == [(True, False), (False, False), (None, True)]
+    assert calls[2][2] == {**COMPLETE_HANDLE, "do_remote_prefill": True}
+
+
+def test_a_decode_leg_refused_because_the_prefill_ended_at_its_first_token():
+    """The race the real agents run: the prefill ends at its first token and drops its hold;
+    the decode instance, reading that hold, answers 503 kv_transfer_failed before the
+    router has the prefill's end. The client still gets the prefill's answer, and the decode
+    instance is not put in cooldown (it did nothing wrong): the next request reaches it."""
+    decode_calls = []
+
+    async def run() -> list[tuple[int, bytes]]:
+        decode_refused = asyncio.Event()
+
+        async def prefill_stream():
+            yield _sse({"object": "slipstream.kv_transfer", "kv_transfer_params":
+                        STREAMING_HANDLE})[0]
+            await asyncio.wait_for(decode_refused.wait(), 10)
+            await asyncio.sleep(0.2)  # the refusal reaches the router first
+            for chunk in _sse(_chunk(" end", "stop")):
+                yield chunk
+
+        async def agent(request: httpx.Request) -> httpx.Response:
+            if request.url.port == httpx.URL(PREFILL.url).port:
+                return httpx.Response(200, content=prefill_stream(),
+                                      headers={"content-type": "text/event-stream"})
+            decode_calls.append(json.loads(request.content)["kv_transfer_params"])
+            decode_refused.set()
+            return httpx.Response(503, json={"error": {
+                "message": "the KV cache of this request could not be fetched from its "
+                           "prefill instance", "type": "server_error", "param": None,
+                "code": "kv_transfer_failed"}})
+
+        chain = _chain(agent)
+        results = []
+        for _ in range(2):
+            decode_refused.clear()
+            results.append(await _forward(chain, {"prompt": "x"}))
+        return results
+
+    for status, content in asyncio.run(run()):
+        assert status == 200, content
+        answer = json.loads(content)
+        assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == \
+            (" end", "stop")
+    assert len(decode_calls) == 2
