@@ -43,6 +43,10 @@ class AgentDisaggregation(ApiModel):
 
 class AgentServer(ApiModel):
     drain_timeout_seconds: float = Field(DEFAULT_DRAIN_TIMEOUT_SECONDS, ge=0, le=3600)
+    # True: `slipstream serve --single-process`. Written only when true, so the files (and
+    # the template hashes) of replicas that keep the default layout did not change when the
+    # field came, and an operator upgrade restarts nothing.
+    single_process: bool | None = None
 
 
 class AgentConfig(ApiModel):
@@ -65,7 +69,8 @@ class AgentConfig(ApiModel):
                                     max_model_len=spec.model.max_model_len),
                    parallelism=spec.parallelism, scheduler=spec.scheduler, slo=spec.slo,
                    pools=pools,
-                   server=AgentServer(drain_timeout_seconds=spec.drain_timeout_seconds),
+                   server=AgentServer(drain_timeout_seconds=spec.drain_timeout_seconds,
+                                      single_process=spec.single_process or None),
                    disaggregation=_disaggregation(spec))
 
     def to_yaml(self) -> str:

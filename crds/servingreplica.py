@@ -412,6 +412,11 @@ class ServingReplicaSpec(ApiModel):
         description="On shutdown (rollout, scale-down, rebalance) an instance stops taking "
                     "requests and gives those in flight this long to finish; the rest end with "
                     "an error. The pods' terminationGracePeriodSeconds is set above it.")
+    single_process: bool = Field(
+        False, description="Run each instance's engine (scheduler, KV cache, model or worker "
+        "controller) on a thread of the agent's HTTP server process (`slipstream serve "
+        "--single-process`). Default false: the engine runs in an engine-core process of its "
+        "own, so HTTP, tokenization and detokenization never stretch its steps.")
     autoscaling: Autoscaling | None = Field(None, description="The built-in SLO autoscaler; "
                                             "absent or disabled: spec.instances holds.")
     disaggregation: Disaggregation | None = Field(

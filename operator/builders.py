@@ -43,11 +43,11 @@ def agent_config(spec: ServingReplicaSpec) -> AgentConfig:
 
 def template_hash(spec: ServingReplicaSpec) -> str:
     """A short hash of every spec field an agent pod is built from or reads at start: the
-    engine config (model, parallelism, scheduler, SLO, pools threshold, drain), the image,
-    the model's volume and the placement rules. Pods carry it as a label; a spec change that
-    alters it makes reconcile replace the instances one at a time (a rolling update). Fields
-    that only count or move instances (instances, autoscaling, pool sizes, rebalance) leave it
-    unchanged, so scaling never restarts anything."""
+    engine config (model, parallelism, scheduler, SLO, pools threshold, drain, engine
+    layout), the image, the model's volume and the placement rules. Pods carry it as a
+    label; a spec change that alters it makes reconcile replace the instances one at a time
+    (a rolling update). Fields that only count or move instances (instances, autoscaling,
+    pool sizes, rebalance) leave it unchanged, so scaling never restarts anything."""
     shaping = {"config": agent_config(spec).to_yaml(), "image": spec.image,
                "model": spec.model.model_dump(mode="json", by_alias=True),
                "placement": spec.placement.model_dump(mode="json", by_alias=True)}

@@ -303,10 +303,14 @@ CONFIG_FLAGS: dict[str, str] = {
     "slo.attainmentTarget": "slo_attainment_target",
     "pools.longPrefillThresholdTokens": "long_prompt_threshold_tokens",
     "server.drainTimeoutSeconds": "drain_timeout_s",
+    "server.singleProcess": "engine_process",
     "disaggregation.transport": "kv_transport",
     "disaggregation.holdTimeoutSeconds": "kv_hold_timeout_seconds",
     "disaggregation.blocksPerRead": "kv_blocks_per_read",
 }
+# Fields whose flag stores the opposite value: ``server.singleProcess: true`` is
+# ``--single-process``, which turns ``engine_process`` off.
+NEGATED_CONFIG_FIELDS = frozenset({"server.singleProcess"})
 
 
 def defaults_from_config(path: Path) -> dict[str, Any]:
@@ -317,7 +321,9 @@ def defaults_from_config(path: Path) -> dict[str, Any]:
     unknown = sorted(set(values) - set(CONFIG_FLAGS))
     if unknown:
         raise ValueError(f"fields slipstream serve does not read: {', '.join(unknown)}")
-    defaults = {CONFIG_FLAGS[field]: value for field, value in values.items()}
+    defaults: dict[str, Any] = {
+        CONFIG_FLAGS[field]: not value if field in NEGATED_CONFIG_FIELDS else value
+        for field, value in values.items()}
     if "model" in defaults:
         defaults["model"] = Path(defaults["model"])
     return defaults

@@ -78,22 +78,39 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_dir
 
 
-@contextlib.contextmanager
-def serve(model_dir: Path, log_dir: Path, *extra_args: str,
-          pool: str = POOL_LABEL) -> Iterator[ServerHandle]:
-    """Run ``slipstream serve`` on a free port until the block ends (then stop it by PID)."""
+def serve_command(model_dir: Path, *extra_args: str, pool: str = POOL_LABEL,
+                  auto_profile: bool = False, env: dict[str, str | None] | None = None
+                  ) -> tuple[list[str], dict[str, str], int, int]:
+    """(argv, environment, port, control port) of a ``slipstream serve`` on free ports. It
+    gets ``--no-profile`` unless ``auto_profile`` (or ``--profile DIR``); ``env`` adds
+    variables to this process's environment (None: unset it)."""
     port, control_port = free_port(), free_port()
-    env = {**os.environ, "SLIPSTREAM_POOL": pool}
-    env.pop("POD_IP", None)
+    environment = {**os.environ, "SLIPSTREAM_POOL": pool}
+    environment.pop("POD_IP", None)
+    for name, value in (env or {}).items():
+        if value is None:
+            environment.pop(name, None)
+        else:
+            environment[name] = value
+    profile = [] if auto_profile or "--profile" in extra_args else ["--no-profile"]
     argv = _slipstream("serve", "--model", str(model_dir), "--port", str(port),
                        "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu",
                        "--max-model-len", str(MAX_MODEL_LEN_TOKENS),
                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--log-level", "warning",
-                       "--control-port", str(control_port),
-                       *([] if "--profile" in extra_args else ["--no-profile"]), *extra_args)
+                       "--control-port", str(control_port), *profile, *extra_args)
+    return argv, environment, port, control_port
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, log_dir: Path, *extra_args: str, pool: str = POOL_LABEL,
+          auto_profile: bool = False, env: dict[str, str | None] | None = None
+          ) -> Iterator[ServerHandle]:
+    """Run ``slipstream serve`` on a free port until the block ends (then stop it by PID)."""
+    argv, environment, port, control_port = serve_command(
+        model_dir, *extra_args, pool=pool, auto_profile=auto_profile, env=env)
     base_url = f"http://127.0.0.1:{port}"
-    with local_process.running(argv, log_dir / "serve.log", f"{base_url}/health", env=env,
-                               timeout_s=SERVER_START_TIMEOUT_S) as process:
+    with local_process.running(argv, log_dir / "serve.log", f"{base_url}/health",
+                               env=environment, timeout_s=SERVER_START_TIMEOUT_S) as process:
         yield ServerHandle(base_url, process, control_port)
 
 
@@ -103,6 +120,13 @@ def serve_process(tiny_model_dir: Path):
     may signal or stop), stopped when the block ends."""
     return lambda log_dir, *extra_args, **kwargs: serve(tiny_model_dir, log_dir, *extra_args,
                                                         **kwargs)
+
+
+@pytest.fixture(scope="session")
+def serve_argv(tiny_model_dir: Path):
+    """``serve_argv(*flags, auto_profile=..., env=...)``: (argv, environment, port, control
+    port) of a server of the session's tiny model, for a test that runs the process itself."""
+    return lambda *extra_args, **kwargs: serve_command(tiny_model_dir, *extra_args, **kwargs)
 
 
 @pytest.fixture(scope="session")

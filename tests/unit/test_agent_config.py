@@ -89,6 +89,38 @@ def test_a_spec_with_defaults_only_gives_the_agents_defaults(tmp_path):
     assert server.slo_attainment_target == plain_server.slo_attainment_target
 
 
+def test_single_process_in_the_spec_runs_the_agents_engine_on_a_thread(tmp_path):
+    """spec.singleProcess reaches `slipstream serve` as --single-process; without it the
+    agent runs its engine core in a process of its own (serve's default)."""
+    split = serve_args_in_pod(SPEC, tmp_path)
+    assert serve_cli.use_engine_process(split)
+    single_spec = SPEC.model_copy(update={"single_process": True})
+    single = serve_args_in_pod(single_spec, tmp_path)
+    assert not serve_cli.use_engine_process(single)
+    assert single.engine_process is False  # the same as `slipstream serve --single-process`
+    _, by_flag = parse_subcommand(["serve", "--single-process"])
+    assert single.engine_process == by_flag.engine_process
+    # Everything else is as in the split layout's pod.
+    assert vars(single) | {"engine_process": None} == vars(split) | {"engine_process": None}
+
+
+def test_the_default_layout_leaves_the_agents_file_as_it_was():
+    """Only a true singleProcess is written: the files, and so the template hashes, of
+    replicas that keep the default did not change when the field came (an operator upgrade
+    restarts nothing)."""
+    assert "singleProcess" not in builders.agent_config(SPEC).to_api()["server"]
+    single_spec = SPEC.model_copy(update={"single_process": True})
+    assert builders.agent_config(single_spec).to_api()["server"]["singleProcess"] is True
+
+
+def test_the_command_line_overrides_the_files_layout(tmp_path):
+    path = tmp_path / "engine.yaml"
+    single_spec = SPEC.model_copy(update={"single_process": True})
+    path.write_text(AgentConfig.from_spec(single_spec, "/models/llama").to_yaml())
+    _, args = parse_subcommand(["serve", "--config", str(path), "--engine-process"])
+    assert serve_cli.use_engine_process(args)
+
+
 DISAGGREGATED = ServingReplicaSpec.model_validate({
     "model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image": "agent:1",
     "disaggregation": {"prefill": {"instances": 1}, "decode": {"instances": 2},

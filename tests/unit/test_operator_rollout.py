@@ -50,6 +50,7 @@ def never() -> bool:
     {"scheduler": {"policy": "fcfs"}},
     {"parallelism": {"tp": 2}},
     {"drainTimeoutSeconds": 60},
+    {"singleProcess": True},
     {"placement": {"nodeSelector": {"pool": "a100"}}},
 ])
 def test_every_change_that_shapes_a_pod_changes_the_template_hash(change):
