@@ -64,6 +64,13 @@ SETTLE_S = 30.0
 # t of 2 would fire on noise: 4 keeps a flat, noisy load from ever looking like a ramp.
 MIN_TREND_POINTS = 6
 TREND_T = 4.0
+# A line through a step or a spike (flat, then a jump, then flat) has a clear slope too, and
+# extrapolating it sizes for a rise that has already ended: a trend counts only when the
+# older and the newer half of the window each rise (or each fall) on their own, at no less
+# than this share of the whole window's slope. A step shows one flat half for a whole
+# half-window; a ramp shows two rising halves. On a ramp that bends over (the top of a day)
+# the slope extrapolated is damped towards the newer half's (fit_trend).
+MIN_HALF_SLOPE_SHARE = 0.25
 
 # Outcomes: the status's lastScaleReason and the Event's reason.
 SCALE_UP, SCALE_DOWN = "ScaleUp", "ScaleDown"
@@ -134,11 +141,8 @@ class Trend:
         return max(0.0, self.level + self.slope_per_s * seconds_ahead)
 
 
-def fit_trend(points: tuple[tuple[float, float], ...], now_s: float) -> Trend | None:
-    """The least-squares line through ``points``, if its slope is clear of the noise
-    (``TREND_T`` standard errors, at least ``MIN_TREND_POINTS`` points); else None."""
-    if len(points) < MIN_TREND_POINTS:
-        return None
+def _line(points: tuple[tuple[float, float], ...]) -> tuple[float, float, float, float] | None:
+    """Least squares: (slope, mean time, mean value, standard error of the slope)."""
     count = len(points)
     mean_t = sum(t for t, _ in points) / count
     mean_v = sum(v for _, v in points) / count
@@ -147,10 +151,38 @@ def fit_trend(points: tuple[tuple[float, float], ...], now_s: float) -> Trend | 
         return None
     slope = sum((t - mean_t) * (v - mean_v) for t, v in points) / sxx
     residual = sum((v - mean_v - slope * (t - mean_t)) ** 2 for t, v in points)
-    standard_error = math.sqrt(residual / (count - 2) / sxx)
+    standard_error = math.sqrt(residual / max(1, count - 2) / sxx)
+    return slope, mean_t, mean_v, standard_error
+
+
+def fit_trend(points: tuple[tuple[float, float], ...], now_s: float) -> Trend | None:
+    """The least-squares line through ``points``, if its slope is clear of the noise
+    (``TREND_T`` standard errors, at least ``MIN_TREND_POINTS`` points) and both halves of
+    the window go the same way (``MIN_HALF_SLOPE_SHARE``: a step or a spike is not a trend);
+    else None. When the newer half moves more slowly than the whole window, the slope
+    extrapolated is damped half-way towards the newer half's (a rise that slows down, as at
+    the top of a day, is not carried on at its old pace)."""
+    if len(points) < MIN_TREND_POINTS:
+        return None
+    whole = _line(points)
+    if whole is None:
+        return None
+    slope, mean_t, mean_v, standard_error = whole
     if slope == 0.0 or abs(slope) <= TREND_T * standard_error:
         return None
-    return Trend(level=mean_v + slope * (now_s - mean_t), slope_per_s=slope)
+    half = len(points) // 2
+    older, recent = _line(points[:half]), _line(points[len(points) - half:])
+    if older is None or recent is None \
+            or min(older[0] / slope, recent[0] / slope) < MIN_HALF_SLOPE_SHARE:
+        return None
+    newer = recent[0]
+    level = mean_v + slope * (now_s - mean_t)
+    if abs(newer) < abs(slope):
+        # Slowing down: carry on at the mean of the two (the newer half alone, over half the
+        # points, is too noisy to extrapolate by itself: on a straight ramp it comes out low
+        # about half the time).
+        slope = (slope + newer) / 2.0
+    return Trend(level=level, slope_per_s=slope)
 
 
 @dataclass(frozen=True)
@@ -210,18 +242,24 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
     down, it lets a scale-down size to the load at the end of the scale-down window."""
     targets, tolerance = settings.targets, settings.tolerance
     n = load.count
+    ceiling = targets.prefill_load * (1.0 + tolerance)
+    forecast = trend is not None and settings.forecast_seconds > 0
     ahead_wanted, ahead_why = current, ""
-    if trend is not None and trend.slope_per_s > 0 and settings.forecast_seconds > 0:
+    if trend is not None and trend.slope_per_s > 0 and forecast:
         ahead = trend.at(settings.forecast_seconds)
-        if ahead / current > targets.prefill_load * (1.0 + tolerance):
-            ahead_wanted = max(current + 1, math.ceil(ahead / targets.prefill_load))
+        if ahead / current > ceiling:
+            # Sized so that the load ahead stays inside the band (not back at the target):
+            # the forecast is already the headroom, and a second one on top of it is the
+            # overshoot of a line extrapolated past the top of a curve.
+            ahead_wanted = max(current + 1, math.ceil(ahead / ceiling - 1e-9))
             ahead_why = (f"prefill load {load.prefill_load:.3f} rising "
                          f"{trend.slope_per_s * 60 / n:+.3f}/min per instance: "
                          f"{ahead / current:.3f} per instance in "
-                         f"{settings.forecast_seconds} s > {targets.prefill_load}")
+                         f"{settings.forecast_seconds} s > {ceiling:.3f}")
     breaches: list[str] = []
     unsettled: list[str] = []
     ratios = [1.0]
+    prefill_breach = ""
     for name, value, target in (("TTFT", load.ttft_attainment, targets.ttft_attainment),
                                 ("TPOT", load.tpot_attainment, targets.tpot_attainment)):
         if value is not None and 1.0 - value > (1.0 - target) * (1.0 + tolerance):
@@ -236,9 +274,23 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
         if value > target * (1.0 + tolerance):
             (breaches if settled or proportional else unsettled).append(
                 f"{name} {value:.3f} > {target}")
+            if name == "prefill load":
+                prefill_breach = breaches[-1]
     if unsettled and not breaches and ahead_wanted <= current:
         return current, (f"{'; '.join(unsettled)}, but {n} instance(s) have reported for "
                          f"less than {SETTLE_S:.0f} s: waiting for the window to catch up")
+    if breaches == [prefill_breach] and trend is not None and trend.slope_per_s < 0 \
+            and forecast:
+        # Only the prefill load is over, and it is clearly falling: by the time a new
+        # instance could serve (forecastSeconds) the load is back inside the band, so one
+        # started now would only be drained again. (Attainment, queue delay and KV, the
+        # signals of an actual shortage, are not overruled; nor is a load that stays over.)
+        ahead = trend.at(settings.forecast_seconds)
+        if ahead / current <= ceiling:
+            return current, (f"{prefill_breach}, but falling "
+                             f"{trend.slope_per_s * 60 / n:+.3f}/min per instance: "
+                             f"{ahead / current:.3f} per instance in "
+                             f"{settings.forecast_seconds} s, before a new one would serve")
     if breaches:
         # Instances still starting already count against the shortage: never below current.
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))

@@ -8,7 +8,11 @@ Every fleet runs H100 Llama-3-8B TP8 instances (the packaged Vidur tables) under
 by least backlog. The static sizes are found the way an operator would size them: the
 smallest count whose SLO attainment reaches ``--size-for`` on a sizing run at the peak rate
 (static at peak) or at the mean rate (static at mean). The autoscaled fleet starts at
-``--min-instances`` and follows the CRD's defaults unless told otherwise. Example::
+``--min-instances`` and follows the CRD's defaults unless told otherwise. Every fleet first
+serves a warm-up (``--warmup-s``, the curve's preceding stretch), neither billed nor counted,
+so that the autoscaler starts the measured part with a history. Next to the fleets the
+tables give a foresight bound: a model of the fewest instance-hours any autoscaler could
+use at the knee (``foresight_bound``). Example::
 
     python -m slipstream.agent.bench.autoscale_study --out results/autoscale
 """
@@ -34,14 +38,19 @@ from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
 from slipstream.agent.sim.report import meets_slo, summarize, ttft_s
 from slipstream.agent.sim.simulator import SimConfig, SimResult
 from slipstream.agent.sim.traces import (
-    RateCurve, TraceRequest, diurnal_rate, step_rate, warp_to_rate)
+    RateCurve, TraceRequest, diurnal_rate, merge_streams, step_rate, warp_to_rate)
 from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
 from slipstream.crds.servingreplica import ServingReplicaSpec
 
 LONG_PROMPT_TOKENS = 8192
 PLOT_BIN_S = 30.0
-DAY_S = 1200.0  # the compressed day (docs/autoscaling.md: why, and what it does to windows)
+DAY_S = 1800.0  # the compressed day (docs/autoscaling.md: why, and what it does to windows)
 TAIL_S = 120.0  # after the last arrival, for requests to finish (not billed)
+# Before the measured part, the fleets serve the curve's preceding stretch (the end of the
+# previous day; the low rate before a step), unbilled and unmeasured: an operator that has
+# been running has a history, so the autoscaler's forecast and windows start warm.
+WARMUP_S = 180.0
+FORESIGHT_WINDOW_S = 30.0  # the load window of the foresight bound (the agents' window)
 
 
 # What every simulation needs, set in main() before the worker processes fork (so that each
@@ -133,16 +142,49 @@ def size_static(pool: ProcessPoolExecutor, rates: list[float], args: argparse.Na
             for qps in rates}
 
 
+def arrivals(workload: str, args: argparse.Namespace) -> tuple[list[TraceRequest], float]:
+    """The workload's requests, the warm-up (``--warmup-s``) first; and the day's length."""
+    rate, duration_s, _ = workloads(args, _SHARED["trace"])[workload]
+    warmup = args.warmup_s
+    return warp_to_rate(_SHARED["trace"], lambda t: rate(t - warmup), warmup + duration_s), \
+        duration_s
+
+
+def foresight_bound(requests: list[TraceRequest], start_s: float, duration_s: float,
+                    args: argparse.Namespace) -> float:
+    """Instance-seconds of a fleet that knows the future: every second it runs the instances
+    the prompt tokens of the trailing 30 s need at ``--sizing-qps-per-instance`` requests of
+    the trace's mean prompt per second each (the knee), starts each ``--startup-s`` before
+    it is needed (billed), and stops it as soon as nothing needs it within a startup. No
+    causal autoscaler does better at that knee; the model ignores queueing and decode."""
+    arrival = np.fromiter((r.arrival_s for r in requests), dtype=np.float64, count=len(requests))
+    tokens = np.concatenate(([0.0], np.cumsum(
+        np.fromiter((r.prompt_tokens for r in requests), dtype=np.float64,
+                    count=len(requests)))))
+    grid = np.arange(start_s, start_s + duration_s, 1.0)
+    work = (tokens[np.searchsorted(arrival, grid, side="right")]
+            - tokens[np.searchsorted(arrival, grid - FORESIGHT_WINDOW_S, side="right")]
+            ) / FORESIGHT_WINDOW_S
+    trace = _SHARED["trace"]
+    capacity = args.sizing_qps_per_instance * sum(r.prompt_tokens for r in trace) / len(trace)
+    need = np.maximum(args.min_instances, np.ceil(work / capacity - 1e-9))
+    ahead = int(round(args.startup_s))
+    padded = np.concatenate((need, np.full(ahead, need[-1])))
+    have = np.lib.stride_tricks.sliding_window_view(padded, ahead + 1).max(axis=1)
+    return float(have.sum())
+
+
 def run_fleet(workload: str, label: str, count: int, autoscaled: bool,
               args: argparse.Namespace) -> dict:
     """One fleet on one workload (in a worker process): its summary."""
-    rate, duration_s, _ = workloads(args, _SHARED["trace"])[workload]
-    requests = warp_to_rate(_SHARED["trace"], rate, duration_s)
-    config = replace(_SHARED["base"], horizon_s=duration_s + TAIL_S)
+    requests, duration_s = arrivals(workload, args)
+    warmup = args.warmup_s
+    config = replace(_SHARED["base"], horizon_s=warmup + duration_s + TAIL_S)
     started = time.perf_counter()
     result = simulate_fleet(requests, config, _SHARED["model"], instances=count,
                             spec=autoscaled_spec(args) if autoscaled else None,
-                            startup_s=args.startup_s, bill_until_s=duration_s,
+                            startup_s=args.startup_s, bill_from_s=warmup,
+                            bill_until_s=warmup + duration_s,
                             tpot_slo_s=args.tpot_slo_ms / 1000.0)
     item = summary(label, result, args)
     print(f"{workload} {label}: {item['instance_hours']:.2f} instance-h, attainment "
@@ -152,10 +194,14 @@ def run_fleet(workload: str, label: str, count: int, autoscaled: bool,
 
 
 def summary(label: str, result: FleetResult, args: argparse.Namespace) -> dict:
-    sim = SimResult(policy="lars", records=result.records, end_s=result.end_s,
+    """The measured part only: requests arriving after the warm-up, times from its end."""
+    warmup = args.warmup_s
+    records = [r for r in result.records if r.arrival_s >= warmup]
+    sim = SimResult(policy="lars", records=records, end_s=result.end_s,
                     num_iterations=0, wall_s=result.wall_s, busy_s=[],
                     horizon_s=result.end_s)
     report = summarize(sim, LONG_PROMPT_TOKENS, args.tpot_slo_ms)
+    events = [{**e, "time_s": e["time_s"] - warmup} for e in result.decisions]
     return {
         "label": label,
         "instance_hours": result.instance_seconds / 3600.0,
@@ -165,17 +211,23 @@ def summary(label: str, result: FleetResult, args: argparse.Namespace) -> dict:
         "long_requests": report["long"]["requests"],
         "ttft_p99_s": report["overall"]["ttft_s"].get("p99"),
         "requests": report["requests"], "unfinished": report["unfinished"],
-        "wall_s": result.wall_s, "scale_events": result.decisions,
-        "timeline": result.timeline, "series": p99_series(result),
+        "wall_s": result.wall_s,
+        "scale_events": [e for e in events if e["time_s"] >= 0],
+        "warmup_scale_events": [e for e in events if e["time_s"] < 0],
+        "timeline": [{**p, "time_s": p["time_s"] - warmup} for p in result.timeline
+                     if p["time_s"] >= warmup],
+        "series": p99_series(result, warmup),
     }
 
 
-def p99_series(result: FleetResult) -> list[dict]:
-    """p99 TTFT (and arrivals) of the requests arriving in each 30 s bin."""
+def p99_series(result: FleetResult, warmup_s: float = 0.0) -> list[dict]:
+    """p99 TTFT (and arrivals) of the requests arriving in each 30 s bin after the warm-up."""
     bins: dict[int, list[float]] = {}
     for record in result.records:
+        if record.arrival_s < warmup_s:
+            continue
         value = ttft_s(record)
-        bins.setdefault(int(record.arrival_s // PLOT_BIN_S), []).append(
+        bins.setdefault(int((record.arrival_s - warmup_s) // PLOT_BIN_S), []).append(
             value if value is not None else result.end_s - record.arrival_s)
     return [{"time_s": k * PLOT_BIN_S, "arrival_qps": len(v) / PLOT_BIN_S,
              "ttft_p99_s": float(np.percentile(v, 99))} for k, v in sorted(bins.items())]
@@ -261,6 +313,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-instances", type=int, default=8)
     parser.add_argument("--startup-s", type=float, default=60.0,
                         help="decision to serving for a new instance")
+    parser.add_argument("--warmup-s", type=float, default=WARMUP_S,
+                        help="seconds served before the measured part (the curve's preceding "
+                        "stretch), neither billed nor counted, so that the autoscaler starts "
+                        f"with a history as a running operator does (default {WARMUP_S:.0f})")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="copies of the trace played side by side, each a fraction of its "
+                        "hour apart, before the warp (sim/traces.py: merge_streams): a "
+                        "population that many times the trace's, each part at the trace's "
+                        "own pace (default 1: the trace alone, replayed faster; 0: the day's "
+                        "mean rate over the trace's, rounded; docs/autoscaling.md)")
     parser.add_argument("--only", choices=("daily", "step"), default=None)
     parser.add_argument("--jobs", type=int, default=1,
                         help="simulations run at once, one process each (the figures do not "
@@ -270,7 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     wall_started = time.perf_counter()
     model, meta = load_model("h100-llama3-8b-tp8")
     instance = InstanceConfig(tp=meta.tp, num_kv_blocks=estimate_kv_blocks(meta, meta.tp, 1, 1))
-    _SHARED.update(model=model, trace=build_workload(WorkloadSpec(trace="azure")),
+    recorded = build_workload(WorkloadSpec(trace="azure"))
+    recorded_qps = (len(recorded) - 1) / (recorded[-1].arrival_s - recorded[0].arrival_s)
+    if args.streams <= 0:
+        args.streams = max(1, round((args.trough_qps + args.peak_qps) / 2 / recorded_qps))
+    _SHARED.update(model=model, trace=merge_streams(recorded, args.streams),
                    base=SimConfig(scheduler=SchedulerConfig(), instance=instance,
                                   num_layers=meta.num_layers,
                                   long_prompt_tokens=LONG_PROMPT_TOKENS))
@@ -291,15 +357,21 @@ def main(argv: list[str] | None = None) -> None:
                                               args.min_instances, True, args)
             for name in shapes}
         sizes = size_static(pool, sorted({q for pair in rates.values() for q in pair}), args)
+        by_count: dict[tuple[str, int], Future] = {}
         for name, (peak_qps, mean_qps) in rates.items():
             for label, qps in (("static-peak", peak_qps), ("static-mean", mean_qps)):
-                fleets[(name, label)] = pool.submit(run_fleet, name, label, sizes[qps][0],
-                                                    False, args)
-        done = {key: run.result() for key, run in fleets.items()}
+                # Two static fleets of one size on one workload are one simulation.
+                key = (name, sizes[qps][0])
+                if key not in by_count:
+                    by_count[key] = pool.submit(run_fleet, name, label, key[1], False, args)
+                fleets[(name, label)] = by_count[key]
+        done = {key: {**run.result(), "label": key[1]} for key, run in fleets.items()}
     tables = [f"Autoscaling study: H100 Llama-3-8B TP8 instances (Vidur tables), LARS, "
               f"TPOT SLO {args.tpot_slo_ms:.0f} ms, TTFT deadline the scheduler's default; "
               f"new instances serve {args.startup_s:.0f} s after the decision; static fleets "
-              f"sized for {args.size_for:.2%} attainment.\n"]
+              f"sized for {args.size_for:.2%} attainment; the Azure conversation trace "
+              f"({recorded_qps:.2f} req/s) as {args.streams} streams side by side; a "
+              f"{args.warmup_s:.0f} s warm-up before each workload.\n"]
     results: dict[str, dict[str, dict]] = {}
     sizing: dict[str, dict] = {}
     for name, (_, duration_s, shape) in shapes.items():
@@ -317,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
                       f"{peak_qps:.1f} QPS; static sizes {peak_n} (peak), {mean_n} (mean)\n\n"
                       f"{HEADER}")
         tables += [table_row(item, peak_hours) for item in summaries.values()]
+        requests_in, day_s = arrivals(name, args)
+        bound = foresight_bound(requests_in, args.warmup_s, day_s, args) / 3600.0
+        sizing[name]["foresight_bound_instance_hours"] = bound
+        tables.append(
+            f"\nForesight bound (a model, not a simulation; docs/autoscaling.md): "
+            f"{bound:.2f} instance-h ({bound / peak_hours - 1:+.1%} vs static at peak).")
     wall_s = time.perf_counter() - wall_started
     tables.append(f"\n{wall_s / 60:.1f} minutes of wall time with --jobs {args.jobs}.")
     (args.out / "autoscale_study.json").write_text(json.dumps(

@@ -164,19 +164,21 @@ class Fleet:
             "desired": desired})
         self.arrived_since_sample = 0
 
-    def instance_seconds(self, end_s: float) -> float:
+    def instance_seconds(self, end_s: float, start_s: float = 0.0) -> float:
         return sum(max(0.0, min(end_s, m.stopped_s if m.stopped_s is not None else end_s)
-                       - m.started_s) for m in self.members)
+                       - max(start_s, m.started_s)) for m in self.members)
 
 
 def simulate_fleet(requests: list[TraceRequest], config: SimConfig, model: BatchTimeModel, *,
                    instances: int, spec: ServingReplicaSpec | None = None,
                    startup_s: float = DEFAULT_STARTUP_S, tpot_slo_s: float | None = None,
-                   bill_until_s: float | None = None) -> FleetResult:
+                   bill_from_s: float = 0.0, bill_until_s: float | None = None) -> FleetResult:
     """``instances`` to start with (all serving at t = 0); with ``spec.autoscaling`` the
     autoscaler takes it from there, without it the count stays. Runs to ``config.horizon_s``
-    (required); instance-seconds are counted up to ``bill_until_s`` (default: the horizon),
-    so that a tail after the last arrival lets requests finish without being billed."""
+    (required); instance-seconds are counted from ``bill_from_s`` (a warm-up before it, so
+    that the autoscaler starts the measured part with a history, as a running operator has
+    one) up to ``bill_until_s`` (default: the horizon), so that a tail after the last
+    arrival lets requests finish without being billed."""
     if config.horizon_s is None:
         raise ValueError("simulate_fleet needs config.horizon_s")
     if spec is not None and not spec.autoscaled:
@@ -211,5 +213,5 @@ def simulate_fleet(requests: list[TraceRequest], config: SimConfig, model: Batch
         now_s = fleet.step()
     return FleetResult(records=records, end_s=horizon, wall_s=time.perf_counter() - started,
                        instance_seconds=fleet.instance_seconds(
-                           horizon if bill_until_s is None else bill_until_s),
+                           horizon if bill_until_s is None else bill_until_s, bill_from_s),
                        timeline=fleet.timeline, decisions=fleet.decisions)

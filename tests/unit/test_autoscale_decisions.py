@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 from hypothesis import given, settings
@@ -281,6 +282,79 @@ def test_a_clear_ramp_is_a_trend_and_extrapolates():
     assert trend.slope_per_s == pytest.approx(0.005, rel=0.15)
     assert trend.at(60.0) == pytest.approx(1.5, rel=0.1)
     assert fit_trend(points[:5], 60.0) is None  # too few points to tell
+
+
+def test_a_step_is_not_a_trend_and_a_bend_is_damped():
+    # A step (flat, a jump, flat) has a clear least-squares slope, but one half of the window
+    # is flat: no trend, wherever the jump sits.
+    for jump_at in range(1, 8):
+        step = tuple((t * 15.0, 0.43 if t < jump_at else 1.07) for t in range(9))
+        assert fit_trend(step, 120.0) is None, jump_at
+    # A straight ramp is extrapolated at its slope; one that bends over (the top of a curve)
+    # more slowly than the whole window's line.
+    straight = tuple((t * 15.0, 0.5 + 0.004 * t * 15.0) for t in range(9))
+    assert fit_trend(straight, 120.0).slope_per_s == pytest.approx(0.004)
+    bending = tuple((t * 15.0, 2.0 - 1.5 * (1.0 - t / 8.0) ** 2) for t in range(9))
+    whole = statistics.linear_regression([t for t, _ in bending], [v for _, v in bending]).slope
+    trend = fit_trend(bending, 120.0)
+    assert trend is not None and 0.0 < trend.slope_per_s < 0.9 * whole
+
+
+def test_a_step_up_in_load_does_not_overshoot():
+    # The summed load jumps from 0.43 to 1.07 (2 instances' worth at target 0.6) and stays.
+    # The breach asks for 2 at once; a line through the step would, for up to a window, see a
+    # ramp and ask for a third it never needs.
+    def step_load(step, count):
+        return fleet(count, busy=(0.43 if step < 12 else 1.07) / count)
+
+    spec = make_spec(forecastSeconds=75, forecastWindowSeconds=120)
+    counts = run(step_load, spec=spec, start=1, steps=40)
+    assert counts[12] == 2, counts
+    assert max(counts) == 2, counts
+    assert counts[:12] == [1] * 12
+
+
+def test_the_forecast_sizes_to_the_band_not_below_it():
+    # One instance, summed load 0.17 + 0.0085/s (band 0.66 per instance). At 50 s (six
+    # points) it is 0.595 now and 1.23 in 75 s: two instances hold that inside the band
+    # (0.62 each); sizing to the target (0.6) would start a third.
+    spec = make_spec(forecastSeconds=75, forecastWindowSeconds=60, maxStep=4)
+    history = LONG_AGO
+    for step in range(6):
+        decision = decide_scale(fleet(1, busy=0.17 + 0.0085 * step * 10.0), spec, history,
+                                step * 10.0)
+        history = decision.history
+    assert decision.reason == SCALE_UP and "rising" in decision.message, decision.message
+    assert decision.recommendation == 2 and decision.desired == 2
+    assert decision.trend is not None and decision.trend.at(75.0) / 2 <= 0.66
+
+
+def last_decision(summed, spec, count=2, steps=8):
+    """decide_scale every 10 s on ``count`` instances whose summed prefill load is
+    ``summed(t)`` (the count held, whatever the decisions say): the last decision."""
+    history = LONG_AGO
+    for step in range(steps):
+        decision = decide_scale(fleet(count, busy=summed(step * 10.0) / count), spec, history,
+                                step * 10.0)
+        history = decision.history
+    return decision
+
+
+def test_a_falling_load_just_over_the_band_is_not_chased():
+    # Two instances, the summed load falling 1.6 - 0.003/s: at 70 s each has 0.695, over the
+    # band (0.66), but in 75 s, before a new instance could serve, 0.58. No instance for that.
+    spec = make_spec(forecastSeconds=75)
+    falling = last_decision(lambda t: 1.6 - 0.003 * t, spec)
+    assert (falling.reason, falling.desired) == (WITHIN_TARGETS, 2), falling.message
+    assert "falling" in falling.message
+    # The same load, level (no trend), or without the forecast: the breach scales up.
+    level = last_decision(lambda t: 1.39, spec)
+    assert (level.reason, level.desired) == (SCALE_UP, 3), level.message
+    blind = last_decision(lambda t: 1.6 - 0.003 * t, make_spec(forecastSeconds=0))
+    assert (blind.reason, blind.desired) == (SCALE_UP, 3), blind.message
+    # A load that is still over the band when a new instance would serve is not overruled.
+    steep = last_decision(lambda t: 2.0 - 0.003 * t, spec)
+    assert steep.reason == SCALE_UP, steep.message
 
 
 def ramp(rate_per_s: float, start: float = 0.3):

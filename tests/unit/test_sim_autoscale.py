@@ -12,7 +12,8 @@ from slipstream.agent.scheduler.predictor import AnalyticModel
 from slipstream.agent.sim.autoscale import simulate_fleet
 from slipstream.agent.sim.instance import InstanceConfig
 from slipstream.agent.sim.simulator import SimConfig
-from slipstream.agent.sim.traces import TraceRequest, diurnal_rate, step_rate, warp_to_rate
+from slipstream.agent.sim.traces import (
+    TraceRequest, diurnal_rate, merge_streams, step_rate, warp_to_rate)
 from slipstream.crds.servingreplica import ServingReplicaSpec
 
 MODEL = AnalyticModel(ms_per_token=0.05, ms_per_attended_pair=1e-7,
@@ -41,6 +42,18 @@ def test_static_fleet_bills_every_instance_for_the_whole_run():
     assert result.instance_seconds == pytest.approx(3 * 60.0)
     assert all(r.finished_s is not None for r in result.records)
     assert result.decisions == []
+
+
+def test_a_warm_up_is_not_billed():
+    # The study serves a warm-up before the measured part: billing starts at its end, for the
+    # instances running then (3 static ones), and an instance that stopped before it costs 0.
+    result = simulate_fleet(steady(5, 60), config(90.0), MODEL, instances=3, bill_from_s=20,
+                            bill_until_s=60)
+    assert result.instance_seconds == pytest.approx(3 * 40.0)
+    scaled = simulate_fleet(steady(2, 120), config(150.0), MODEL, instances=4, spec=spec(),
+                            tpot_slo_s=0.2, bill_from_s=100.0, bill_until_s=150.0)
+    assert all(p["instances"] == 1 for p in scaled.timeline if p["time_s"] >= 100.0)
+    assert scaled.instance_seconds == pytest.approx(50.0)  # only the one left at 100 s
 
 
 def test_prompts_share_only_what_their_hash_ids_share():
@@ -94,6 +107,25 @@ def test_warp_follows_the_step_and_keeps_the_trace_lengths():
     assert [r.prompt_tokens for r in warped[:400]] == [r.prompt_tokens for r in trace]
     assert len(warped) > len(trace)  # the trace repeats to fill the curve
     assert np.all(np.diff(arrivals) >= 0)
+
+
+def test_merged_streams_keep_the_lengths_and_smooth_the_content_drift():
+    # A trace whose prompts drift (short for its first half, long for its second): one copy
+    # replayed faster keeps the drift; four copies side by side, each a quarter apart, have
+    # four times the rate, the same lengths, and a mix of both halves all along.
+    trace = [TraceRequest(0.5 * i, 100 if i < 200 else 1000, 5) for i in range(400)]
+    merged = merge_streams(trace, 4)
+    arrivals = np.array([r.arrival_s for r in merged])
+    assert len(merged) == 4 * len(trace)
+    assert np.all(np.diff(arrivals) >= 0) and arrivals.max() < 200.0
+    assert sorted(r.prompt_tokens for r in merged) == sorted(
+        [r.prompt_tokens for r in trace] * 4)
+    windows = [np.mean([r.prompt_tokens for r in merged if lo <= r.arrival_s < lo + 20.0])
+               for lo in range(0, 200, 20)]
+    assert max(windows) - min(windows) < 0.6 * 900, windows  # one copy: 900
+    assert merge_streams(trace, 1) == trace
+    with pytest.raises(ValueError):
+        merge_streams(trace, 0)
 
 
 def test_diurnal_rate_runs_from_trough_to_peak_and_back():
