@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,37 @@ LAYOUTS = {"one_process": ["--single-process"], "two_processes": ["--engine-proc
 # Optional third arm: the engine core with one torch thread per CPU instead of the default
 # (every CPU but one), to show what the spare CPU is worth to a compute-bound model.
 ALL_THREADS = "two_processes_all_threads"
+# Optional arm: two API processes in front of the engine core (--api-processes 2).
+TWO_API = "two_api_processes"
 
 
 def layout_args(layout: str) -> list[str]:
     if layout == ALL_THREADS:
         return ["--engine-process", "--engine-threads", str(len(os.sched_getaffinity(0)))]
+    if layout == TWO_API:
+        return ["--engine-process", "--api-processes", "2"]
     return LAYOUTS[layout]
+
+
+def wait_listening(pid: int, port: int, count: int, timeout_s: float = 120.0) -> None:
+    """Wait until ``count`` processes of the server listen on ``port``: with
+    --api-processes the others start once the first one serves."""
+    import psutil  # dev extra, as the benchmarks
+
+    def listens(process: psutil.Process) -> bool:
+        try:
+            return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                       for c in process.net_connections(kind="tcp"))
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        root = psutil.Process(pid)
+        if sum(listens(p) for p in [root, *root.children(recursive=True)]) >= count:
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"fewer than {count} API processes listen on port {port}")
 
 
 def model_dir(preset: str) -> Path:
@@ -65,6 +91,8 @@ def measure(preset: str, layout: str, concurrency: int, args: argparse.Namespace
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", process, log, 300)
+        if layout == TWO_API:
+            wait_listening(process.pid, port, 2)
         requests = [TraceRequest(arrival_s=0.0, prompt_tokens=args.prompt_tokens,
                                  output_tokens=args.output_tokens)
                     for _ in range(concurrency)]
@@ -98,7 +126,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         levels = sorted(by_n, key=int)
         for col, (key, label) in enumerate(keys):
             ax = axes[row][col]
-            for layout in [name for name in (*LAYOUTS, ALL_THREADS) if name in by_n[levels[0]]]:
+            for layout in [name for name in (*LAYOUTS, ALL_THREADS, TWO_API)
+                           if name in by_n[levels[0]]]:
                 ax.plot([int(n) for n in levels], [by_n[n][layout][key] for n in levels],
                         marker="o", label=layout.replace("_", " "))
             ax.set(xscale="log", xlabel="concurrent streams", ylabel=label,
@@ -124,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-threads-arm", action="store_true",
                         help="add a third arm: the engine in its own process with one torch "
                              "thread per CPU (--engine-threads) instead of every CPU but one")
+    parser.add_argument("--api-processes-arm", action="store_true",
+                        help="add an arm: the engine in its own process behind two API "
+                             "processes (--api-processes 2)")
     args = parser.parse_args(argv)
-    layouts = [*LAYOUTS, *([ALL_THREADS] if args.all_threads_arm else [])]
+    layouts = [*LAYOUTS, *([ALL_THREADS] if args.all_threads_arm else []),
+               *([TWO_API] if args.api_processes_arm else [])]
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "machine": platform.platform(), "processor": platform.processor(),
@@ -146,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["all_threads_throughput_ratio"] = (
                     row[ALL_THREADS]["output_tok_per_s"]
                     / max(row["one_process"]["output_tok_per_s"], 1e-9))
+            if TWO_API in row:  # against one API process in front of the same core
+                row["api_processes_throughput_ratio"] = (
+                    row[TWO_API]["output_tok_per_s"]
+                    / max(row["two_processes"]["output_tok_per_s"], 1e-9))
             report["results"][preset][str(concurrency)] = row
             (args.out / "server_bench.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / "server_bench.png")
