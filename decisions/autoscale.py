@@ -71,6 +71,13 @@ TREND_T = 4.0
 # half-window; a ramp shows two rising halves. On a ramp that bends over (the top of a day)
 # the slope extrapolated is damped towards the newer half's (fit_trend).
 MIN_HALF_SLOPE_SHARE = 0.25
+# After a scale-up that a breach asked for (a step in load, not a ramp), the summed prefill
+# load keeps rising for a while as the backlog of the overloaded instances drains onto the
+# new ones: read as a ramp, it sized for a 3rd and a 4th instance at a step that needed 2
+# (the step workload in docs/autoscaling.md). So the forecast adds no instance until the
+# instances reporting have been the same for forecastWindowSeconds since that scale-up (the
+# window then holds none of the transition), or the replica has fewer instances than that
+# scale-up asked for (a scale-down, or instances lost). Breaches still scale up meanwhile.
 
 # Outcomes: the status's lastScaleReason and the Event's reason.
 SCALE_UP, SCALE_DOWN = "ScaleUp", "ScaleDown"
@@ -128,6 +135,8 @@ class ScaleHistory:
     reporting: int = 0  # how many instances reported at the last step
     reporting_since_s: float | None = None  # since when that many have
     demand: tuple[tuple[float, float], ...] = ()  # (time, summed prefill load) for the trend
+    breach_up: tuple[float, int] | None = None  # (time, count) of the last scale-up a breach
+    # asked for: the forecast hold
 
 
 @dataclass(frozen=True)
@@ -234,18 +243,20 @@ def _aggregate(loads: tuple[InstanceLoad, ...]) -> _Load:
 
 
 def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = True,
-              trend: Trend | None = None) -> tuple[int, str]:
-    """Stage 1: the count these signals ask for, and why. ``settled``: the reporting
-    instances have been the same for SETTLE_S (else attainment and queue delay, which
-    describe the window's past, do not ask for more). ``trend``: a clear trend of the summed
-    prefill load; up, it asks for the count the load will need ``forecastSeconds`` ahead;
-    down, it lets a scale-down size to the load at the end of the scale-down window."""
+              trend: Trend | None = None, forecast_up: bool = True) -> tuple[int, str, bool]:
+    """Stage 1: the count these signals ask for, why, and whether a breach asks for more
+    than ``current``. ``settled``: the reporting instances have been the same for SETTLE_S
+    (else attainment and queue delay, which describe the window's past, do not ask for
+    more). ``trend``: a clear trend of the summed prefill load; up, it asks for the count the
+    load will need ``forecastSeconds`` ahead (unless ``forecast_up`` is False: the hold after
+    a breach's scale-up); down, it lets a scale-down size to the load at the end of the
+    scale-down window."""
     targets, tolerance = settings.targets, settings.tolerance
     n = load.count
     ceiling = targets.prefill_load * (1.0 + tolerance)
     forecast = trend is not None and settings.forecast_seconds > 0
     ahead_wanted, ahead_why = current, ""
-    if trend is not None and trend.slope_per_s > 0 and forecast:
+    if trend is not None and trend.slope_per_s > 0 and forecast and forecast_up:
         ahead = trend.at(settings.forecast_seconds)
         if ahead / current > ceiling:
             # Sized so that the load ahead stays inside the band (not back at the target):
@@ -278,7 +289,7 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
                 prefill_breach = breaches[-1]
     if unsettled and not breaches and ahead_wanted <= current:
         return current, (f"{'; '.join(unsettled)}, but {n} instance(s) have reported for "
-                         f"less than {SETTLE_S:.0f} s: waiting for the window to catch up")
+                         f"less than {SETTLE_S:.0f} s: waiting for the window to catch up"), False
     if breaches == [prefill_breach] and trend is not None and trend.slope_per_s < 0 \
             and forecast:
         # Only the prefill load is over, and it is clearly falling: by the time a new
@@ -290,15 +301,15 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
             return current, (f"{prefill_breach}, but falling "
                              f"{trend.slope_per_s * 60 / n:+.3f}/min per instance: "
                              f"{ahead / current:.3f} per instance in "
-                             f"{settings.forecast_seconds} s, before a new one would serve")
+                             f"{settings.forecast_seconds} s, before a new one would serve"), False
     if breaches:
         # Instances still starting already count against the shortage: never below current.
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))
         if ahead_wanted > wanted:
-            return ahead_wanted, ahead_why
-        return wanted, "; ".join(breaches)
+            return ahead_wanted, ahead_why, wanted > current
+        return wanted, "; ".join(breaches), wanted > current
     if ahead_wanted > current:
-        return ahead_wanted, ahead_why
+        return ahead_wanted, ahead_why, False
 
     # The HPA's hysteresis: the band is around the value now (below target * (1 - tolerance)
     # before any scale-down), and the new count brings the projected value back to the target,
@@ -331,8 +342,8 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
                + f", KV {load.kv_utilization:.2f}, "
                f"queue {load.queue_delay_s:.3f} s")
     if smallest < n:
-        return smallest, f"{summary}: {smallest} instance(s) would hold every target"
-    return current, f"{summary}: within targets"
+        return smallest, f"{summary}: {smallest} instance(s) would hold every target", False
+    return current, f"{summary}: within targets", False
 
 
 def stabilise(recommendation: int, current: int, settings: Autoscaling, history: ScaleHistory,
@@ -377,10 +388,17 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     if load is not None:
         demand += ((now_s, load.prefill_load * load.count),)
     trend = fit_trend(demand, now_s) if settings.forecast_seconds > 0 else None
+    # The forecast hold (the comment under MIN_HALF_SLOPE_SHARE): until the instances reporting have been the
+    # same for a whole trend window since the last breach's scale-up.
+    hold = history.breach_up is not None and current >= history.breach_up[1] and not (
+        reporting_since_s > history.breach_up[0]
+        and now_s - reporting_since_s >= settings.forecast_window_seconds)
+    breach_up = False
     if load is None:
         recommendation, why = current, "no ready instance reported its load"
     else:
-        recommendation, why = recommend(load, settings, current, settled, trend)
+        recommendation, why, breach_up = recommend(load, settings, current, settled, trend,
+                                                   forecast_up=not hold)
     recorded = tuple((t, r) for t, r in history.recommendations if t >= now_s - keep_s) + \
         ((now_s, recommendation),)
     stabilised, window_note = stabilise(recommendation, current, settings, history, now_s)
@@ -416,10 +434,12 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     message += f": {why}"
     if not low <= current <= high:
         message += f"; bounds are [{low}, {high}]"
+    next_breach_up = (now_s, desired) if desired > current and breach_up \
+        else history.breach_up if hold else None
     next_history = replace(history, recommendations=recorded,
                            last_scale_s=now_s if desired != current else history.last_scale_s,
                            reporting=reporting, reporting_since_s=reporting_since_s,
-                           demand=demand)
+                           demand=demand, breach_up=next_breach_up)
     return ScaleDecision(
         current=current, desired=desired, recommendation=recommendation, reason=reason,
         message=message, history=next_history, add_pools=add_pools, remove=remove,

@@ -314,6 +314,74 @@ def test_a_step_up_in_load_does_not_overshoot():
     assert counts[:12] == [1] * 12
 
 
+def run_with_startup(summed, spec, steps=40, period_s=15.0, startup_s=60.0):
+    """Drive decide_scale like the simulator: a new instance is Starting for ``startup_s``,
+    then reports; ``summed(t, served_s)`` is the replica's summed prefill load at ``t`` when
+    the first added instance has served since ``served_s`` (None before). Returns the
+    decisions."""
+    history, ready, starting, served_s, decisions = LONG_AGO, ["i0"], [], None, []
+    for step in range(steps):
+        now = step * period_s
+        for name, ready_at in [x for x in starting if x[1] <= now]:
+            starting.remove((name, ready_at))
+            ready.append(name)
+            served_s = now if served_s is None else served_s
+        total = summed(now, served_s)
+        signals = ScaleSignals(
+            loads=tuple(load(name, busy=total / len(ready)) for name in ready),
+            starting=tuple(Starting(instance=name) for name, _ in starting))
+        decision = decide_scale(signals, spec, history, now)
+        history = decision.history
+        starting += [(f"n{step}-{k}", now + startup_s) for k in range(decision.delta)]
+        ready = [name for name in ready if name not in decision.remove]
+        starting = [x for x in starting if x[0] not in decision.remove]
+        decisions.append(decision)
+    return decisions
+
+
+def after_a_step(drain: float):
+    """0.43 (one instance's worth below the band), a jump to 1.07 at 120 s (through the 30 s
+    load window), and once the added instance serves, ``drain`` more for a minute or two
+    (the backlog of the overloaded instance drained onto it), then 1.07 again."""
+    def summed(now, served_s):
+        if now < 120.0:
+            return 0.43
+        if now < 150.0:
+            return 0.43 + 0.64 * (now - 120.0) / 30.0
+        if served_s is None:
+            return 1.07
+        return 1.07 + drain * max(0.0, 1.0 - abs(now - served_s - 60.0) / 60.0)
+    return summed
+
+
+def test_after_a_breach_scale_up_the_forecast_holds_for_a_window():
+    # The step workload's failure: the breach adds the 2nd instance (135 s, serving at 195 s);
+    # then the summed load rises for a minute as the backlog drains onto it (0.64 per instance
+    # at most, inside the band), and a line through the jump and that rise read a ramp and
+    # asked for a 3rd (and, in the study, a 4th). The forecast now adds nothing until the
+    # instances reporting have been the same for forecastWindowSeconds.
+    spec = make_spec(forecastSeconds=75, forecastWindowSeconds=120)
+    decisions = run_with_startup(after_a_step(0.21), spec)
+    counts = [d.desired for d in decisions]
+    assert counts[9] == 2 and counts[:9] == [1] * 9, counts
+    assert max(counts) == 2, [d.message for d in decisions if d.reason == SCALE_UP]
+    assert max(d.recommendation for d in decisions) == 2
+    # A breach still scales up during the hold: a drain that takes each instance over the
+    # band (0.71 > 0.66) gets a 3rd.
+    over = run_with_startup(after_a_step(0.35), spec)
+    third = next(d for d in over if d.desired == 3)
+    assert "rising" not in third.message and "prefill load" in third.message, third.message
+    # And once the hold is over, a ramp is forecast again: the 2 instances' summed load rises
+    # 0.0015/s from 450 s and the forecast adds the 3rd before the load leaves the band
+    # (1.32, at 617 s).
+    ramp_after = run_with_startup(
+        lambda now, served_s: after_a_step(0.21)(now, served_s) + 0.0015 * max(0.0, now - 450.0),
+        spec, steps=60)
+    up = next(d for d in ramp_after if d.desired == 3)
+    assert "rising" in up.message, up.message
+    assert ramp_after.index(up) * 15.0 < 617.0, ramp_after.index(up)
+
+
 def test_the_forecast_sizes_to_the_band_not_below_it():
     # One instance, summed load 0.17 + 0.0085/s (band 0.66 per instance). At 50 s (six
     # points) it is 0.595 now and 1.23 in 75 s: two instances hold that inside the band
