@@ -48,7 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/first-start"))
     parser.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads of the profile (0: what `slipstream serve`'s "
+                             "engine core uses, every CPU but one, or OMP_NUM_THREADS)")
     args = parser.parse_args(argv)
+    from slipstream.agent.server.engine_core import core_threads
+
+    threads = core_threads(args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     results = []
