@@ -47,8 +47,10 @@ def test_awd_holds_short_prompts_and_completes_every_request(server, start_serve
     direct = asyncio.run(_complete_all(server.async_openai_client(), server.model))
     assert [r.usage.completion_tokens for r in held] == [MAX_TOKENS] * len(PROMPTS)
     assert [r.choices[0].text for r in held] == [r.choices[0].text for r in direct]
-    # Grouped prefills: the burst takes about one batch per output token, not one extra
-    # batch per request (a little slack for a group split by arrival jitter).
+    # Grouped prefills: fewer batches than one extra per request, the count if every prompt
+    # had been prefilled on its own step (MAX_TOKENS + len(PROMPTS) - 1). How many groups the
+    # burst makes depends on when its requests reach the engine core: on an idle machine one
+    # (MAX_TOKENS batches); a loaded CI run on 2026-11-26 took 11 batches.
     batches = awd.metric("slipstream_batch_tokens_count") - batches_before
-    assert MAX_TOKENS <= batches <= MAX_TOKENS + 2
+    assert MAX_TOKENS <= batches < MAX_TOKENS + len(PROMPTS) - 1
     assert awd.metric("slipstream_requests_total", finish_reason="length") >= len(PROMPTS) + 1
