@@ -116,8 +116,10 @@ class Proxy:
         raise APIError(503, f"{self._config.max_attempts} instances refused the request; last: "
                             f"{last_failure}", code=code)
 
-    async def _attempt(self, path: str, body: bytes, headers: dict[str, str],
-                       routed: RoutedRequest, lease: Lease) -> Response:
+    async def _send(self, path: str, body: bytes, headers: dict[str, str],
+                    routed: RoutedRequest, lease: Lease) -> httpx.Response:
+        """POST to the leased instance, streamed; a refusal (503) or a lost connection
+        raises the failure the retry loop reads."""
         request = self._client.build_request("POST", f"{lease.instance.spec.url}{path}",
                                              content=body, headers=headers)
         try:
@@ -130,6 +132,11 @@ class Proxy:
             raise instance_lost(error) from None
         if upstream.status_code == 503:
             raise await _refused(upstream)
+        return upstream
+
+    async def _attempt(self, path: str, body: bytes, headers: dict[str, str],
+                       routed: RoutedRequest, lease: Lease) -> Response:
+        upstream = await self._send(path, body, headers, routed, lease)
         if upstream.status_code >= 400 or not routed.stream:
             return await self._whole_body(upstream, routed, lease)
         # One iterator for the whole stream: the prefix is read from it, the rest follows.
@@ -156,17 +163,7 @@ class Proxy:
 
     async def _open(self, path: str, body: bytes, headers: dict[str, str],
                     routed: RoutedRequest, lease: Lease) -> EventStream | Response:
-        request = self._client.build_request("POST", f"{lease.instance.spec.url}{path}",
-                                             content=body, headers=headers)
-        try:
-            upstream = await self._client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-            raise RetryableFailure(f"no connection: {type(error).__name__}") from None
-        except httpx.TransportError as error:
-            self._finish_failed(routed, lease, error)
-            raise instance_lost(error) from None
-        if upstream.status_code == 503:
-            raise await _refused(upstream)
+        upstream = await self._send(path, body, headers, routed, lease)
         if upstream.status_code >= 400:
             return await self._whole_body(upstream, routed, lease)
         return EventStream(upstream, lease, lambda outcome: self._count(
