@@ -45,7 +45,9 @@ from slipstream.agent.engine.model_runner import resolve_device
 
 log = logging.getLogger(__name__)
 
-PROFILER_VERSION = "2"  # 2: random calibration batches no longer outweigh the engine steps
+# 2: random calibration batches no longer outweigh the engine steps; 3: fused q/k/v and
+# gate/up matmuls, block-wise decode KV gathers, and a 32-request calibration wave.
+PROFILER_VERSION = "3"
 GRID = "quick"
 REPEATS = 3
 KEY_FILE = "key.json"
