@@ -48,7 +48,7 @@ def prompts_for(batch: int, length: int, vocab: int, salt: int) -> list[list[int
 def decode_steps(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int,
                  profile: bool = False) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` decode steps of all of them."""
-    vocab = engine.runner.model_config.vocab_size
+    vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for prompt in prompts_for(batch, prompt_tokens, vocab, salt=batch):
         engine.add_request(prompt, params)

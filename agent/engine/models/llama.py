@@ -14,6 +14,7 @@ build (SPP). A stage that does not own the embedding takes its input as ``hidden
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -76,16 +77,17 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
     dispatches once instead of three (or two) times per layer.
     """
     fused = 0
-    for layer in model.model.layers.values():
+    for layer in cast(list[LlamaDecoderLayer], list(model.model.layers.values())):
         attn, mlp = layer.self_attn, layer.mlp
-        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-        if not all(type(p) is nn.Linear for p in (*parts, mlp.gate_proj, mlp.up_proj)):
+        parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up: list[nn.Module] = [mlp.gate_proj, mlp.up_proj]
+        if not all(type(p) is nn.Linear for p in parts + gate_up):
             continue
         biases = [p.bias is not None for p in parts]
         if all(biases) or not any(biases):
-            attn.qkv_weight = _concatenate_rows(list(parts), "weight")
-            attn.qkv_bias = _concatenate_rows(list(parts), "bias") if all(biases) else None
-        mlp.gate_up_weight = _concatenate_rows([mlp.gate_proj, mlp.up_proj], "weight")
+            attn.qkv_weight = _concatenate_rows(parts, "weight")
+            attn.qkv_bias = _concatenate_rows(parts, "bias") if all(biases) else None
+        mlp.gate_up_weight = _concatenate_rows(gate_up, "weight")
         fused += 1
     return fused
 
