@@ -33,8 +33,9 @@ from slipstream.agent.server.protocol import (
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, FunctionCallDelta,
     ToolCallDelta, TopLogprob, Usage, unix_time_s)
 from slipstream.agent.server.structured import checked_grammar, response_format_grammar
-from slipstream.agent.server.tools import (
-    ToolParser, ToolStream, forced_tools, new_call_id, resolve_parser, template_messages)
+from slipstream.agent.server.tool_parsers import ToolParser, new_call_id, resolve_parser
+from slipstream.agent.server.tool_stream import ToolStream
+from slipstream.agent.server.tools import forced_tools, template_messages
 
 
 async def create_chat_completion(ctx: ServingContext, http_request: Request,
