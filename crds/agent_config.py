@@ -3,7 +3,7 @@ models, so there is one path from the spec to the engine.
 
     ServingReplicaSpec --AgentConfig.from_spec()--> engine.yaml in the replica's ConfigMap
         (operator/builders.py), mounted into every agent pod
-    engine.yaml --slipstream serve --config--> the serve flags' defaults (agent/server/cli.py)
+    engine.yaml --slipstream serve --config--> the serve flags' defaults (server/cli_configs.py)
         --> EngineConfig, SchedulerConfig, ServerConfig
 
 The file uses the CRD's wire names (camelCase), the same as ``kubectl get sr -o yaml`` shows,
@@ -17,8 +17,9 @@ from pathlib import Path
 import yaml
 from pydantic import Field
 
+from slipstream.crds.base import ApiModel
 from slipstream.crds.servingreplica import (
-    DEFAULT_DRAIN_TIMEOUT_SECONDS, ApiModel, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
 
 
 class AgentModel(ApiModel):
