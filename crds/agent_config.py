@@ -3,7 +3,7 @@ models, so there is one path from the spec to the engine.
 
     ServingReplicaSpec --AgentConfig.from_spec()--> engine.yaml in the replica's ConfigMap
         (operator/builders.py), mounted into every agent pod
-    engine.yaml --slipstream serve --config--> the serve flags' defaults (agent/server/cli.py)
+    engine.yaml --slipstream serve --config--> the serve flags' defaults (server/cli_configs.py)
         --> EngineConfig, SchedulerConfig, ServerConfig
 
 The file uses the CRD's wire names (camelCase), the same as ``kubectl get sr -o yaml`` shows,

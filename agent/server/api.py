@@ -28,9 +28,10 @@ from slipstream.agent.server.completions import create_completion
 from slipstream.agent.server.config import ServerConfig
 from slipstream.agent.server.errors import (
     APIError, add_openai_error_handlers, bad_request, error_response, from_validation_error)
-from slipstream.agent.server.generation import ClientDisconnected, ServingContext
+from slipstream.agent.server.generation import ClientDisconnected
 from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.metrics import ServingMetrics
+from slipstream.agent.server.prepare import ServingContext
 from slipstream.agent.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
 

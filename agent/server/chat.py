@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: messages in, an assistant message per choice out.
 
     ChatCompletionRequest -> model's chat template -> tokens
-        -> generation.prepare/start_generation
+        -> prepare.prepare -> generation.start_choices
         -> ChatCompletionResponse (stream=false) or ``chat.completion.chunk`` SSE (stream=true)
 
 The stream follows OpenAI's order: a first chunk carrying ``role`` (one per choice), content
@@ -25,16 +25,18 @@ from starlette.requests import Request
 from slipstream.agent.engine.grammar import lark_grammar
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
-from slipstream.agent.server.generation import (
-    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, kv_handle_event,
-    prepare, sse_event, start_choices, stream_events, tokenize, with_kv_transfer)
+from slipstream.agent.server.generation import Choices, collect_choices, start_choices
+from slipstream.agent.server.prepare import ServingContext, check_model, prepare, tokenize
+from slipstream.agent.server.sse import (
+    SSE_HEADERS, kv_handle_event, sse_event, stream_events, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, FunctionCallDelta,
     ToolCallDelta, TopLogprob, Usage, unix_time_s)
 from slipstream.agent.server.structured import checked_grammar, response_format_grammar
-from slipstream.agent.server.tools import (
-    ToolParser, ToolStream, forced_tools, new_call_id, resolve_parser, template_messages)
+from slipstream.agent.server.tool_parsers import ToolParser, new_call_id, resolve_parser
+from slipstream.agent.server.tool_stream import ToolStream
+from slipstream.agent.server.tools import forced_tools, template_messages
 
 
 async def create_chat_completion(ctx: ServingContext, http_request: Request,

@@ -1,6 +1,6 @@
 """``POST /v1/completions``: one text or token-id prompt in, generated text out.
 
-    CompletionRequest -> tokenize -> generation.prepare/start_choices
+    CompletionRequest -> prepare.tokenize/prepare -> generation.start_choices
         -> CompletionResponse (stream=false) or ``text_completion`` SSE chunks (stream=true)
 
 ``echo`` puts the prompt's text before each choice's text (streamed: in that choice's first
@@ -17,9 +17,10 @@ from starlette.requests import Request
 
 from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
 from slipstream.agent.server.errors import bad_request
-from slipstream.agent.server.generation import (
-    SSE_HEADERS, Choices, ServingContext, check_model, collect_choices, kv_handle_event,
-    prepare, sse_event, start_choices, stream_events, tokenize, with_kv_transfer)
+from slipstream.agent.server.generation import Choices, collect_choices, start_choices
+from slipstream.agent.server.prepare import ServingContext, check_model, prepare, tokenize
+from slipstream.agent.server.sse import (
+    SSE_HEADERS, kv_handle_event, sse_event, stream_events, with_kv_transfer)
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)

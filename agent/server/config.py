@@ -42,8 +42,8 @@ class ServerConfig:
     # Limits on one request (limits.py): body size (413) and time to send it (408).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
-    # The model's tool-call syntax (server/tools.py): auto (from the chat template), hermes,
-    # llama3_json or mistral.
+    # The model's tool-call syntax (server/tool_parsers.py): auto (from the chat template),
+    # hermes, llama3_json or mistral.
     tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:

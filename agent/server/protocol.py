@@ -1,7 +1,7 @@
 """Wire types of the OpenAI-compatible API: what clients send and what they get back.
 
     HTTP JSON body -> CompletionRequest / ChatCompletionRequest (validated here)
-        -> SamplingParams + prompt tokens (server/generation.py) -> engine
+        -> SamplingParams + prompt tokens (server/prepare.py) -> engine
     engine RequestOutput -> CompletionResponse / ChatCompletionResponse or stream chunks
 
 Slipstream extensions travel as extra top-level JSON fields, which the official ``openai``
@@ -74,7 +74,7 @@ class _GenerationRequest(_StrictModel):
     # Prefill/decode disaggregation, as vLLM names it: {"do_remote_decode": true} asks a
     # prefill instance to keep the KV for a decode instance; the handle it answers with
     # (plus "do_remote_prefill": true) makes a decode instance fetch that KV and continue.
-    # Streamed, a prefill leg's first event is the streaming handle (generation.py).
+    # Streamed, a prefill leg's first event is the streaming handle (sse.py).
     kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")

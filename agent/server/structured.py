@@ -18,7 +18,7 @@ from typing import Any
 
 from slipstream.agent.engine.grammar import json_schema_grammar
 from slipstream.agent.server.errors import bad_request
-from slipstream.agent.server.generation import ServingContext
+from slipstream.agent.server.prepare import ServingContext
 from slipstream.agent.server.protocol import ResponseFormat
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}

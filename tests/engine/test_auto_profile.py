@@ -25,7 +25,7 @@ from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step_calibration import CalibrationLoad
 from slipstream.agent.scheduler.predictor import (RuntimePredictor, TokenBudgetModel,
                                                     model_floor_target_ms)
-from slipstream.agent.server import cli
+from slipstream.agent.server import cli_configs, cli_flags
 
 TEST_GRID = profiler.ProfileGrid(
     tokens=(1, 16, 128), prefill_kv=(0, 256), prefill_chunk=(32, 128), decode_batch=(1, 8),
@@ -36,15 +36,15 @@ TEST_GRID = profiler.ProfileGrid(
 
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    cli_flags.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
 def _engine(args: argparse.Namespace) -> LLMEngine:
     """What `slipstream serve` builds in the process that runs the engine."""
-    config = auto_profile.with_runtime_profile(cli.engine_config_from_args(args))
+    config = auto_profile.with_runtime_profile(cli_configs.engine_config_from_args(args))
     return LLMEngine(dataclasses.replace(config, num_kv_blocks=64),
-                     cli.scheduler_config_from_args(args))
+                     cli_configs.scheduler_config_from_args(args))
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +133,8 @@ def test_no_profile_packs_the_fixed_token_budget(tiny_model_dir, tmp_path, monke
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
     args = _parse("--model", str(tiny_model_dir), "--device", "cpu", "--no-profile",
                   "--max-batched-tokens", "300")
-    assert not cli.engine_config_from_args(args).auto_profile
-    assert cli.engine_config_from_args(_parse("--model", str(tiny_model_dir))).auto_profile
+    assert not cli_configs.engine_config_from_args(args).auto_profile
+    assert cli_configs.engine_config_from_args(_parse("--model", str(tiny_model_dir))).auto_profile
     with caplog.at_level(logging.INFO):
         engine = _engine(args)
     assert isinstance(engine.scheduler.model, TokenBudgetModel)
@@ -157,7 +157,7 @@ def test_a_given_profile_wins_over_the_cache(first_start, cache_dir, tiny_model_
     for path in entry.iterdir():
         (given / path.name).write_bytes(path.read_bytes())
     args = _parse("--model", str(tiny_model_dir), "--device", "cpu", "--profile", str(given))
-    config = cli.engine_config_from_args(args)
+    config = cli_configs.engine_config_from_args(args)
     assert not config.auto_profile
     assert auto_profile.with_runtime_profile(config).profile_dir == given
     assert not (tmp_path / "empty-cache").exists()

@@ -180,7 +180,7 @@ def _tools():
 @pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_tool_calls_always_parse(engine, family, parallel):
-    from slipstream.agent.server.tools import PARSERS
+    from slipstream.agent.server.tool_parsers import PARSERS
 
     parser = PARSERS[family]()
     tools = _tools()

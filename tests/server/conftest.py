@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.agent.bench import local_process
 from slipstream.agent.parallel.launch import free_port
-from slipstream.agent.server import cli
+from slipstream.agent.server import cli_configs, cli_flags
 
 MAX_MODEL_LEN_TOKENS = 2048
 NUM_KV_BLOCKS = 512
@@ -140,9 +140,9 @@ def _default_layout() -> str:
     """The engine layout ``slipstream serve`` picks without a flag: "process" (the engine core
     in a process of its own) or "thread" (on a thread of the server process)."""
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    cli_flags.add_arguments(parser)
     flags = argparse.Namespace(engine_process=parser.get_default("engine_process"))
-    return "process" if cli.use_engine_process(flags) else "thread"
+    return "process" if cli_configs.use_engine_process(flags) else "thread"
 
 
 DEFAULT_LAYOUT = _default_layout()

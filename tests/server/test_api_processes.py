@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from slipstream.agent.server import cli
+from slipstream.agent.server import cli_configs, cli_flags
 
 NUM_STREAMS = 16  # all on one of the two processes: probability 2**-15
 OUTPUT_TOKENS = 200  # still streaming while the test counts the connections
@@ -189,6 +189,6 @@ def test_a_dead_engine_core_fails_the_streams_of_every_api_process(start_server)
 ])
 def test_api_processes_that_cannot_be_served_are_refused(flags, message):
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    cli_flags.add_arguments(parser)
     with pytest.raises(ValueError, match=message):
-        cli.check_api_processes(parser.parse_args(flags))
+        cli_configs.check_api_processes(parser.parse_args(flags))

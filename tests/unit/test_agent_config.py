@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.agent.engine.parallel_config import ParallelConfig
-from slipstream.agent.server import cli as serve_cli
+from slipstream.agent.server import cli_configs, cli_flags
 from slipstream.cli import parse_subcommand
 from slipstream.crds.agent_config import AgentConfig
 from slipstream.crds.servingreplica import ServingReplicaSpec
@@ -56,19 +56,19 @@ def test_the_spec_reaches_the_engine_scheduler_and_server_configs(tmp_path, monk
     monkeypatch.delenv("SLIPSTREAM_POOL", raising=False)
     args = serve_args_in_pod(SPEC, tmp_path)
 
-    engine = serve_cli.engine_config_from_args(args)
+    engine = cli_configs.engine_config_from_args(args)
     assert (engine.model_dir, engine.served_model_name, engine.dtype, engine.max_model_len) == \
         (Path("/models/llama"), "llama", "bfloat16", 8192)
     assert engine.parallel == ParallelConfig(tp=4, spp=2, kvp=2, kvp_tokens_per_group=65536)
 
-    scheduler = serve_cli.scheduler_config_from_args(args)
+    scheduler = cli_configs.scheduler_config_from_args(args)
     assert (scheduler.policy, scheduler.target_batch_time_ms, scheduler.max_space_share_fraction,
             scheduler.long_request_threshold_tokens, scheduler.preemption) == \
         ("edf", 40.0, 0.25, 131072, "swap")
     assert (scheduler.short_prefill_batching, scheduler.awd_max_prompt_tokens,
             scheduler.awd_max_wait_ms, scheduler.awd_max_head_wait_ms) == ("awd", 512, 30.0, 60.5)
 
-    server = serve_cli.server_config_from_args(args)
+    server = cli_configs.server_config_from_args(args)
     assert (server.host, server.port, server.control_port) == \
         ("10.0.0.7", naming.HTTP_PORT, naming.CONTROL_PORT)
     assert (server.long_prompt_threshold_tokens, server.slo_ttft_s, server.slo_tpot_ms,
@@ -81,10 +81,10 @@ def test_a_spec_with_defaults_only_gives_the_agents_defaults(tmp_path):
         "image": "agent:1"})
     args = serve_args_in_pod(spec, tmp_path)
     _, plain = parse_subcommand(["serve"])
-    assert serve_cli.engine_config_from_args(args).model_dir == Path("/models/llama")
-    assert serve_cli.scheduler_config_from_args(args) == \
-        serve_cli.scheduler_config_from_args(plain)
-    server, plain_server = (serve_cli.server_config_from_args(a) for a in (args, plain))
+    assert cli_configs.engine_config_from_args(args).model_dir == Path("/models/llama")
+    assert cli_configs.scheduler_config_from_args(args) == \
+        cli_configs.scheduler_config_from_args(plain)
+    server, plain_server = (cli_configs.server_config_from_args(a) for a in (args, plain))
     assert server.long_prompt_threshold_tokens == plain_server.long_prompt_threshold_tokens
     assert server.slo_attainment_target == plain_server.slo_attainment_target
 
@@ -93,10 +93,10 @@ def test_single_process_in_the_spec_runs_the_agents_engine_on_a_thread(tmp_path)
     """spec.singleProcess reaches `slipstream serve` as --single-process; without it the
     agent runs its engine core in a process of its own (serve's default)."""
     split = serve_args_in_pod(SPEC, tmp_path)
-    assert serve_cli.use_engine_process(split)
+    assert cli_configs.use_engine_process(split)
     single_spec = SPEC.model_copy(update={"single_process": True})
     single = serve_args_in_pod(single_spec, tmp_path)
-    assert not serve_cli.use_engine_process(single)
+    assert not cli_configs.use_engine_process(single)
     assert single.engine_process is False  # the same as `slipstream serve --single-process`
     _, by_flag = parse_subcommand(["serve", "--single-process"])
     assert single.engine_process == by_flag.engine_process
@@ -118,7 +118,7 @@ def test_the_command_line_overrides_the_files_layout(tmp_path):
     single_spec = SPEC.model_copy(update={"single_process": True})
     path.write_text(AgentConfig.from_spec(single_spec, "/models/llama").to_yaml())
     _, args = parse_subcommand(["serve", "--config", str(path), "--engine-process"])
-    assert serve_cli.use_engine_process(args)
+    assert cli_configs.use_engine_process(args)
 
 
 DISAGGREGATED = ServingReplicaSpec.model_validate({
@@ -132,7 +132,7 @@ def test_disaggregation_reaches_each_roles_agent(tmp_path, monkeypatch, pool, ro
     monkeypatch.setenv("POD_IP", "10.0.0.7")
     monkeypatch.delenv("SLIPSTREAM_ROLE", raising=False)
     args = serve_args_in_pod(DISAGGREGATED, tmp_path, pool=pool)
-    disagg = serve_cli.engine_config_from_args(args).disagg
+    disagg = cli_configs.engine_config_from_args(args).disagg
     assert (disagg.role, disagg.transport, disagg.host, disagg.hold_timeout_s,
             disagg.blocks_per_read) == (role, "zmq", "10.0.0.7", 45.0, 4)
     # Prefill instances listen for decode instances on the port their pod declares.
@@ -158,9 +158,9 @@ def test_every_field_of_the_file_has_a_flag():
             names |= leaves(nested[0], wire + ".") if nested else {wire}
         return names
 
-    assert leaves(AgentConfig) == set(serve_cli.CONFIG_FLAGS)
+    assert leaves(AgentConfig) == set(cli_configs.CONFIG_FLAGS)
     flags = {action.dest for action in _serve_parser()._actions}
-    assert set(serve_cli.CONFIG_FLAGS.values()) <= flags
+    assert set(cli_configs.CONFIG_FLAGS.values()) <= flags
 
 
 def test_flags_on_the_command_line_override_the_file(tmp_path):
@@ -189,5 +189,5 @@ def _serve_parser():
     import argparse
 
     parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
+    cli_flags.add_arguments(parser)
     return parser

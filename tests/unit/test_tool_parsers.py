@@ -10,10 +10,11 @@ from pydantic import ValidationError
 
 from slipstream.agent.engine.tokenizer import compile_chat_template
 from slipstream.agent.server.protocol import ChatCompletionRequest, ChatMessage, ToolSpec
-from slipstream.agent.server.tools import (
-    CallDelta, HermesParser, Llama3JsonParser, MistralParser, ParsedCall, ToolStream,
-    json_value_end, parser_for_template, partial_call,
-    template_messages)
+from slipstream.agent.server.tool_json import json_value_end, partial_call
+from slipstream.agent.server.tool_parsers import (
+    HermesParser, Llama3JsonParser, MistralParser, ParsedCall, parser_for_template)
+from slipstream.agent.server.tool_stream import CallDelta, ToolStream
+from slipstream.agent.server.tools import template_messages
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "days": 2}')
 TIME = ParsedCall("get_time", '{"tz": "UTC"}')
