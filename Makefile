@@ -16,7 +16,7 @@ LIVE_ARGS ?=
 
 BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
 
-.PHONY: setup default-model serve test test-unit test-e2e lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
+.PHONY: setup default-model serve test test-unit test-e2e test-gpu lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
 	clean prometheus-tools transfer-engine-libs dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -68,6 +68,12 @@ test-unit: setup
 
 test-e2e: setup
 	$(BIN)/pytest e2e -m e2e
+
+# On a CUDA host: the GPU-marked tests, then the engine tier with the GPU visible (every engine a
+# test builds without naming a device runs on it). CI has no GPU; these skip there.
+test-gpu: setup
+	$(BIN)/pytest tests -m gpu
+	$(BIN)/pytest tests/engine
 
 # Pods on the fake nodes run as local processes with $(BIN) first on PATH, each on its own
 # loopback address (127.N.x.y).

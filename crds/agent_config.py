@@ -17,8 +17,9 @@ from pathlib import Path
 import yaml
 from pydantic import Field
 
+from slipstream.crds.base import ApiModel
 from slipstream.crds.servingreplica import (
-    DEFAULT_DRAIN_TIMEOUT_SECONDS, ApiModel, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
 
 
 class AgentModel(ApiModel):

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from slipstream.crds import servingreplica as api
+from slipstream.crds.replica_status import ServingReplicaStatus
 from slipstream.crds.schema import structural_schema
 
 CRD_FILE_NAME = f"{api.GROUP}_{api.PLURAL}.yaml"
@@ -49,7 +50,7 @@ PRINTER_COLUMNS = [
 def crd_manifest() -> dict[str, Any]:
     spec_schema = structural_schema(api.ServingReplicaSpec)
     spec_schema["description"] = "Desired serving topology, model and policies."
-    status_schema = structural_schema(api.ServingReplicaStatus, defaults=False)
+    status_schema = structural_schema(ServingReplicaStatus, defaults=False)
     status_schema["description"] = "Observed state, written by the operator."
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

@@ -3,6 +3,10 @@
     these pydantic models --crds/generate.py--> CRD YAML (crds/, charts/slipstream/crds/)
     kube-apiserver (defaults + CEL rules) --stored object--> operator: ServingReplicaSpec.parse
 
+This module holds the spec (``ServingReplicaSpec`` and its parts, and the rules that span
+them); ``spec.autoscaling`` is in ``autoscaling.py``, the status the operator writes in
+``replica_status.py``, and the camelCase base model in ``base.py``.
+
 Python names are snake_case with units; the wire names are their camelCase aliases, which is
 what users write and what the CEL rules (``self.placement.gpusPerNode``) see. The API server
 enforces the rules, so the operator trusts a stored spec; ``model_validate`` still checks types.
@@ -10,13 +14,12 @@ enforces the rules, so the operator trusts a stored spec; ``model_validate`` sti
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field
 
 from slipstream.agent.scheduler.config import (
     AWD_SHORTEST_BUCKET_TOKENS, POLICY_NAMES, PREEMPTION_MODES, SHORT_PREFILL_BATCHING_MODES)
+from slipstream.crds.autoscaling import Autoscaling
+from slipstream.crds.base import ApiModel
 from slipstream.crds.cel import Rule, one_of, positive, power_of_two, rules
 
 GROUP = "slipstream.dev"
@@ -41,15 +44,6 @@ PREFILL_ROLE, DECODE_ROLE = "prefill", "decode"
 # `slipstream serve --kv-transport` (agent/engine/disagg_config.py; the operator may not import
 # the engine, a unit test keeps the two lists equal).
 KV_TRANSPORTS = ("mooncake", "zmq")
-
-
-class ApiModel(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True,
-                              extra="forbid")
-
-    def to_api(self) -> dict[str, Any]:
-        """The wire form: camelCase keys, unset optionals left out."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 # -- spec ---------------------------------------------------------------------------------------
@@ -219,91 +213,6 @@ class Slo(ApiModel):
         "self > 0.0 && self < 1.0", "spec.slo.attainmentTarget must be within (0, 1)")))
 
 
-class AutoscalingTargets(ApiModel):
-    """What the autoscaler holds the replica to. Scale-up when any is breached beyond the
-    tolerance; scale-down only when all hold with room to spare on fewer instances."""
-
-    ttft_attainment: float = Field(
-        0.95, description="Fraction of first tokens within spec.slo.ttftSeconds over the "
-        "agents' load window (30 s) below which to scale up.",
-        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
-                                     "spec.autoscaling.targets.ttftAttainment must be within "
-                                     "(0, 1]")))
-    tpot_attainment: float = Field(
-        0.95, description="Fraction of finished requests within spec.slo.tpotMilliseconds "
-        "over the load window below which to scale up.",
-        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
-                                     "spec.autoscaling.targets.tpotAttainment must be within "
-                                     "(0, 1]")))
-    queue_delay_seconds: float = Field(
-        0.5, description="Mean seconds of queued prefill work per instance to hold below.",
-        json_schema_extra=rules(positive("spec.autoscaling.targets.queueDelaySeconds",
-                                         "seconds", number=True)))
-    kv_utilization: float = Field(
-        0.8, description="Mean fraction of KV-cache blocks in use to hold below.",
-        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
-                                     "spec.autoscaling.targets.kvUtilization must be within "
-                                     "(0, 1]")))
-    prefill_load: float = Field(
-        0.67, description="Mean seconds of prefill work arriving per second on each instance "
-        "(prompt tokens arriving over the recent prefill rate) to hold below: the load signal "
-        "that grows in proportion to the arrival rate, so the one that says how many "
-        "instances fewer would still do.",
-        json_schema_extra=rules(positive("spec.autoscaling.targets.prefillLoad",
-                                         number=True)))
-
-
-class Autoscaling(ApiModel):
-    """The built-in autoscaler. While enabled it owns the instance count and spec.instances
-    is ignored (HPA or KEDA through the scale subresource are the alternative: leave this
-    disabled for them)."""
-
-    model_config = ConfigDict(json_schema_extra=rules(
-        Rule("self.minInstances <= self.maxInstances",
-             "spec.autoscaling.minInstances must not exceed spec.autoscaling.maxInstances",
-             field_path=".minInstances"),
-        Rule("self.scaleDownStabilizationSeconds >= self.periodSeconds",
-             "spec.autoscaling.scaleDownStabilizationSeconds must be at least "
-             "spec.autoscaling.periodSeconds", field_path=".scaleDownStabilizationSeconds")))
-
-    enabled: bool = True
-    min_instances: int = Field(1, json_schema_extra=rules(Rule(
-        "self >= 1", "spec.autoscaling.minInstances must be at least 1")))
-    max_instances: int = Field(json_schema_extra=rules(Rule(
-        "self >= 1", "spec.autoscaling.maxInstances must be at least 1")))
-    period_seconds: int = Field(15, description="How often the autoscaler decides.",
-                                json_schema_extra=rules(
-                                    positive("spec.autoscaling.periodSeconds", "seconds")))
-    scale_up_stabilization_seconds: int = Field(
-        0, description="Scale up only to the lowest count recommended over this window (0, "
-        "as the HPA: at once; new instances take minutes to serve anyway).",
-        json_schema_extra=rules(Rule(
-            "self >= 0", "spec.autoscaling.scaleUpStabilizationSeconds must not be negative")))
-    scale_down_stabilization_seconds: int = Field(
-        300, description="Scale down only to the highest count recommended over this window.",
-        json_schema_extra=rules(Rule(
-            "self >= 0", "spec.autoscaling.scaleDownStabilizationSeconds must not be negative")))
-    max_step: int = Field(2, description="Most instances added or removed in one decision.",
-                          json_schema_extra=rules(positive("spec.autoscaling.maxStep")))
-    tolerance: float = Field(0.1, description="Relative band around each target inside which "
-                             "nothing changes (hysteresis).", json_schema_extra=rules(Rule(
-                                 "self >= 0.0 && self < 1.0",
-                                 "spec.autoscaling.tolerance must be within [0, 1)")))
-    forecast_seconds: int = Field(
-        75, description="How far ahead the autoscaler looks: when the replica's prefill load "
-        "has a clear trend over forecastWindowSeconds, a scale-up is sized to the trend "
-        "extrapolated this far (a new instance's startup plus a period), and a scale-down to "
-        "the trend at the end of the scale-down window. A flat or noisy load has no clear "
-        "trend and changes nothing. 0 turns the forecast off.",
-        json_schema_extra=rules(Rule(
-            "self >= 0", "spec.autoscaling.forecastSeconds must not be negative")))
-    forecast_window_seconds: int = Field(
-        120, description="The recent history the load trend is fitted over.",
-        json_schema_extra=rules(Rule(
-            "self >= 30", "spec.autoscaling.forecastWindowSeconds must be at least 30")))
-    targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
-
-
 class PrefillRole(ApiModel):
     instances: int = Field(description="Prefill instances: they compute prompts and first "
                            "tokens (split into short/long pools by spec.pools, if set).",
@@ -436,89 +345,3 @@ class ServingReplicaSpec(ApiModel):
     @property
     def autoscaled(self) -> bool:
         return self.autoscaling is not None and self.autoscaling.enabled
-
-
-# -- status -------------------------------------------------------------------------------------
-
-class StatusModel(ApiModel):
-    # The operator reads back what it wrote; fields from other writers are not its business.
-    model_config = ConfigDict(extra="ignore")
-
-
-class Condition(StatusModel):
-    """The shape of metav1.Condition."""
-
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
-
-
-class RankStatus(StatusModel):
-    rank: int = Field(description="Index of the pod (node share) in its instance; 0 leads.")
-    node: str
-    pod: str
-    gpus: int
-
-
-class InstanceStatus(StatusModel):
-    name: str
-    pool: str
-    ready: bool
-    role: str | None = Field(None, description="prefill or decode (spec.disaggregation); "
-                             "absent for mixed instances.")
-    ranks: list[RankStatus] = Field(default_factory=list)
-
-
-class PoolPressure(StatusModel):
-    short: float | None = None
-    long: float | None = None
-
-
-class PoolsStatus(StatusModel):
-    short: int
-    long: int
-    pressure: PoolPressure | None = None
-    last_rebalance_time: str | None = None
-
-
-class RoleStatus(StatusModel):
-    instances: int = Field(description="Instances of this role placed.")
-    ready_instances: int
-    ready: str = Field(description="Ready/desired instances of this role, for kubectl get.")
-
-
-class DisaggregationStatus(StatusModel):
-    prefill: RoleStatus
-    decode: RoleStatus
-
-
-class AutoscalingStatus(StatusModel):
-    desired_instances: int = Field(description="The count the autoscaler last decided.")
-    current_instances: int = Field(description="Instances serving or starting when it "
-                                   "decided (draining ones not counted).")
-    last_scale_reason: str | None = Field(None, description="The reason of the last decision.")
-    last_scale_message: str | None = None
-    last_scale_time: str | None = Field(None, description="When the count last changed.")
-    add_pools: list[str] = Field(
-        default_factory=list, description="With pools: the pool of each instance the last "
-        "scale-up added, in order (the one under the higher pressure); reconcile creates "
-        "them there.")
-
-
-class ServingReplicaStatus(StatusModel):
-    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] | None = None
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    replicas: int | None = Field(None, description="Instances placed (scale subresource).")
-    ready_instances: int | None = None
-    ready: str | None = Field(None, description="Ready/desired instances, for kubectl get.")
-    selector: str | None = Field(None, description="Label selector of the agent pods (scale "
-                                 "subresource).")
-    instances: list[InstanceStatus] = Field(default_factory=list)
-    pools: PoolsStatus | None = None
-    autoscaling: AutoscalingStatus | None = None
-    disaggregation: DisaggregationStatus | None = None
-    endpoint: str | None = None

@@ -26,8 +26,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from slipstream.crds.servingreplica import (
-    AutoscalingStatus, ServingReplicaSpec, ServingReplicaStatus)
+from slipstream.crds.replica_status import AutoscalingStatus, ServingReplicaStatus
+from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.decisions.autoscale import (
     AT_MAX, InstanceLoad, ScaleDecision, ScaleHistory, ScaleSignals, Starting, decide_scale)
 from slipstream.operator import agent_client, metrics, naming

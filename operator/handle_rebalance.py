@@ -22,7 +22,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from slipstream.crds.servingreplica import POOL_NAMES, ServingReplicaSpec, ServingReplicaStatus
+from slipstream.crds.replica_status import ServingReplicaStatus
+from slipstream.crds.servingreplica import POOL_NAMES, ServingReplicaSpec
 from slipstream.operator import agent_client, metrics, naming
 from slipstream.operator.handle_reconcile import EventSink, now_rfc3339, replica_lock
 from slipstream.operator.instances import ObservedInstance, observe_pods

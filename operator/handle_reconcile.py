@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
+from slipstream.crds.replica_status import ServingReplicaStatus
+from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import builders, metrics, naming, router
 from slipstream.operator.capacity import gpu_nodes, toleration_rules
 from slipstream.operator.instances import (

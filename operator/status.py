@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slipstream.crds.servingreplica import (
-    DECODE_ROLE, PREFILL_ROLE, Condition, DisaggregationStatus, InstanceStatus, PoolPressure,
-    PoolsStatus, RankStatus, RoleStatus, ServingReplicaSpec, ServingReplicaStatus)
+from slipstream.crds.replica_status import (
+    Condition, DisaggregationStatus, InstanceStatus, PoolPressure, PoolsStatus, RankStatus,
+    RoleStatus, ServingReplicaStatus)
+from slipstream.crds.servingreplica import DECODE_ROLE, PREFILL_ROLE, ServingReplicaSpec
 from slipstream.operator import naming
 from slipstream.operator.instances import ObservedInstance, instance_role
 from slipstream.operator.placement import InstancePlacement, PlacementFailure

@@ -18,10 +18,7 @@ from pathlib import Path
 from slipstream.agent.router.config import (
     CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, INSTANCE_QUEUE_ORDERS, POOLS,
     ROLE_LABEL, FairnessConfig, KubernetesDiscovery, RouterConfig, StaticBackend)
-from slipstream.agent.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S
-
-DEFAULT_HOST = "127.0.0.1"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+from slipstream.agent.server.config import DEFAULT_HOST, add_request_limit_arguments
 
 EPILOG = """\
 examples:
@@ -106,13 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default=None,
                       help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
     http.add_argument("--port", type=int, default=8080, help="TCP port")
-    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                      metavar="BYTES", help="larger request bodies get 413, unread")
-    http.add_argument("--request-read-timeout-s", type=float,
-                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
-                      help="a client must send the request line and headers within this "
-                           "long, and then the body within this long, else 408")
-    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_request_limit_arguments(http)
 
 
 def parse_backend(text: str) -> StaticBackend:

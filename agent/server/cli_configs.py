@@ -23,8 +23,7 @@ from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.flags import short_prefill_settings
 
-from slipstream.agent.server.cli_flags import DEFAULT_HOST
-from slipstream.agent.server.config import ServerConfig
+from slipstream.agent.server.config import DEFAULT_HOST, ServerConfig
 
 
 # AgentConfig field (wire path) -> serve flag (argparse dest). Every field of the file maps to

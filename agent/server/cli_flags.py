@@ -18,11 +18,8 @@ from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments
 
 from slipstream.agent.server.config import (
-    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS, DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_READ_TIMEOUT_S, TOOL_CALL_PARSERS)
-
-DEFAULT_HOST = "127.0.0.1"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HOST, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS,
+    DEFAULT_MAX_TOKENS_CAP, TOOL_CALL_PARSERS, add_request_limit_arguments)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -145,13 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "flight this long to finish, end the rest with an error event and "
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
-    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                      metavar="BYTES", help="larger request bodies get 413, unread")
-    http.add_argument("--request-read-timeout-s", type=float,
-                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
-                      help="a client must send the request line and headers within this "
-                           "long, and then the body within this long, else 408")
-    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_request_limit_arguments(http)
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                       help="the model's tool-call syntax, turned into OpenAI tool_calls: "
                            "hermes (Qwen, Hermes, ChatML), llama3_json (Llama 3.1+), mistral; "

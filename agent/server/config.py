@@ -5,6 +5,7 @@ test) and passed to ``build_app``.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 # Matches the CRD's default pools.longPrefillThresholdTokens, so dashboards and the router
@@ -22,11 +23,27 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+# `slipstream serve` and `slipstream router` alike: where to listen without --host or
+# $POD_IP, and the --log-level choices.
+DEFAULT_HOST = "127.0.0.1"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_request_limit_arguments(http: argparse._ArgumentGroup) -> None:
+    """The flags of the per-request limits (limits.py) and --log-level, which ``slipstream
+    serve`` and ``slipstream router`` both take."""
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="BYTES", help="larger request bodies get 413, unread")
+    http.add_argument("--request-read-timeout-s", type=float,
+                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
+                      help="a client must send the request line and headers within this "
+                           "long, and then the body within this long, else 408")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int = 8000
     pool: str = "unified"  # metrics label: which prefill pool this instance serves
     long_prompt_threshold_tokens: int = DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS

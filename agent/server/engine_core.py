@@ -186,6 +186,8 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
         # A first start profiles here, in the process and with the threads the steps use;
         # its progress lines are worth showing at this process's WARNING level.
         logging.getLogger("slipstream.agent.engine.auto_profile").setLevel(logging.INFO)
+        # So is the one line that says how large a KV cache was chosen, and why.
+        logging.getLogger("slipstream.agent.engine.model_runner").setLevel(logging.INFO)
         config = with_runtime_profile(config, core_threads(threads))
         engine = build_engine(config, scheduler_config, output_text=False)
     except Exception as error:  # noqa: BLE001 - tell the API process why, then exit

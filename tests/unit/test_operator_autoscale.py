@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from slipstream.crds.servingreplica import (
-    AutoscalingStatus, ServingReplicaSpec, ServingReplicaStatus)
+from slipstream.crds.replica_status import AutoscalingStatus, ServingReplicaStatus
+from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.decisions.autoscale import (
     SCALE_DOWN, WITHIN_TARGETS, InstanceLoad, ScaleDecision, ScaleHistory)
 from slipstream.operator import builders, naming

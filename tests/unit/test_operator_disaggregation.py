@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from slipstream.agent.router import cli as router_cli
-from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
+from slipstream.crds.replica_status import ServingReplicaStatus
+from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import builders, naming, router
 from slipstream.operator.instances import observe_pods, plan_instances, target_count
 from slipstream.operator.placement import InstancePlacement, NodeShare

@@ -3,7 +3,8 @@ computing the status (conditions, phase, printer-column fields, rebalance result
 
 from __future__ import annotations
 
-from slipstream.crds.servingreplica import ServingReplicaSpec, ServingReplicaStatus
+from slipstream.crds.replica_status import ServingReplicaStatus
+from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import builders, naming
 from slipstream.operator.instances import observe_pods, plan_instances
 from slipstream.operator.placement import InstancePlacement, NodeShare, PlacementFailure
