@@ -16,7 +16,11 @@ One step, in three stages:
      utilisation) to their targets, and at least one more than report; instances already
      starting count against the shortage instead of being added again. Queue delay and
      attainment are not proportional to anything (a queue grows without bound past
-     saturation), so they ask for one more at a time;
+     saturation), so they ask for one more at a time; but a queue delay breach together with
+     a proportional one (a step in load: over the band, with a backlog behind it) sizes the
+     new instances to carry the whole load on their own, on top of those reporting: the
+     instances holding the backlog take little new work until it has drained, and the
+     least-backlog router sends the new ones everything meanwhile;
    - *down* when every signal is below its band (``target * (1 - tolerance)``) and the
      proportional ones still hold their targets on fewer instances ``m``: they grow as
      ``n / m`` when ``n`` instances' load lands on ``m`` (the HPA's rule: the band around the
@@ -243,15 +247,19 @@ def _aggregate(loads: tuple[InstanceLoad, ...]) -> _Load:
 
 
 def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = True,
-              trend: Trend | None = None, forecast_up: bool = True) -> tuple[int, str, bool]:
+              trend: Trend | None = None, forecast_up: bool = True,
+              misses_settled: bool | None = None) -> tuple[int, str, bool]:
     """Stage 1: the count these signals ask for, why, and whether a breach asks for more
     than ``current``. ``settled``: the reporting instances have been the same for SETTLE_S
     (else attainment and queue delay, which describe the window's past, do not ask for
     more). ``trend``: a clear trend of the summed prefill load; up, it asks for the count the
     load will need ``forecastSeconds`` ahead (unless ``forecast_up`` is False: the hold after
     a breach's scale-up); down, it lets a scale-down size to the load at the end of the
-    scale-down window."""
+    scale-down window. ``misses_settled`` (default ``settled``): whether attainment may ask
+    for more (False during a breach's hold once its queue is gone: the misses are its past)."""
     targets, tolerance = settings.targets, settings.tolerance
+    if misses_settled is None:
+        misses_settled = settled
     n = load.count
     ceiling = targets.prefill_load * (1.0 + tolerance)
     forecast = trend is not None and settings.forecast_seconds > 0
@@ -271,10 +279,11 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
     unsettled: list[str] = []
     ratios = [1.0]
     prefill_breach = ""
+    queue_breach = proportional_breach = False
     for name, value, target in (("TTFT", load.ttft_attainment, targets.ttft_attainment),
                                 ("TPOT", load.tpot_attainment, targets.tpot_attainment)):
         if value is not None and 1.0 - value > (1.0 - target) * (1.0 + tolerance):
-            (breaches if settled else unsettled).append(
+            (breaches if misses_settled else unsettled).append(
                 f"{name} attainment {value:.3f} < {target}")
     for name, value, target, proportional in (
             ("queue delay", load.queue_delay_s, targets.queue_delay_seconds, False),
@@ -287,7 +296,12 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
                 f"{name} {value:.3f} > {target}")
             if name == "prefill load":
                 prefill_breach = breaches[-1]
+            proportional_breach |= proportional
+            queue_breach |= not proportional and settled
     if unsettled and not breaches and ahead_wanted <= current:
+        if settled:  # only the misses wait: the hold after a breach's scale-up
+            return current, (f"{'; '.join(unsettled)}, but the queue behind the last breach's "
+                             f"scale-up is gone: those misses are its past"), False
         return current, (f"{'; '.join(unsettled)}, but {n} instance(s) have reported for "
                          f"less than {SETTLE_S:.0f} s: waiting for the window to catch up"), False
     if breaches == [prefill_breach] and trend is not None and trend.slope_per_s < 0 \
@@ -305,6 +319,14 @@ def recommend(load: _Load, settings: Autoscaling, current: int, settled: bool = 
     if breaches:
         # Instances still starting already count against the shortage: never below current.
         wanted = max(current, n + 1, math.ceil(n * max(ratios)))
+        backlogged = queue_breach and proportional_breach
+        if backlogged:
+            # Over the load band with a queue behind it (a step in load): the instances that
+            # hold the queue take little new work until it has drained, which can be long
+            # after the new ones serve, and the router sends the least loaded (the new ones)
+            # everything meanwhile. So the new ones are sized to carry the load on their own
+            # (the module docstring, stage 1); maxStep still caps the step.
+            wanted = max(wanted, n + math.ceil(n * max(ratios) - 1e-9))
         if ahead_wanted > wanted:
             return ahead_wanted, ahead_why, wanted > current
         return wanted, "; ".join(breaches), wanted > current
@@ -397,8 +419,14 @@ def decide_scale(signals: ScaleSignals, spec: ServingReplicaSpec, history: Scale
     if load is None:
         recommendation, why = current, "no ready instance reported its load"
     else:
-        recommendation, why, breach_up = recommend(load, settings, current, settled, trend,
-                                                   forecast_up=not hold)
+        # During that hold, once the queue is back within its target, missed TTFT or TPOT
+        # are the backlog's past (requests that waited in it, finishing now): they ask for
+        # no more instances; the queue and the load signals still do.
+        queue_gone = load.queue_delay_s <= settings.targets.queue_delay_seconds * (
+            1.0 + settings.tolerance)
+        recommendation, why, breach_up = recommend(
+            load, settings, current, settled, trend, forecast_up=not hold,
+            misses_settled=settled and not (hold and queue_gone))
     recorded = tuple((t, r) for t, r in history.recommendations if t >= now_s - keep_s) + \
         ((now_s, recommendation),)
     stabilised, window_note = stabilise(recommendation, current, settings, history, now_s)

@@ -69,6 +69,49 @@ def test_a_long_queue_asks_for_one_more_not_in_proportion():
     assert "queue delay" in decision.message
 
 
+def test_a_queue_over_the_load_band_sizes_the_new_instances_to_carry_the_load_alone():
+    # The step workload at its breach: one instance, 20 s into a step past its capacity, with
+    # a 2.9 s queue and the window's prefill load at 0.83 (target 0.6). It holds the backlog
+    # for a while after a new instance serves, and the router sends the new one everything
+    # meanwhile: the new instances must carry the load alone, 1 + ceil(0.83 / 0.6) = 3, not 2.
+    decision = decide_scale(fleet(1, queue_s=2.9, busy=0.83), SPEC, LONG_AGO, 0.0)
+    assert (decision.reason, decision.recommendation, decision.desired) == (SCALE_UP, 3, 3)
+    assert "queue delay" in decision.message and "prefill load" in decision.message
+    # Still capped by maxStep: 3 + ceil(3 x 0.8 / 0.6) = 7 recommended, 3 + 2 started.
+    capped = decide_scale(fleet(3, queue_s=1.0, busy=0.8), SPEC, LONG_AGO, 0.0)
+    assert (capped.recommendation, capped.desired) == (7, 5)
+    # Either alone is the usual rule: a queue within the load band asks for one more, a load
+    # over the band with no queue for its proportion.
+    assert decide_scale(fleet(1, queue_s=2.9, busy=0.5), SPEC, LONG_AGO, 0.0).desired == 2
+    assert decide_scale(fleet(1, busy=0.83), SPEC, LONG_AGO, 0.0).desired == 2
+    # And a queue that the window still shows after new instances reported does not count.
+    history = ScaleHistory(since_s=-1000.0, reporting=1, reporting_since_s=-500.0)
+    assert decide_scale(fleet(2, queue_s=2.9, busy=0.83), SPEC, history, 0.0).desired == 3
+
+
+def test_after_a_breach_scale_up_misses_without_a_queue_are_the_backlogs_past():
+    # The step workload after its breach (1 -> 3 at 120 s, serving at 180 s): at 210 s the old
+    # instance's window still counts the first tokens of the requests its backlog held, and
+    # that added a 4th instance the load never needed. While the breach's hold lasts, misses
+    # ask for more only while there is still a queue.
+    settled_30_s_ago = dict(since_s=-1000.0, reporting=3, reporting_since_s=-30.0)
+    hold = ScaleHistory(**settled_30_s_ago, breach_up=(-90.0, 3))
+    past = decide_scale(fleet(3, ttft=(65, 100), queue_s=0.1, busy=0.5), SPEC, hold, 0.0)
+    assert (past.reason, past.desired) == (WITHIN_TARGETS, 3)
+    assert "its past" in past.message, past.message
+    # A queue still there: the misses are a shortage now.
+    queued = decide_scale(fleet(3, ttft=(65, 100), queue_s=1.0, busy=0.5), SPEC, hold, 0.0)
+    assert (queued.reason, queued.desired) == (SCALE_UP, 4)
+    # No breach scale-up before it (or its hold is over): misses ask for one more as always.
+    plain = ScaleHistory(**settled_30_s_ago)
+    assert decide_scale(fleet(3, ttft=(65, 100), queue_s=0.1, busy=0.5), SPEC, plain,
+                        0.0).desired == 4
+    over = ScaleHistory(since_s=-1000.0, reporting=3, reporting_since_s=-130.0,
+                        breach_up=(-190.0, 3))
+    assert decide_scale(fleet(3, ttft=(65, 100), queue_s=0.1, busy=0.5), SPEC, over,
+                        0.0).desired == 4
+
+
 def test_prefill_load_scales_up_in_proportion_capped_by_the_step():
     decision = decide_scale(fleet(2, busy=2.4), SPEC, LONG_AGO, 0.0)
     assert decision.recommendation == 8  # 2 x (2.4 / 0.6)
