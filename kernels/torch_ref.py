@@ -93,10 +93,14 @@ class TorchReferenceBackend:
         self._metadata: AttentionMetadata | None = None
         self._decodes: list[_GatherPlan] = []
         self._prefills: list[_GatherPlan] = []
+        self._write_keep: torch.Tensor | None = None  # rows to store, when not every row
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._metadata = metadata
         device = metadata.block_tables.device
+        # Which rows write_kv stores is the same in every layer: decided once per step.
+        keep = metadata.slot_mapping >= 0
+        self._write_keep = None if bool(keep.all()) else keep
         self._decodes = []
         self._prefills = []
         num_decodes = metadata.num_decodes
@@ -141,8 +145,8 @@ class TorchReferenceBackend:
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor) -> None:
         slots = self._require_plan().slot_mapping
-        keep = slots >= 0
-        if not bool(keep.all()):
+        keep = self._write_keep
+        if keep is not None:
             slots, key, value = slots[keep], key[keep], value[keep]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
