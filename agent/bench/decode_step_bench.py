@@ -49,11 +49,16 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int,
                  profile: bool = False) -> dict:
     """Prefill ``batch`` requests, then time ``steps`` decode steps of all of them."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for prompt in prompts_for(batch, prompt_tokens, vocab, salt=batch):
-        engine.add_request(prompt, params)
+    # Long enough that no request finishes inside the timed steps (the first ones prefilled
+    # start decoding while the others prefill); the rest is aborted after timing.
+    params = SamplingParams(max_tokens=steps + 4 * batch + 64, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(prompt, params)
+           for prompt in prompts_for(batch, prompt_tokens, vocab, salt=batch)]
     while engine.scheduler.num_waiting or any(r.in_prefill for r in engine.scheduler.running):
         engine.step()
+    sizes: list[int] = []
+    previous_hook = engine.on_step
+    engine.on_step = lambda stats: sizes.append(len(stats.batch.chunks))
     walls, forwards = [], []
     profiler = None
     if profile:
@@ -66,8 +71,13 @@ def decode_steps(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int,
         forwards.append(engine.runner.last_forward_s)
     if profiler is not None:
         profiler.__exit__(None, None, None)
+    engine.on_step = previous_hook
+    for request_id in ids:
+        engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
+    if sizes != [batch] * steps:
+        raise RuntimeError(f"timed steps ran {sizes} sequences, not {batch} each")
     result = {"batch": batch, "prompt_tokens": prompt_tokens, "steps": steps,
               "step_ms_p50": 1000 * statistics.median(walls), "step_ms_min": 1000 * min(walls),
               "forward_ms_p50": 1000 * statistics.median(forwards),
@@ -101,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = model_dir_for(args.model)
-    blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 2) // 16)) + 16
+    # Room for the tokens the first requests decode while the last ones still prefill.
+    blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 32) // 16)) + 16
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks),
                        SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
                                        max_num_seqs=max(batches), prefix_caching=False))
