@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field
 
 from slipstream.crds.base import ApiModel
-from slipstream.crds.cel import Rule, positive, rules
+from slipstream.crds.cel import Rule, non_negative, positive, rules, share
 
 
 class AutoscalingTargets(ApiModel):
@@ -18,24 +18,18 @@ class AutoscalingTargets(ApiModel):
     ttft_attainment: float = Field(
         0.95, description="Fraction of first tokens within spec.slo.ttftSeconds over the "
         "agents' load window (30 s) below which to scale up.",
-        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
-                                     "spec.autoscaling.targets.ttftAttainment must be within "
-                                     "(0, 1]")))
+        json_schema_extra=rules(share("spec.autoscaling.targets.ttftAttainment")))
     tpot_attainment: float = Field(
         0.95, description="Fraction of finished requests within spec.slo.tpotMilliseconds "
         "over the load window below which to scale up.",
-        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
-                                     "spec.autoscaling.targets.tpotAttainment must be within "
-                                     "(0, 1]")))
+        json_schema_extra=rules(share("spec.autoscaling.targets.tpotAttainment")))
     queue_delay_seconds: float = Field(
         0.5, description="Mean seconds of queued prefill work per instance to hold below.",
         json_schema_extra=rules(positive("spec.autoscaling.targets.queueDelaySeconds",
                                          "seconds", number=True)))
     kv_utilization: float = Field(
         0.8, description="Mean fraction of KV-cache blocks in use to hold below.",
-        json_schema_extra=rules(Rule("self > 0.0 && self <= 1.0",
-                                     "spec.autoscaling.targets.kvUtilization must be within "
-                                     "(0, 1]")))
+        json_schema_extra=rules(share("spec.autoscaling.targets.kvUtilization")))
     prefill_load: float = Field(
         0.67, description="Mean seconds of prefill work arriving per second on each instance "
         "(prompt tokens arriving over the recent prefill rate) to hold below: the load signal "
@@ -69,12 +63,10 @@ class Autoscaling(ApiModel):
     scale_up_stabilization_seconds: int = Field(
         0, description="Scale up only to the lowest count recommended over this window (0, "
         "as the HPA: at once; new instances take minutes to serve anyway).",
-        json_schema_extra=rules(Rule(
-            "self >= 0", "spec.autoscaling.scaleUpStabilizationSeconds must not be negative")))
+        json_schema_extra=rules(non_negative("spec.autoscaling.scaleUpStabilizationSeconds")))
     scale_down_stabilization_seconds: int = Field(
         300, description="Scale down only to the highest count recommended over this window.",
-        json_schema_extra=rules(Rule(
-            "self >= 0", "spec.autoscaling.scaleDownStabilizationSeconds must not be negative")))
+        json_schema_extra=rules(non_negative("spec.autoscaling.scaleDownStabilizationSeconds")))
     max_step: int = Field(2, description="Most instances added or removed in one decision.",
                           json_schema_extra=rules(positive("spec.autoscaling.maxStep")))
     tolerance: float = Field(0.1, description="Relative band around each target inside which "
@@ -87,8 +79,7 @@ class Autoscaling(ApiModel):
         "extrapolated this far (a new instance's startup plus a period), and a scale-down to "
         "the trend at the end of the scale-down window. A flat or noisy load has no clear "
         "trend and changes nothing. 0 turns the forecast off.",
-        json_schema_extra=rules(Rule(
-            "self >= 0", "spec.autoscaling.forecastSeconds must not be negative")))
+        json_schema_extra=rules(non_negative("spec.autoscaling.forecastSeconds")))
     forecast_window_seconds: int = Field(
         120, description="The recent history the load trend is fitted over.",
         json_schema_extra=rules(Rule(

@@ -54,6 +54,16 @@ def positive(path: str, unit: str = "", *, number: bool = False) -> Rule:
     return Rule(f"self > {zero}", f"{path} must be positive{suffix}")
 
 
+def non_negative(path: str, *, number: bool = False) -> Rule:
+    """``self >= 0``; ``number`` as for ``positive``."""
+    return Rule(f"self >= {'0.0' if number else '0'}", f"{path} must not be negative")
+
+
+def share(path: str) -> Rule:
+    """A share of a whole, above 0 and at most 1."""
+    return Rule("self > 0.0 && self <= 1.0", f"{path} must be within (0, 1]")
+
+
 def one_of(path: str, allowed: tuple[str, ...]) -> Rule:
     listed = ", ".join(f"'{value}'" for value in allowed)
     return Rule(f"self in [{listed}]", f"{path} must be one of: {', '.join(allowed)}")

@@ -20,7 +20,7 @@ from slipstream.agent.scheduler.config import (
     AWD_SHORTEST_BUCKET_TOKENS, POLICY_NAMES, PREEMPTION_MODES, SHORT_PREFILL_BATCHING_MODES)
 from slipstream.crds.autoscaling import Autoscaling
 from slipstream.crds.base import ApiModel
-from slipstream.crds.cel import Rule, one_of, positive, power_of_two, rules
+from slipstream.crds.cel import Rule, non_negative, one_of, positive, power_of_two, rules
 
 GROUP = "slipstream.dev"
 VERSION = "v1alpha1"
@@ -121,12 +121,12 @@ class Placement(ApiModel):
 class RebalanceWeights(ApiModel):
     """PLA-Serve's (alpha, beta, gamma): pressure = a*queue + b*sloDeviation - g*utilization."""
 
-    queue: float = Field(1.0, json_schema_extra=rules(Rule(
-        "self >= 0.0", "spec.pools.rebalance.weights.queue must not be negative")))
-    slo_deviation: float = Field(1.0, json_schema_extra=rules(Rule(
-        "self >= 0.0", "spec.pools.rebalance.weights.sloDeviation must not be negative")))
-    utilization: float = Field(0.25, json_schema_extra=rules(Rule(
-        "self >= 0.0", "spec.pools.rebalance.weights.utilization must not be negative")))
+    queue: float = Field(1.0, json_schema_extra=rules(
+        non_negative("spec.pools.rebalance.weights.queue", number=True)))
+    slo_deviation: float = Field(1.0, json_schema_extra=rules(
+        non_negative("spec.pools.rebalance.weights.sloDeviation", number=True)))
+    utilization: float = Field(0.25, json_schema_extra=rules(
+        non_negative("spec.pools.rebalance.weights.utilization", number=True)))
 
 
 class Rebalance(ApiModel):
@@ -141,11 +141,10 @@ class Rebalance(ApiModel):
     cooldown_seconds: int = Field(120, json_schema_extra=rules(
         positive("spec.pools.rebalance.cooldownSeconds", "seconds")))
     hysteresis: float = Field(0.2, description="Relative pressure gap that must be exceeded "
-                              "before an instance moves.", json_schema_extra=rules(Rule(
-                                  "self >= 0.0",
-                                  "spec.pools.rebalance.hysteresis must not be negative")))
-    min_per_pool: int = Field(1, json_schema_extra=rules(Rule(
-        "self >= 0", "spec.pools.rebalance.minPerPool must not be negative")))
+                              "before an instance moves.", json_schema_extra=rules(
+                                  non_negative("spec.pools.rebalance.hysteresis", number=True)))
+    min_per_pool: int = Field(1, json_schema_extra=rules(
+        non_negative("spec.pools.rebalance.minPerPool")))
     weights: RebalanceWeights = Field(default_factory=RebalanceWeights)
 
 
@@ -154,8 +153,7 @@ class Pools(ApiModel):
         8192, description="Prompts this long or longer go to the long pool.",
         json_schema_extra=rules(positive("spec.pools.longPrefillThresholdTokens", "tokens")))
     short: int = Field(description="Initial number of short-pool instances; the rest are long.",
-                       json_schema_extra=rules(Rule(
-                           "self >= 0", "spec.pools.short must not be negative")))
+                       json_schema_extra=rules(non_negative("spec.pools.short")))
     rebalance: Rebalance = Field(default_factory=Rebalance)
 
 
@@ -195,12 +193,12 @@ class SchedulerSpec(ApiModel):
             f"{SHORT_PREFILL_PROMPT_LIMITS[0]} to {SHORT_PREFILL_PROMPT_LIMITS[-1]}")))
     short_prefill_max_wait_ms: float = Field(
         20.0, description="Longest an AWD group waits to fill.",
-        json_schema_extra=rules(Rule("self >= 0.0", "spec.scheduler.shortPrefillMaxWaitMs "
-                                                    "must not be negative")))
+        json_schema_extra=rules(
+            non_negative("spec.scheduler.shortPrefillMaxWaitMs", number=True)))
     short_prefill_max_head_wait_ms: float = Field(
         50.0, description="No prompt is held by AWD longer than this.",
-        json_schema_extra=rules(Rule("self >= 0.0", "spec.scheduler.shortPrefillMaxHeadWaitMs "
-                                                    "must not be negative")))
+        json_schema_extra=rules(
+            non_negative("spec.scheduler.shortPrefillMaxHeadWaitMs", number=True)))
 
 
 class Slo(ApiModel):

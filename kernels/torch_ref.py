@@ -25,12 +25,27 @@ from slipstream.kernels.attention import AttentionMetadata, AttentionResult
 
 @dataclass(frozen=True)
 class _GatherPlan:
-    slots: torch.Tensor  # [rows, kv_len] or [kv_len]: flat cache slots to read
+    # Prefills: [kv_len] flat cache slots to read. Decode groups: [rows, blocks] whole blocks
+    # (their KV padded to whole blocks; the mask hides the padding).
+    slots: torch.Tensor
     mask: torch.Tensor  # True where the query may attend: [rows, 1, 1, 1, kv] or [q, kv]
     token_start: int  # first query row in the flat token dimension
     token_end: int
     plain_causal: bool = False  # queries and KV are the same positions: standard causal mask
     rows: torch.Tensor | None = None  # decode groups: the query rows, when not token_start:end
+    by_block: bool = False  # ``slots`` holds block ids (decode groups)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """This plan's keys or values from one layer's paged ``cache`` [blocks, block, heads,
+        dim]: ``[rows, kv, heads, dim]`` for a decode group, ``[kv, heads, dim]`` for a
+        prefill. A decode group copies whole blocks: one contiguous row of ``block x heads x
+        dim`` per block instead of one per token, which ``index_select`` copies several times
+        faster on a CPU."""
+        if self.by_block:
+            rows, blocks = self.slots.shape
+            return cache.index_select(0, self.slots.reshape(-1)).view(
+                rows, blocks * cache.shape[1], *cache.shape[2:])
+        return _gather(cache.view(-1, *cache.shape[2:]), self.slots)
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[self.token_start:self.token_end] if self.rows is None else tensor[self.rows]
@@ -78,10 +93,14 @@ class TorchReferenceBackend:
         self._metadata: AttentionMetadata | None = None
         self._decodes: list[_GatherPlan] = []
         self._prefills: list[_GatherPlan] = []
+        self._write_keep: torch.Tensor | None = None  # rows to store, when not every row
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._metadata = metadata
         device = metadata.block_tables.device
+        # Which rows write_kv stores is the same in every layer: decided once per step.
+        keep = metadata.slot_mapping >= 0
+        self._write_keep = None if bool(keep.all()) else keep
         self._decodes = []
         self._prefills = []
         num_decodes = metadata.num_decodes
@@ -107,25 +126,27 @@ class TorchReferenceBackend:
     def _decode_plan(metadata: AttentionMetadata, rows: list[int], contiguous: bool) -> _GatherPlan:
         device = metadata.block_tables.device
         kv_lens_list = [metadata.kv_lens[row] for row in rows]
-        max_kv = max(kv_lens_list)
+        num_blocks = -(-max(kv_lens_list) // metadata.block_size)
         index = torch.tensor(rows, device=device)
-        slots = _slots(metadata.block_tables[index, :(max_kv + metadata.block_size - 1)
-                                             // metadata.block_size], max_kv, metadata.block_size)
-        kv_index = torch.arange(max_kv, device=device)
+        blocks = metadata.block_tables[index, :num_blocks]
+        if blocks.shape[1] < num_blocks:  # never: every table covers its own KV
+            raise ValueError("a decode's block table is shorter than its KV")
+        kv_index = torch.arange(num_blocks * metadata.block_size, device=device)
         kv_lens = torch.tensor(kv_lens_list, device=device)
         kv_start = torch.tensor([metadata.kv_start_pos[row] for row in rows], device=device)
         query_pos = torch.tensor([metadata.query_start_pos[row] for row in rows], device=device)
         mask = (kv_index[None, :] < kv_lens[:, None]) & (
             kv_start[:, None] + kv_index[None, :] <= query_pos[:, None])
         if contiguous:
-            return _GatherPlan(slots, mask[:, None, None, None, :], rows[0], rows[-1] + 1)
-        return _GatherPlan(slots, mask[:, None, None, None, :], 0, 0, rows=index)
+            return _GatherPlan(blocks, mask[:, None, None, None, :], rows[0], rows[-1] + 1,
+                               by_block=True)
+        return _GatherPlan(blocks, mask[:, None, None, None, :], 0, 0, rows=index, by_block=True)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor) -> None:
         slots = self._require_plan().slot_mapping
-        keep = slots >= 0
-        if not bool(keep.all()):
+        keep = self._write_keep
+        if keep is not None:
             slots, key, value = slots[keep], key[keep], value[keep]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
@@ -139,8 +160,6 @@ class TorchReferenceBackend:
         num_tokens, num_heads, head_dim = query.shape
         kv_heads = k_cache.shape[2]
         group = num_heads // kv_heads
-        k_flat = k_cache.view(-1, kv_heads, head_dim)
-        v_flat = v_cache.view(-1, kv_heads, head_dim)
         output = torch.empty_like(query)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=query.device)
 
@@ -148,8 +167,8 @@ class TorchReferenceBackend:
             rows = plan.slots.shape[0]
             # [rows, kv_heads, group, 1, dim] x [rows, kv_heads, 1, dim, kv] -> scores per head
             q = plan.take(query).view(rows, kv_heads, group, 1, head_dim)
-            keys = _gather(k_flat, plan.slots).permute(0, 2, 3, 1).unsqueeze(2)
-            values = _gather(v_flat, plan.slots).permute(0, 2, 1, 3).unsqueeze(2)
+            keys = plan.gather(k_cache).permute(0, 2, 3, 1).unsqueeze(2)
+            values = plan.gather(v_cache).permute(0, 2, 1, 3).unsqueeze(2)
             out, row_lse = _masked_softmax_attend(q, keys, values, plan.mask, scale)
             plan.put(output, out.reshape(rows, num_heads, head_dim))
             plan.put(lse, row_lse.reshape(rows, num_heads))
@@ -160,8 +179,8 @@ class TorchReferenceBackend:
             q = query[plan.token_start:plan.token_end].view(q_len, kv_heads, group, head_dim)
             q = q.permute(1, 2, 0, 3)  # [kv_heads, group, q, dim]
             # keys [kv_heads, 1, dim, kv], values [kv_heads, 1, kv, dim]
-            keys = _gather(k_flat, plan.slots).permute(1, 2, 0).unsqueeze(1)
-            values = _gather(v_flat, plan.slots).permute(1, 0, 2).unsqueeze(1)
+            keys = plan.gather(k_cache).permute(1, 2, 0).unsqueeze(1)
+            values = plan.gather(v_cache).permute(1, 0, 2).unsqueeze(1)
             out, row_lse = _masked_softmax_attend(q, keys, values, plan.mask, scale)
             output[plan.token_start:plan.token_end] = out.permute(2, 0, 1, 3).reshape(
                 q_len, num_heads, head_dim)
@@ -172,15 +191,11 @@ class TorchReferenceBackend:
     def _run_fused(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    scale: float) -> torch.Tensor:
         """The same attention through torch's fused SDPA kernels, without the LSE."""
-        num_tokens, num_heads, head_dim = query.shape
-        kv_heads = k_cache.shape[2]
-        k_flat = k_cache.view(-1, kv_heads, head_dim)
-        v_flat = v_cache.view(-1, kv_heads, head_dim)
         output = torch.empty_like(query)
         for plan in self._decodes:
             q = plan.take(query).unsqueeze(2)  # [rows, heads, 1, dim]
-            keys = _gather(k_flat, plan.slots).transpose(1, 2)  # [rows, kv_heads, kv, dim]
-            values = _gather(v_flat, plan.slots).transpose(1, 2)
+            keys = plan.gather(k_cache).transpose(1, 2)  # [rows, kv_heads, kv, dim]
+            values = plan.gather(v_cache).transpose(1, 2)
             mask = plan.mask.view(q.shape[0], 1, 1, -1)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                                  enable_gqa=True)
@@ -188,8 +203,8 @@ class TorchReferenceBackend:
         for plan in self._prefills:
             q = query[plan.token_start:plan.token_end].transpose(0, 1).unsqueeze(0)
             # [1, kv_heads, kv, dim]
-            keys = _gather(k_flat, plan.slots).transpose(0, 1).unsqueeze(0)
-            values = _gather(v_flat, plan.slots).transpose(0, 1).unsqueeze(0)
+            keys = plan.gather(k_cache).transpose(0, 1).unsqueeze(0)
+            values = plan.gather(v_cache).transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=None if plan.plain_causal else plan.mask,
                 is_causal=plan.plain_causal, scale=scale, enable_gqa=True)

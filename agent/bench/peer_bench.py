@@ -81,8 +81,11 @@ def f32_gguf(quantized: Path) -> Path:
 
 @contextmanager
 def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
-            long_threshold_tokens: int) -> Iterator[str]:
-    """A healthy server for ``system``; yields its /v1 base URL and stops it on exit."""
+            long_threshold_tokens: int, slipstream_threads: int | None = None
+            ) -> Iterator[str]:
+    """A healthy server for ``system``; yields its /v1 base URL and stops it on exit.
+    llama.cpp computes with ``threads``; Slipstream's engine core with ``slipstream_threads``
+    (default: the same)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "POD_IP"}
     if system.kind == "llama.cpp":
@@ -91,7 +94,7 @@ def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
                 "--parallel", str(SLOTS), "--kv-unified", "-c", str(2 * CONTEXT_TOKENS),
                 "--cache-ram", "0", "--alias", MODEL_NAME, "--no-webui"]
     else:
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = str(slipstream_threads or threads)
         space_share = "0.5" if system.policy == "lars" else "0.0"
         argv = [sys.executable, "-m", "slipstream.cli", "serve", "--device", "cpu", "--model", str(system.gguf),
                 "--port", str(port), "--control-port", "0", "--served-model-name", MODEL_NAME,
@@ -206,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/peer"))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="compute threads for each server")
+    parser.add_argument("--slipstream-threads", type=int, default=None,
+                        help="torch threads of Slipstream's engine core, if not --threads "
+                             "(e.g. 1 on 2 CPUs: what `slipstream serve` picks by itself, one "
+                             "CPU left to its API process)")
     parser.add_argument("--streams", default="1,8,32", help="concurrent streams, comma-separated")
     parser.add_argument("--waves", type=int, default=1, help="requests per stream")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -242,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = cached_model_dir(quantized, slipstream_cache_dir())
     started = time.monotonic()
     profile_dir = (None if args.profile == "none" else
-                   ensure_profile(model_dir, "auto", "cpu", args.threads)
+                   ensure_profile(model_dir, "auto", "cpu",
+                                  args.slipstream_threads or args.threads)
                    if args.profile == "auto" else Path(args.profile))
     profile_s = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         for system in throughput_systems:
             log = logs / f"throughput-{system.kind}-{system.gguf.stem}.log"
             with serving(system, args.threads, profile_dir, log,
-                         args.long_threshold_tokens) as url:
+                         args.long_threshold_tokens, args.slipstream_threads) as url:
                 report["throughput"][system.name] = [
                     throughput(url, int(s), args.prompt_tokens, args.output_tokens, args.waves)
                     for s in args.streams.split(",")]
@@ -274,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                        System("slipstream FCFS", "slipstream", quantized, "fcfs")):
             log = logs / f"convoy-{system.kind}-{system.policy}.log"
             with serving(system, args.threads, profile_dir, log,
-                         args.long_threshold_tokens) as url:
+                         args.long_threshold_tokens, args.slipstream_threads) as url:
                 load(url, [TraceRequest(0.0, 16, 4)] * 2, None, seed=99)  # warm-up
                 report["convoy"][system.name] = convoy(url, requests, args.seed)
                 print(json.dumps({system.name: {k: v for k, v in

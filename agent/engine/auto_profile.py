@@ -45,8 +45,11 @@ from slipstream.agent.engine.model_runner import resolve_device
 
 log = logging.getLogger(__name__)
 
-PROFILER_VERSION = "3"  # 3: on CUDA the engine calibration runs its load once untimed first
 # 2: random calibration batches no longer outweigh the engine steps
+# 3: on CUDA the engine calibration runs its load once untimed first
+# 4: fused q/k/v and gate/up matmuls, block-wise decode KV gathers, a cheaper finiteness check
+#    in the sampler, and a 32-request wave in the quick grid's engine calibration
+PROFILER_VERSION = "4"
 GRID = "quick"
 REPEATS = 3
 KEY_FILE = "key.json"

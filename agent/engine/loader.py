@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 
 from slipstream.agent.engine.config import ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, PipelineStage
-from slipstream.agent.engine.models.llama import LlamaForCausalLM, tie_word_embeddings
+from slipstream.agent.engine.models.llama import (LlamaForCausalLM, fuse_projections,
+                                                   tie_word_embeddings)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,6 +109,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     # Buffers (rotary inverse frequencies) were created on the meta device; rebuild them.
     model.model.rotary = type(model.model.rotary)(config.head_dim, config.rope_theta,
                                                   config.rope_scaling).to(device)
+    fuse_projections(model)
     return model.eval()
 
 

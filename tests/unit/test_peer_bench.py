@@ -52,3 +52,23 @@ def test_each_server_gets_the_same_threads_and_a_full_context(monkeypatch, tmp_p
     assert ours[ours.index("--max-space-share-fraction") + 1] == "0.0"  # FCFS: no sharing
     assert int(ours[ours.index("--num-kv-blocks") + 1]) * 16 >= peer_bench.CONTEXT_TOKENS
     assert ours[ours.index("--profile") + 1] == str(tmp_path)
+
+
+def test_slipstream_threads_can_differ_from_llamacpp(monkeypatch, tmp_path):
+    envs: list[dict] = []
+
+    class Running:
+        def __init__(self, argv, log, url, env, timeout_s):
+            envs.append(env)
+
+        def __enter__(self):
+            return None
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(peer_bench, "running", Running)
+    system = peer_bench.System("s", "slipstream", Path("model.gguf"))
+    with peer_bench.serving(system, 2, None, tmp_path / "log", 2048, slipstream_threads=1):
+        pass
+    assert envs[0]["OMP_NUM_THREADS"] == "1"

@@ -14,6 +14,7 @@ build (SPP). A stage that does not own the embedding takes its input as ``hidden
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,48 @@ class LlamaForCausalLM(nn.Module):
             padding = hidden.new_zeros(MIN_CPU_LOGIT_ROWS - rows, hidden.shape[1])
             return lm_head(torch.cat([hidden, padding]))[:rows].float()
         return lm_head(hidden).float()
+
+
+def fuse_projections(model: LlamaForCausalLM) -> int:
+    """Run q/k/v and gate/up as one matmul each, in every decoder layer whose projections
+    are plain ``nn.Linear`` (one process; tensor-parallel layers are left alone). Returns
+    the number of layers fused.
+
+    The fused weight is the row-wise concatenation of the parts, and each part's parameter
+    becomes a view of its rows, so the memory is not doubled and parameter names and
+    ``state_dict`` stay as the checkpoint has them. Each output column is the same dot
+    product as before; only the matmul calls change. Why: on a CPU a decode step runs
+    thin matmuls, where one call over the concatenated weight reads the input once and
+    dispatches once instead of three (or two) times per layer.
+    """
+    fused = 0
+    for layer in cast(list[LlamaDecoderLayer], list(model.model.layers.values())):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up: list[nn.Module] = [mlp.gate_proj, mlp.up_proj]
+        if not all(type(p) is nn.Linear for p in parts + gate_up):
+            continue
+        biases = [p.bias is not None for p in parts]
+        if all(biases) or not any(biases):
+            attn.qkv_weight = _concatenate_rows(parts, "weight")
+            attn.qkv_bias = _concatenate_rows(parts, "bias") if all(biases) else None
+        mlp.gate_up_weight = _concatenate_rows(gate_up, "weight")
+        fused += 1
+    return fused
+
+
+def _concatenate_rows(modules: list[nn.Module], name: str) -> torch.Tensor:
+    """One tensor of the modules' ``name`` parameters stacked along dim 0; each module's
+    parameter is replaced by a view of its rows."""
+    tensors = [getattr(module, name) for module in modules]
+    whole = torch.cat([t.detach() for t in tensors], dim=0)
+    start = 0
+    for module, tensor in zip(modules, tensors):
+        rows = tensor.shape[0]
+        setattr(module, name, nn.Parameter(whole[start:start + rows],
+                                           requires_grad=tensor.requires_grad))
+        start += rows
+    return whole
 
 
 def tie_word_embeddings(model: LlamaForCausalLM, config: ModelConfig) -> None:
@@ -121,13 +164,29 @@ class LlamaAttention(nn.Module):
         self.k_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
         self.v_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
         self.o_proj = layers.row_linear(config.num_heads * head_dim, hidden, False)
+        # Set by fuse_projections(): q, k and v as one matmul (their weights are views of it).
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query ``[tokens, heads, dim]``, key and value ``[tokens, kv_heads, dim]``, before
+        the rotary embedding."""
+        num_tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).split(
+                [q_size, kv_size, kv_size], dim=-1)
+        else:
+            query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        return (query.view(num_tokens, self.num_heads, self.head_dim),
+                key.view(num_tokens, self.num_kv_heads, self.head_dim),
+                value.view(num_tokens, self.num_kv_heads, self.head_dim))
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key, value = self.qkv(hidden)
         query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, key, value)
@@ -142,9 +201,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = layers.column_linear(hidden, intermediate, False)
         self.up_proj = layers.column_linear(hidden, intermediate, False)
         self.down_proj = layers.row_linear(intermediate, hidden, False)
+        # Set by fuse_projections(): gate and up as one matmul (their weights are views of it).
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def gate_up(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(hidden, self.gate_up_weight).chunk(2, dim=-1)
+            return gate, up
+        return self.gate_proj(hidden), self.up_proj(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        gate, up = self.gate_up(hidden)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class RMSNorm(nn.Module):

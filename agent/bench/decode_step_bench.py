@@ -1,0 +1,139 @@
+"""Decode-step time of the real engine at several batch sizes, and where it goes.
+
+For each batch size B: B requests with the same prompt length go through ``LLMEngine`` (the
+serving code path: scheduler, runner, sampler, output handling) until every one has been
+prefilled; then the next ``--steps`` engine steps, each one decode of all B, are timed. Per
+step it reports the wall time (median and best), the model forward alone
+(``runner.last_forward_s``) and the rest. This is the step that ``make bench-peer`` runs at B
+concurrent streams, without the HTTP server around it.
+
+``--torch-profile`` also records a few steps of each batch size with ``torch.profiler`` and
+prints the operators that took the most CPU time.
+
+Usage (the default model, SmolLM2-135M-Instruct, as `slipstream serve` runs it on a CPU)::
+
+    python -m slipstream.agent.bench.decode_step_bench --out results/decode-step
+    python -m slipstream.agent.bench.decode_step_bench --batches 32 --torch-profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.scheduler.config import SchedulerConfig
+
+
+def model_dir_for(name: str) -> Path:
+    from slipstream.agent.bench.first_start import models
+
+    return models([name])[name] if name in ("tiny", "smollm2") else Path(name)
+
+
+def prompts_for(batch: int, length: int, vocab: int, salt: int) -> list[list[int]]:
+    return [[(7919 * (i + salt) + 104729 * j) % (vocab - 300) + 10 for j in range(length)]
+            for i in range(batch)]
+
+
+def decode_steps(engine: LLMEngine, batch: int, prompt_tokens: int, steps: int,
+                 profile: bool = False) -> dict:
+    """Prefill ``batch`` requests, then time ``steps`` decode steps of all of them."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for prompt in prompts_for(batch, prompt_tokens, vocab, salt=batch):
+        engine.add_request(prompt, params)
+    while engine.scheduler.num_waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+    walls, forwards = [], []
+    profiler = None
+    if profile:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - started)
+        forwards.append(engine.runner.last_forward_s)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+    while engine.has_unfinished():
+        engine.step()
+    result = {"batch": batch, "prompt_tokens": prompt_tokens, "steps": steps,
+              "step_ms_p50": 1000 * statistics.median(walls), "step_ms_min": 1000 * min(walls),
+              "forward_ms_p50": 1000 * statistics.median(forwards),
+              "outside_forward_ms_p50": 1000 * statistics.median(
+                  w - f for w, f in zip(walls, forwards)),
+              "tokens_per_s_p50": batch / statistics.median(walls)}
+    if profiler is not None:
+        result["torch_profile"] = profiler.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=25)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (the default model), tiny, or a model directory")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--prompt-tokens", type=int, default=96,
+                        help="prompt length, so the KV read per decode is about this long "
+                             "(make bench-peer: 64-token prompts, 64 output tokens)")
+    parser.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every batch size this many times, keep each one's best "
+                             "median (a shared machine only ever slows a round down)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch CPU threads (make bench-peer gives each server every core)")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="print torch.profiler's top operators for each batch size")
+    parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    model_dir = model_dir_for(args.model)
+    blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 2) // 16)) + 16
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks),
+                       SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
+                                       max_num_seqs=max(batches), prefix_caching=False))
+    decode_steps(engine, 2, 16, 3)  # warm-up
+    results: dict[int, dict] = {}
+    try:
+        for _ in range(args.rounds):
+            for batch in batches:
+                result = decode_steps(engine, batch, args.prompt_tokens, args.steps,
+                                      args.torch_profile)
+                best = results.get(batch)
+                if best is None or result["step_ms_p50"] < best["step_ms_p50"]:
+                    results[batch] = result
+    finally:
+        engine.close()
+    for batch in batches:
+        row = results[batch]
+        print(f"batch {batch:3d}: step {row['step_ms_p50']:7.1f} ms (min {row['step_ms_min']:.1f})"
+              f"  forward {row['forward_ms_p50']:7.1f} ms  outside {row['outside_forward_ms_p50']:5.1f}"
+              f" ms  {row['tokens_per_s_p50']:6.1f} tok/s")
+        if "torch_profile" in row:
+            print(row["torch_profile"])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report = {"model": model_dir.name, "threads": args.threads,
+                  "machine": f"{platform.processor() or platform.machine()} x {os.cpu_count()}",
+                  "load_average": os.getloadavg(),
+                  "results": [{k: v for k, v in results[b].items() if k != "torch_profile"}
+                              for b in batches]}
+        (args.out / "decode_step.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
