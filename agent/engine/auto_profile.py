@@ -188,7 +188,7 @@ def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
             log.warning("ignoring the cached runtime profile %s: %s; profiling again", entry,
                         problem)
         log.info("first start of %s on this device (%s, %s, %d threads): profiling the engine "
-                 "for the time-budget packer, once, into %s. It takes under a minute for a 135M "
+                 "for the time-budget packer, once, into %s. It takes about a minute for a 135M "
                  "model on an idle 2-core CPU, longer and wrong on a busy machine; "
                  "--no-profile skips it, --profile DIR uses one you made",
                  model_dir.name, key.device, key.dtype, threads, root)
