@@ -50,7 +50,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from slipstream.crds.servingreplica import UNIFIED_POOL, Autoscaling, ServingReplicaSpec
+from slipstream.crds.autoscaling import Autoscaling
+from slipstream.crds.servingreplica import UNIFIED_POOL, ServingReplicaSpec
 from slipstream.decisions.pools import LONG, SHORT, InstanceSignals, instance_pressure, pool_pressures
 
 # Attainment over fewer first tokens (or finished requests) than this is noise, not a signal.
