@@ -69,10 +69,9 @@ test-unit: setup
 test-e2e: setup
 	$(BIN)/pytest e2e -m e2e
 
-# On a CUDA host: the GPU-marked tests, then the engine tier with the GPU visible (every engine a
-# test builds without naming a device runs on it). CI has no GPU; these skip there.
+# On a CUDA host: the engine tier with the GPU visible, which holds the GPU-marked tests, and
+# every engine a test builds without naming a device runs on the GPU. CI has no GPU.
 test-gpu: setup
-	$(BIN)/pytest tests -m gpu
 	$(BIN)/pytest tests/engine
 
 # Pods on the fake nodes run as local processes with $(BIN) first on PATH, each on its own

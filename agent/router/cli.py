@@ -18,7 +18,8 @@ from pathlib import Path
 from slipstream.agent.router.config import (
     CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, INSTANCE_QUEUE_ORDERS, POOLS,
     ROLE_LABEL, FairnessConfig, KubernetesDiscovery, RouterConfig, StaticBackend)
-from slipstream.agent.server.config import DEFAULT_HOST, add_request_limit_arguments
+from slipstream.agent.server.config import (DEFAULT_HOST, add_request_limit_arguments,
+                                            bind_host)
 
 EPILOG = """\
 examples:
@@ -124,7 +125,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     kubernetes = None if static or namespace is None else KubernetesDiscovery(
         namespace=namespace, label_selector=args.selector, kubeconfig=args.kubeconfig)
     return RouterConfig(
-        host=args.host or os.environ.get("POD_IP") or DEFAULT_HOST, port=args.port,
+        host=bind_host(args), port=args.port,
         long_prefill_threshold_tokens=args.long_prefill_threshold_tokens,
         max_in_flight_per_instance=args.max_in_flight_per_instance,
         max_backlog_tokens_per_instance=args.max_backlog_tokens_per_instance,

@@ -23,7 +23,7 @@ from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.flags import short_prefill_settings
 
-from slipstream.agent.server.config import DEFAULT_HOST, ServerConfig
+from slipstream.agent.server.config import ServerConfig, bind_host
 
 
 # AgentConfig field (wire path) -> serve flag (argparse dest). Every field of the file maps to
@@ -86,11 +86,6 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def bind_host(args: argparse.Namespace) -> str:
-    """The address to listen on: ``--host``, else the pod's own (``POD_IP``), else loopback."""
-    return args.host or os.environ.get("POD_IP") or DEFAULT_HOST
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

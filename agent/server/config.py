@@ -6,6 +6,7 @@ test) and passed to ``build_app``.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 # Matches the CRD's default pools.longPrefillThresholdTokens, so dashboards and the router
@@ -27,6 +28,11 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 # $POD_IP, and the --log-level choices.
 DEFAULT_HOST = "127.0.0.1"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def bind_host(args: argparse.Namespace) -> str:
+    """The address to listen on: ``--host``, else the pod's own (``POD_IP``), else loopback."""
+    return args.host or os.environ.get("POD_IP") or DEFAULT_HOST
 
 
 def add_request_limit_arguments(http: argparse._ArgumentGroup) -> None:
