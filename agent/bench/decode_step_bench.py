@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                              "median (a shared machine only ever slows a round down)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch CPU threads (make bench-peer gives each server every core)")
+    parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "onednn", "torch"),
+                        help="CPU matmuls: oneDNN on weights reordered at load (auto: when "
+                             "available) or torch's F.linear (to compare the two)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="print torch.profiler's top operators for each batch size")
     parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_dir_for(args.model)
     # Room for the tokens the first requests decode while the last ones still prefill.
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 32) // 16)) + 16
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks),
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
+                                    cpu_matmul=args.cpu_matmul),
                        SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
                                        max_num_seqs=max(batches), prefix_caching=False))
     decode_steps(engine, 2, 16, 3)  # warm-up
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         report = {"model": model_dir.name, "threads": args.threads,
+                  "cpu_matmul": getattr(engine.runner, "cpu_matmul", "torch"),
                   "machine": f"{platform.processor() or platform.machine()} x {os.cpu_count()}",
                   "load_average": os.getloadavg(),
                   "results": [{k: v for k, v in results[b].items() if k != "torch_profile"}

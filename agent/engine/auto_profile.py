@@ -42,6 +42,7 @@ from slipstream import __version__
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import resolve_dtype
 from slipstream.agent.engine.model_runner import resolve_device
+from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ log = logging.getLogger(__name__)
 # 3: on CUDA the engine calibration runs its load once untimed first
 # 4: fused q/k/v and gate/up matmuls, block-wise decode KV gathers, a cheaper finiteness check
 #    in the sampler, and a 32-request wave in the quick grid's engine calibration
-PROFILER_VERSION = "4"
+# 5: CPU matmuls from oneDNN-reordered weights (--cpu-matmul; its choice is part of the key)
+PROFILER_VERSION = "5"
 GRID = "quick"
 REPEATS = 3
 KEY_FILE = "key.json"
@@ -75,15 +77,17 @@ class ProfileKey:
 
 
 def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
-                grid: str = GRID) -> ProfileKey:
+                grid: str = GRID, cpu_matmul: str = "auto") -> ProfileKey:
     model_config = ModelConfig.from_dir(model_dir)
     torch_device = resolve_device(device)
     resolved = resolve_dtype(dtype, model_config, torch_device)
+    matmul = resolve_cpu_matmul(cpu_matmul, torch_device, resolved)
     return ProfileKey(model=str(model_dir.resolve()), model_files=_model_files_hash(model_dir),
                       dtype=str(resolved).removeprefix("torch."),
                       device=_device_name(torch_device), threads=threads,
                       engine_version=f"slipstream {__version__}, profiler {PROFILER_VERSION}, "
-                                     f"torch {torch.__version__}, grid {grid}")
+                                     f"torch {torch.__version__}, grid {grid}"
+                                     + (", cpu matmul onednn" if matmul == "onednn" else ""))
 
 
 def _model_files_hash(model_dir: Path) -> str:
@@ -149,7 +153,8 @@ def with_runtime_profile(config: EngineConfig, threads: int | None = None) -> En
                     config.parallel.world_size, budget)
         return config
     try:
-        entry = ensure_profile(config.model_dir, config.dtype, config.device, threads)
+        entry = ensure_profile(config.model_dir, config.dtype, config.device, threads,
+                               cpu_matmul=config.cpu_matmul)
     except (OSError, RuntimeError, ValueError) as error:
         log.warning("profiling failed (%s: %s); %s", type(error).__name__, error, budget)
         return config
@@ -169,14 +174,14 @@ def _locked(path: Path) -> Iterator[None]:
 
 def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
                    threads: int | None = None, root: Path | None = None,
-                   grid: str | None = None) -> Path:
+                   grid: str | None = None, cpu_matmul: str = "auto") -> Path:
     """The cached profile of ``model_dir`` on this device, measured first if there is none
     (or only a stale or corrupt one)."""
     from slipstream.agent.engine.profiler import PROFILE_GRIDS, profile
 
     grid = grid or GRID
     threads = threads or torch.get_num_threads()
-    key = profile_key(model_dir, dtype, device, threads, grid)
+    key = profile_key(model_dir, dtype, device, threads, grid, cpu_matmul)
     root = root or cache_root()
     entry = root / key.entry_name(model_dir.name)
     with _locked(root / f"{entry.name}.lock"):
@@ -198,7 +203,8 @@ def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
         previous_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            profile(model_dir, device, staging, REPEATS, PROFILE_GRIDS[grid], dtype=dtype)
+            profile(model_dir, device, staging, REPEATS, PROFILE_GRIDS[grid], dtype=dtype,
+                    cpu_matmul=cpu_matmul)
         finally:
             torch.set_num_threads(previous_threads)
         (staging / KEY_FILE).write_text(json.dumps(dataclasses.asdict(key), indent=1) + "\n",

@@ -193,6 +193,9 @@ class EngineConfig:
     max_batched_tokens: int = 512
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    # CPU matmuls: auto | onednn (weights reordered once at load) | torch (F.linear); auto is
+    # oneDNN for float32 on CPU when PyTorch has it (models/cpu_matmul.py).
+    cpu_matmul: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp x spp x kvp ranks
     # A profile directory (``slipstream profile``) turns on the time-budget packer; without
     # one the scheduler packs a plain token budget of max_batched_tokens.
@@ -211,6 +214,8 @@ class EngineConfig:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
+        if self.cpu_matmul not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_matmul must be auto, onednn or torch, got {self.cpu_matmul}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

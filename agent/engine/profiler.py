@@ -280,7 +280,8 @@ def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
 
 def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
                         random_batches: Sequence[tuple[int, float]],
-                        meta: ProfileMeta, dtype: str = "auto") -> ProfileMeta:
+                        meta: ProfileMeta, dtype: str = "auto",
+                        cpu_matmul: str = "auto") -> ProfileMeta:
     """``meta`` with the runner and host overheads, fitted on the steps the real LLMEngine runs when it
     packs a serving load with this profile (see step_calibration.py); the runner's also on
     ``random_batches``, with as much weight in total as the engine steps."""
@@ -289,7 +290,8 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
     bootstrap = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
     target_ms = max(50.0, model_floor_target_ms(bootstrap))
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
-                                    profile_dir=profile_dir, num_kv_blocks=4096),
+                                    profile_dir=profile_dir, num_kv_blocks=4096,
+                                    cpu_matmul=cpu_matmul),
                        SchedulerConfig(target_batch_time_ms=target_ms))
     try:
         if resolve_device(device).type == "cuda":
@@ -318,12 +320,14 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int,
-            grid: ProfileGrid = ProfileGrid(), dtype: str = "auto") -> Path:
+            grid: ProfileGrid = ProfileGrid(), dtype: str = "auto",
+            cpu_matmul: str = "auto") -> Path:
     model_config = ModelConfig.from_dir(model_dir)
     # Calibration batches hold up to 24 decodes of 2K tokens plus three prefill chunks.
     needed_blocks = max(2 * max(grid.decode_kv), 60_000) // BLOCK_SIZE + 64
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
-                                      num_kv_blocks=needed_blocks), model_config)
+                                      num_kv_blocks=needed_blocks, cpu_matmul=cpu_matmul),
+                         model_config)
     steps = len(grid.tokens) + len(grid.prefill_kv) * len(grid.prefill_chunk) + \
         len(grid.decode_batch) * len(grid.decode_kv) + 2
     meta = ProfileMeta(num_layers=model_config.num_layers, device=str(runner.device),
@@ -346,7 +350,7 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         progress.update()
         del runner  # the engine below loads its own copy of the weights
         meta = fit_on_engine_steps(model_dir, device, out, grid.engine_load, random_batches,
-                                   meta, dtype)
+                                   meta, dtype, cpu_matmul)
         progress.update()
     write_profile(out, tables, meta)
     return out
@@ -360,6 +364,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per grid point")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                         default="auto", help="as `slipstream serve --dtype`")
+    parser.add_argument("--cpu-matmul", choices=("auto", "onednn", "torch"), default="auto",
+                        help="as `slipstream serve --cpu-matmul` (profile what you will serve)")
     parser.add_argument("--grid", choices=sorted(PROFILE_GRIDS), default="full",
                         help="grid size: 'small' profiles a ~100M-parameter CPU model in minutes; "
                              "'quick' is what `slipstream serve` measures on its first start")
@@ -370,6 +376,6 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = args.model or ensure_default_model()
     out = profile(model_dir, args.device, args.out, args.repeats, PROFILE_GRIDS[args.grid],
-                  dtype=args.dtype)
+                  dtype=args.dtype, cpu_matmul=args.cpu_matmul)
     print(f"wrote profile of {model_dir.name} to {out}")
     return 0

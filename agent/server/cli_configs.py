@@ -147,7 +147,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model_dir, served_name = resolve_model(args.model)
     return EngineConfig(
         model_dir=model_dir, served_model_name=args.served_model_name or served_name,
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        device=args.device, dtype=args.dtype, cpu_matmul=args.cpu_matmul,
+        max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,

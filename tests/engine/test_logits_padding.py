@@ -1,7 +1,9 @@
-"""The CPU LM head pads two or three rows to four; the logits must be those of the rows."""
+"""The CPU LM head pads two or three rows to four (``F.linear``; oneDNN's reordered head needs
+no padding); either way the logits must be those of the rows."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
@@ -9,8 +11,10 @@ from slipstream.agent.engine.model_runner import ModelRunner
 from slipstream.agent.engine.models.llama import MIN_CPU_LOGIT_ROWS
 
 
-def test_padded_logits_equal_each_row_alone(tiny_model_dir):
-    runner = ModelRunner(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=16),
+@pytest.mark.parametrize("cpu_matmul", ["torch", "auto"])
+def test_padded_logits_equal_each_row_alone(tiny_model_dir, cpu_matmul):
+    runner = ModelRunner(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=16,
+                                      cpu_matmul=cpu_matmul),
                          ModelConfig.from_dir(tiny_model_dir))
     model = runner.model
     hidden = torch.randn(MIN_CPU_LOGIT_ROWS + 1, runner.model_config.hidden_size)

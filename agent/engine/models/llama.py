@@ -58,7 +58,8 @@ class LlamaForCausalLM(nn.Module):
         if lm_head is None:
             raise RuntimeError("only the last pipeline stage has the LM head")
         rows = hidden.shape[0]
-        if 1 < rows < MIN_CPU_LOGIT_ROWS and hidden.device.type == "cpu":
+        if 1 < rows < MIN_CPU_LOGIT_ROWS and type(lm_head) is nn.Linear \
+                and hidden.device.type == "cpu":
             padding = hidden.new_zeros(MIN_CPU_LOGIT_ROWS - rows, hidden.shape[1])
             return lm_head(torch.cat([hidden, padding]))[:rows].float()
         return lm_head(hidden).float()
@@ -167,6 +168,8 @@ class LlamaAttention(nn.Module):
         # Set by fuse_projections(): q, k and v as one matmul (their weights are views of it).
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        # Set by cpu_matmul.pack_cpu_matmuls() instead (the dense weights are then dropped).
+        self.qkv_reordered: nn.Module | None = None
 
     def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query ``[tokens, heads, dim]``, key and value ``[tokens, kv_heads, dim]``, before
@@ -174,7 +177,10 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        if self.qkv_weight is not None:
+        if self.qkv_reordered is not None:
+            query, key, value = self.qkv_reordered(hidden).split([q_size, kv_size, kv_size],
+                                                                 dim=-1)
+        elif self.qkv_weight is not None:
             query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).split(
                 [q_size, kv_size, kv_size], dim=-1)
         else:
@@ -203,8 +209,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = layers.row_linear(intermediate, hidden, False)
         # Set by fuse_projections(): gate and up as one matmul (their weights are views of it).
         self.gate_up_weight: torch.Tensor | None = None
+        # Set by cpu_matmul.pack_cpu_matmuls() instead (the dense weights are then dropped).
+        self.gate_up_reordered: nn.Module | None = None
 
     def gate_up(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_up_reordered is not None:
+            gate, up = self.gate_up_reordered(hidden).chunk(2, dim=-1)
+            return gate, up
         if self.gate_up_weight is not None:
             gate, up = F.linear(hidden, self.gate_up_weight).chunk(2, dim=-1)
             return gate, up
