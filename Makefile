@@ -175,7 +175,7 @@ bench-cuda-graphs: setup  ## short-prefill latency per (length, batch) bucket, e
 bench-first-start: setup default-model  ## how long serve's first start spends profiling (tiny, SmolLM2) and the second reading it (docs/scheduling.md)
 	$(BIN)/python -m slipstream.agent.bench.first_start --out $(RESULTS)/first-start
 
-bench-decode-step: setup default-model  ## one engine decode step of SmolLM2 at 1/8/32 sequences: wall, forward, the rest (docs/engine.md)
+bench-decode-step: setup default-model  ## one engine decode step of SmolLM2 at 1/8/32 sequences, oneDNN-reordered vs plain torch matmuls: wall, forward, the rest (docs/engine.md)
 	$(BIN)/python -m slipstream.agent.bench.decode_step_bench --rounds 3 --out $(RESULTS)/decode-step
 
 bench-peer: setup default-model  ## Slipstream vs llama.cpp's llama-server, same GGUF, this CPU: tok/s at 1/8/32 streams, convoy TTFT (docs/peers.md; builds llama.cpp once, ~10 min)

@@ -7,6 +7,11 @@ step it reports the wall time (median and best), the model forward alone
 (``runner.last_forward_s``) and the rest. This is the step that ``make bench-peer`` runs at B
 concurrent streams, without the HTTP server around it.
 
+With oneDNN in this PyTorch it times both CPU matmul paths (``--cpu-matmul``: weights
+reordered once for oneDNN, and torch's ``F.linear`` on the weights as loaded), one engine each,
+alternating round by round so a busy moment on a shared machine hits both, and reports the
+ratio of their step times.
+
 ``--torch-profile`` also records a few steps of each batch size with ``torch.profiler`` and
 prints the operators that took the most CPU time.
 
@@ -30,6 +35,7 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.models.cpu_matmul import onednn_available
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
 
@@ -104,49 +110,68 @@ def main(argv: list[str] | None = None) -> int:
                              "median (a shared machine only ever slows a round down)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch CPU threads (make bench-peer gives each server every core)")
-    parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "onednn", "torch"),
-                        help="CPU matmuls: oneDNN on weights reordered at load (auto: when "
-                             "available) or torch's F.linear (to compare the two)")
+    parser.add_argument("--cpu-matmul", default=None,
+                        help="comma-separated CPU matmul paths to time (onednn, torch; as "
+                             "`slipstream serve --cpu-matmul`); default: both when this PyTorch "
+                             "has oneDNN, else torch")
     parser.add_argument("--torch-profile", action="store_true",
                         help="print torch.profiler's top operators for each batch size")
     parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    matmuls = (args.cpu_matmul.split(",") if args.cpu_matmul
+               else ["onednn", "torch"] if onednn_available() else ["torch"])
+    if any(m not in ("onednn", "torch") for m in matmuls):
+        parser.error(f"--cpu-matmul takes onednn and/or torch, not {args.cpu_matmul}")
     model_dir = model_dir_for(args.model)
     # Room for the tokens the first requests decode while the last ones still prefill.
     blocks = max(batches) * (-(-(args.prompt_tokens + args.steps + 32) // 16)) + 16
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
-                                    cpu_matmul=args.cpu_matmul),
-                       SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
-                                       max_num_seqs=max(batches), prefix_caching=False))
-    decode_steps(engine, 2, 16, 3)  # warm-up
-    results: dict[int, dict] = {}
+    engines = {matmul: LLMEngine(EngineConfig(model_dir=model_dir, device="cpu",
+                                              num_kv_blocks=blocks, cpu_matmul=matmul),
+                                 SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
+                                                 max_num_seqs=max(batches),
+                                                 prefix_caching=False))
+               for matmul in matmuls}
+    results: dict[str, dict[int, dict]] = {matmul: {} for matmul in matmuls}
     try:
+        for engine in engines.values():
+            decode_steps(engine, 2, 16, 3)  # warm-up
         for _ in range(args.rounds):
-            for batch in batches:
-                result = decode_steps(engine, batch, args.prompt_tokens, args.steps,
-                                      args.torch_profile)
-                best = results.get(batch)
-                if best is None or result["step_ms_p50"] < best["step_ms_p50"]:
-                    results[batch] = result
+            for matmul, engine in engines.items():
+                for batch in batches:
+                    result = decode_steps(engine, batch, args.prompt_tokens, args.steps,
+                                          args.torch_profile)
+                    best = results[matmul].get(batch)
+                    if best is None or result["step_ms_p50"] < best["step_ms_p50"]:
+                        results[matmul][batch] = result
     finally:
-        engine.close()
-    for batch in batches:
-        row = results[batch]
-        print(f"batch {batch:3d}: step {row['step_ms_p50']:7.1f} ms (min {row['step_ms_min']:.1f})"
-              f"  forward {row['forward_ms_p50']:7.1f} ms  outside {row['outside_forward_ms_p50']:5.1f}"
-              f" ms  {row['tokens_per_s_p50']:6.1f} tok/s")
-        if "torch_profile" in row:
-            print(row["torch_profile"])
+        for engine in engines.values():
+            engine.close()
+    for matmul in matmuls:
+        for batch in batches:
+            row = results[matmul][batch]
+            print(f"{matmul:6s} batch {batch:3d}: step {row['step_ms_p50']:7.1f} ms "
+                  f"(min {row['step_ms_min']:.1f})  forward {row['forward_ms_p50']:7.1f} ms  "
+                  f"outside {row['outside_forward_ms_p50']:5.1f} ms  "
+                  f"{row['tokens_per_s_p50']:6.1f} tok/s")
+            if "torch_profile" in row:
+                print(row["torch_profile"])
+    ratios = {}
+    if len(matmuls) == 2:
+        ratios = {batch: results["onednn"][batch]["step_ms_p50"]
+                  / results["torch"][batch]["step_ms_p50"] for batch in batches}
+        print("onednn / torch step time: " + ", ".join(
+            f"{ratio:.2f} at {batch}" for batch, ratio in ratios.items()))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        report = {"model": model_dir.name, "threads": args.threads,
-                  "cpu_matmul": getattr(engine.runner, "cpu_matmul", "torch"),
+        report = {"model": model_dir.name, "threads": args.threads, "rounds": args.rounds,
                   "machine": f"{platform.processor() or platform.machine()} x {os.cpu_count()}",
                   "load_average": os.getloadavg(),
-                  "results": [{k: v for k, v in results[b].items() if k != "torch_profile"}
-                              for b in batches]}
+                  "results": {matmul: [{k: v for k, v in results[matmul][b].items()
+                                        if k != "torch_profile"} for b in batches]
+                              for matmul in matmuls},
+                  "onednn_over_torch_step_time": {str(b): r for b, r in ratios.items()}}
         (args.out / "decode_step.json").write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

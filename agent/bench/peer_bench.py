@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from slipstream.agent.bench.llamacpp import bin_dir, ensure_built
 from slipstream.agent.bench.local_process import running
@@ -46,6 +47,7 @@ from slipstream.agent.bench.serve_bench import LoadConfig, run_load
 from slipstream.agent.bench.serve_metrics import RequestTiming, serving_metrics
 from slipstream.agent.engine.auto_profile import ensure_profile
 from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
+from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir
 from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.sim.traces import TraceRequest
@@ -307,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                           "llama_cpp": str(bin_dir().parent.name), "slots": SLOTS,
                           "profile_dir": str(profile_dir) if profile_dir else None,
                           "profile_s": profile_s, "cpu_count": os.cpu_count(),
+                          # What `slipstream serve --cpu-matmul auto` runs for float32 on CPU.
+                          "slipstream_cpu_matmul": resolve_cpu_matmul(
+                              "auto", torch.device("cpu"), torch.float32),
                           "long_arrivals_s": [r.arrival_s for r in requests
                                               if r.source == "long"],
                           "short_requests": sum(r.source == "short" for r in requests),

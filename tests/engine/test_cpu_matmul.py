@@ -3,6 +3,8 @@ resolves to, the same logits and tokens as ``F.linear``, and the dense copies re
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -119,3 +121,20 @@ def test_a_profile_of_one_matmul_is_not_used_for_the_other(tiny_model_dir):
     plain = auto_profile.profile_key(tiny_model_dir, "auto", "cpu", threads, "quick", "torch")
     assert onednn.engine_version != plain.engine_version
     assert "cpu matmul onednn" in onednn.engine_version
+
+
+def test_decode_step_bench_times_both_paths_side_by_side(tiny_model_dir, tmp_path):
+    from slipstream.agent.bench import decode_step_bench
+
+    assert decode_step_bench.main(["--model", str(tiny_model_dir), "--batches", "1,3",
+                                   "--steps", "2", "--prompt-tokens", "8",
+                                   "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_step.json").read_text())
+    paths = ["onednn", "torch"] if onednn_available() else ["torch"]
+    assert sorted(report["results"]) == sorted(paths)
+    for rows in report["results"].values():
+        assert [row["batch"] for row in rows] == [1, 3]
+        assert all(row["step_ms_p50"] > 0 for row in rows)
+    if onednn_available():
+        ratios = report["onednn_over_torch_step_time"]
+        assert set(ratios) == {"1", "3"} and all(value > 0 for value in ratios.values())
