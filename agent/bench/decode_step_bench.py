@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {matmul: LLMEngine(EngineConfig(model_dir=model_dir, device="cpu",
                                               num_kv_blocks=blocks, cpu_matmul=matmul),
                                  SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
-                                                 max_num_seqs=max(batches),
+                                                 max_num_seqs=max(batches + [2]),
                                                  prefix_caching=False))
                for matmul in matmuls}
     results: dict[str, dict[int, dict]] = {matmul: {} for matmul in matmuls}
