@@ -8,13 +8,17 @@ Every fleet runs H100 Llama-3-8B TP8 instances (the packaged Vidur tables) under
 by least backlog. The static sizes are found the way an operator would size them: the
 smallest count whose SLO attainment reaches ``--size-for`` on a sizing run at the peak rate
 (static at peak) or at the mean rate (static at mean). The autoscaled fleet starts at
-``--min-instances`` and follows the CRD's defaults unless told otherwise. Every fleet first
+``--min-instances`` and follows the CRD's defaults unless told otherwise; each ``--variant``
+adds one more autoscaled fleet with some ``spec.autoscaling`` settings changed (say
+``prefillLoad=0.75``), run on the same arrivals beside the default one. Every fleet first
 serves a warm-up (``--warmup-s``, the curve's preceding stretch), neither billed nor counted,
 so that the autoscaler starts the measured part with a history. Next to the fleets the
 tables give a foresight bound: a model of the fewest instance-hours any autoscaler could
 use at the knee (``foresight_bound``). Example::
 
     python -m slipstream.agent.bench.autoscale_study --out results/autoscale
+    python -m slipstream.agent.bench.autoscale_study --out DIR --only daily \
+        --variant prefillLoad=0.75
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from pydantic.alias_generators import to_camel
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.sim.autoscale import FleetResult, simulate_fleet
@@ -40,6 +45,7 @@ from slipstream.agent.sim.simulator import SimConfig, SimResult
 from slipstream.agent.sim.traces import (
     RateCurve, TraceRequest, diurnal_rate, merge_streams, step_rate, warp_to_rate)
 from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
+from slipstream.crds.autoscaling import Autoscaling, AutoscalingTargets
 from slipstream.crds.servingreplica import ServingReplicaSpec
 
 LONG_PROMPT_TOKENS = 8192
@@ -58,12 +64,76 @@ FORESIGHT_WINDOW_S = 30.0  # the load window of the foresight bound (the agents'
 _SHARED: dict = {}
 
 
-def autoscaled_spec(args: argparse.Namespace) -> ServingReplicaSpec:
+AUTOSCALED = "autoscaled"  # the label of the autoscaled fleet with the study's settings
+_AUTOSCALING_NAMES = {to_camel(name) for name in Autoscaling.model_fields} - {"targets"}
+_TARGET_NAMES = {to_camel(name) for name in AutoscalingTargets.model_fields}
+# What a variant may change: the bounds are the study's (--min/--max-instances), and a
+# variant with the autoscaler off would be a static fleet of --min-instances.
+_VARIANT_NAMES = _AUTOSCALING_NAMES - {"minInstances", "maxInstances", "enabled"}
+
+
+def parse_variant(text: str) -> dict:
+    """``--variant`` settings, ``name=value[,name=value...]``, as a ``spec.autoscaling``
+    overlay. Names are the CRD's (camelCase); a target may be written bare (``prefillLoad``)
+    or as ``targets.prefillLoad``. Raises ValueError naming what is wrong."""
+    overlay: dict = {}
+    for part in text.split(","):
+        name, sep, raw = part.strip().partition("=")
+        name = name.strip()
+        if not sep or not name or not raw.strip():
+            raise ValueError(f"{part.strip()!r} is not name=value")
+        try:
+            value = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            raise ValueError(f"{name}: {raw.strip()!r} is not a number or a boolean") from None
+        bare = name.removeprefix("targets.")
+        if bare not in _TARGET_NAMES and name not in _VARIANT_NAMES:
+            raise ValueError(
+                f"{name!r} is not a spec.autoscaling setting a variant may change; known: "
+                f"{', '.join(sorted(_VARIANT_NAMES))} and the targets "
+                f"{', '.join(sorted(_TARGET_NAMES))} (--min-instances and --max-instances "
+                "apply to every autoscaled fleet)")
+        # The CRD's CEL rules are the API server's to check; these are the ones a study
+        # could trip over without an error (pydantic checks the types).
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}: {raw.strip()!r} must be a number >= 0")
+        if bare in _TARGET_NAMES:
+            if value == 0:
+                raise ValueError(f"{name}: a target must be above 0")
+            overlay.setdefault("targets", {})[bare] = value
+        else:
+            overlay[name] = value
+    return overlay
+
+
+def variant_label(overlay: dict) -> str:
+    """The fleet's label: ``autoscaled`` and the settings it changes, say
+    ``autoscaled prefillLoad=0.75``."""
+    settings = {**{k: v for k, v in overlay.items() if k != "targets"},
+                **overlay.get("targets", {})}
+    return " ".join([AUTOSCALED] + [f"{k}={v}" for k, v in sorted(settings.items())])
+
+
+def autoscaled_spec(args: argparse.Namespace, overlay: dict | None = None
+                    ) -> ServingReplicaSpec:
+    """The autoscaled fleet's replica: the CRD's defaults with the study's bounds and
+    scale-down window, and ``overlay`` (a ``--variant``) on top."""
+    overlay = overlay or {}
+    autoscaling = {"minInstances": args.min_instances, "maxInstances": args.max_instances,
+                   "scaleDownStabilizationSeconds": args.scale_down_window_s,
+                   **{k: v for k, v in overlay.items() if k != "targets"}}
+    if "targets" in overlay:
+        autoscaling["targets"] = dict(overlay["targets"])
     return ServingReplicaSpec.model_validate({
         "model": {"name": "llama-3-8b", "source": {"hostPath": {"path": "/models"}}},
         "image": "agent", "slo": {"tpotMilliseconds": args.tpot_slo_ms},
-        "autoscaling": {"minInstances": args.min_instances, "maxInstances": args.max_instances,
-                        "scaleDownStabilizationSeconds": args.scale_down_window_s}})
+        "autoscaling": autoscaling})
+
+
+def autoscaling_settings(args: argparse.Namespace, overlay: dict | None = None) -> dict | None:
+    """Every ``spec.autoscaling`` setting the fleet runs with, as the CRD writes them."""
+    autoscaling = autoscaled_spec(args, overlay).autoscaling
+    return autoscaling.to_api() if autoscaling else None
 
 
 def workloads(args: argparse.Namespace, trace: list[TraceRequest]
@@ -175,18 +245,21 @@ def foresight_bound(requests: list[TraceRequest], start_s: float, duration_s: fl
 
 
 def run_fleet(workload: str, label: str, count: int, autoscaled: bool,
-              args: argparse.Namespace) -> dict:
-    """One fleet on one workload (in a worker process): its summary."""
+              args: argparse.Namespace, overlay: dict | None = None) -> dict:
+    """One fleet on one workload (in a worker process): its summary. An autoscaled fleet
+    runs ``autoscaled_spec(args, overlay)``."""
     requests, duration_s = arrivals(workload, args)
     warmup = args.warmup_s
     config = replace(_SHARED["base"], horizon_s=warmup + duration_s + TAIL_S)
     started = time.perf_counter()
     result = simulate_fleet(requests, config, _SHARED["model"], instances=count,
-                            spec=autoscaled_spec(args) if autoscaled else None,
+                            spec=autoscaled_spec(args, overlay) if autoscaled else None,
                             startup_s=args.startup_s, bill_from_s=warmup,
                             bill_until_s=warmup + duration_s,
                             tpot_slo_s=args.tpot_slo_ms / 1000.0)
     item = summary(label, result, args)
+    if autoscaled:
+        item["autoscaling"] = autoscaling_settings(args, overlay)
     print(f"{workload} {label}: {item['instance_hours']:.2f} instance-h, attainment "
           f"{item['slo_attainment']:.4f}, short p99 {item['short_ttft_p99_s']:.3f} s, "
           f"{time.perf_counter() - started:.0f} s wall", flush=True)
@@ -241,15 +314,18 @@ def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
 
     figure, axes = plt.subplots(3, len(results), figsize=(7 * len(results), 9), sharex="col",
                                 squeeze=False)
-    colours = {"static-peak": "#37a", "static-mean": "#888", "autoscaled": "#d72"}
+    colours = {"static-peak": "#37a", "static-mean": "#888", AUTOSCALED: "#d72"}
+    extra = iter(["#2a2", "#a2a", "#c90", "#0aa", "#e48", "#555"] * 4)  # the --variant fleets
     for column, (workload, summaries) in enumerate(results.items()):
         load_axis, count_axis, ttft_axis = axes[:, column]
-        series = summaries["autoscaled"]["series"]
+        series = summaries[AUTOSCALED]["series"]
         load_axis.plot([p["time_s"] / 60 for p in series], [p["arrival_qps"] for p in series],
                        color="k")
         load_axis.set_ylabel("arrivals (req/s)")
         load_axis.set_title(f"{workload}: load, instances, p99 TTFT per 30 s")
         for label, item in summaries.items():
+            if label not in colours:
+                colours[label] = next(extra)
             timeline = item["timeline"]
             count_axis.step([p["time_s"] / 60 for p in timeline],
                             [p["instances"] for p in timeline], where="post",
@@ -323,11 +399,26 @@ def main(argv: list[str] | None = None) -> None:
                         "population that many times the trace's, each part at the trace's "
                         "own pace (default 1: the trace alone, replayed faster; 0: the day's "
                         "mean rate over the trace's, rounded; docs/autoscaling.md)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,...]",
+                        help="one more autoscaled fleet, beside the default one and on the same "
+                        "arrivals, with these spec.autoscaling settings changed (CRD names; "
+                        "targets bare or as targets.NAME), e.g. prefillLoad=0.75 or "
+                        "'prefillLoad=0.75,tolerance=0.05'; repeat for several fleets")
     parser.add_argument("--only", choices=("daily", "step"), default=None)
     parser.add_argument("--jobs", type=int, default=1,
                         help="simulations run at once, one process each (the figures do not "
                         "change; the Makefile passes SIM_JOBS)")
     args = parser.parse_args(argv)
+    variants: dict[str, dict] = {}
+    for text in args.variant:
+        try:
+            overlay = parse_variant(text)
+            autoscaled_spec(args, overlay)
+        except ValueError as error:  # pydantic's ValidationError is one
+            parser.error(f"--variant {text!r}: {error}")
+        if variant_label(overlay) in variants or not overlay:
+            parser.error(f"--variant {text!r}: the same settings as another fleet")
+        variants[variant_label(overlay)] = overlay
     args.out.mkdir(parents=True, exist_ok=True)
     wall_started = time.perf_counter()
     model, meta = load_model("h100-llama3-8b-tp8")
@@ -340,7 +431,6 @@ def main(argv: list[str] | None = None) -> None:
                    base=SimConfig(scheduler=SchedulerConfig(), instance=instance,
                                   num_layers=meta.num_layers,
                                   long_prompt_tokens=LONG_PROMPT_TOKENS))
-    spec = autoscaled_spec(args)
     shapes = {name: value for name, value in workloads(args, _SHARED["trace"]).items()
               if not args.only or name == args.only}
     rates: dict[str, tuple[float, float]] = {}
@@ -353,9 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=context) as pool:
         fleets: dict[tuple[str, str], Future] = {
-            (name, "autoscaled"): pool.submit(run_fleet, name, "autoscaled",
-                                              args.min_instances, True, args)
-            for name in shapes}
+            (name, label): pool.submit(run_fleet, name, label, args.min_instances, True, args,
+                                       overlay)
+            for name in shapes for label, overlay in {AUTOSCALED: {}, **variants}.items()}
         sizes = size_static(pool, sorted({q for pair in rates.values() for q in pair}), args)
         by_count: dict[tuple[str, int], Future] = {}
         for name, (peak_qps, mean_qps) in rates.items():
@@ -378,8 +468,8 @@ def main(argv: list[str] | None = None) -> None:
         peak_qps, mean_qps = rates[name]
         (peak_n, peak_tried), (mean_n, mean_tried) = sizes[peak_qps], sizes[mean_qps]
         summaries = {label: done[(name, label)]
-                     for label in ("static-peak", "static-mean", "autoscaled")}
-        requests = summaries["autoscaled"]["requests"]
+                     for label in ("static-peak", "static-mean", AUTOSCALED, *variants)}
+        requests = summaries[AUTOSCALED]["requests"]
         sizing[name] = {"peak_qps": peak_qps, "mean_qps": mean_qps, "static_peak": peak_n,
                         "static_mean": mean_n, "tried_peak": peak_tried,
                         "tried_mean": mean_tried, "shape": shape, "requests": requests}
@@ -399,7 +489,9 @@ def main(argv: list[str] | None = None) -> None:
     tables.append(f"\n{wall_s / 60:.1f} minutes of wall time with --jobs {args.jobs}.")
     (args.out / "autoscale_study.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()},
-         "autoscaling": spec.autoscaling.to_api() if spec.autoscaling else None,
+         "autoscaling": autoscaling_settings(args),
+         "variants": {label: autoscaling_settings(args, overlay)
+                      for label, overlay in variants.items()},
          "sizing": sizing, "results": results, "wall_s": wall_s}, indent=1) + "\n")
     (args.out / "autoscale_study_tables.md").write_text("\n".join(tables) + "\n")
     plot(results, args.out / "autoscale_study.png")
