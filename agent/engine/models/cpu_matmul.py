@@ -17,8 +17,9 @@ It changes which kernel sums the products, not what is summed: outputs match ``F
 float32 rounding (``pack_cpu_matmuls`` checks one layer before it commits). The reordered
 weights replace the dense ones in the serving model; the model's ``state_dict`` then holds only
 what the forward still reads (norms, the embedding). Used for float32 on CPU (``--cpu-matmul``;
-``auto`` picks it when this PyTorch has oneDNN), never under tensor parallelism, whose layers
-bring their own matmuls and communication.
+``auto`` picks it when this PyTorch has oneDNN), in one process and in pipeline or KV-parallel
+workers; never under tensor parallelism, whose layers bring their own matmuls and
+communication.
 """
 
 from __future__ import annotations
