@@ -128,7 +128,13 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
     layers = cast(list[LlamaDecoderLayer], list(model.model.layers.values()))
     first = layers[0].mlp if layers else None
     if first is not None and first.gate_up_weight is not None:
-        if not _matches(ReorderedLinear(first.gate_up_weight), first.gate_up_weight, None):
+        try:
+            agrees = _matches(ReorderedLinear(first.gate_up_weight), first.gate_up_weight, None)
+        except (RuntimeError, TypeError) as error:  # a PyTorch whose private ops changed
+            log.warning("oneDNN's matmul failed on this machine (%s: %s); keeping torch's",
+                        type(error).__name__, error)
+            return 0
+        if not agrees:
             log.warning("oneDNN's matmul disagrees with torch's on this machine; keeping "
                         "torch's (--cpu-matmul torch)")
             return 0
