@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from slipstream.agent.engine.async_engine import DRAINED_MESSAGE, IDLE_CHECK_S, error_output
+from slipstream.agent.engine.async_engine import DRAINED_MESSAGE, IDLE_CHECK_S
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError)
+from slipstream.agent.engine.outputs import error_output
 from slipstream.agent.engine.sampling_params import RequestOutput
 from slipstream.agent.engine.stats import StepStats, StepSummary
 from slipstream.agent.scheduler.config import SchedulerConfig
