@@ -38,6 +38,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
 from slipstream.agent.engine.limits import RequestLimits
+from slipstream.agent.engine.outputs import error_output
 from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
 from slipstream.agent.engine.stats import EngineStats, StepStats
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
@@ -344,8 +345,3 @@ class AsyncEngine:
         if target is not None:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, output)
-
-
-def error_output(request_id: str, message: str, code: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", 0, 0, finished=True, finish_reason="error",
-                         error=message, error_code=code)

@@ -11,8 +11,13 @@ beyond the clock reads the step makes anyway; the observer reads ``batch`` itsel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from slipstream.agent.scheduler.batch import Batch
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.load_window import LoadSnapshot
+    from slipstream.agent.scheduler.scheduler import Scheduler
 
 
 # Prices a prompt backlog before the engine has measured its own prefill rate.
@@ -55,6 +60,30 @@ class EngineStats:
     kv_transfer_cached_blocks: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_overlapped_blocks: int = 0  # read while their prefill was still running
+
+    @staticmethod
+    def of(scheduler: Scheduler, load: LoadSnapshot, kvp_active_degree: int,
+           transfers: dict[str, int]) -> EngineStats:
+        """``LLMEngine.stats()``: its scheduler's queues and KV cache, the load window's
+        snapshot, and the KV transfer counters of a prefill or decode role."""
+        backlog = sum(r.num_uncached_tokens for r in scheduler.requests.values()
+                      if r.in_prefill)
+        manager = scheduler.block_manager
+        return EngineStats(
+            num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
+            kv_blocks_used=manager.kv_blocks_used, kv_blocks_total=manager.kv_blocks_total,
+            kv_blocks_cached=manager.kv_blocks_cached,
+            prefix_cache_lookup_tokens=manager.prefix_lookup_tokens,
+            prefix_cache_hit_tokens=manager.prefix_hit_tokens,
+            prefix_cache_evictions=manager.prefix_evictions,
+            num_preemptions_total=scheduler.num_preemptions_total,
+            kvp_active_degree=kvp_active_degree,
+            backlog_prompt_tokens=backlog, utilization=load.utilization,
+            prefill_tokens_per_s=load.prefill_tokens_per_s, slo_deviation=load.slo_deviation,
+            first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
+            tpot_met=load.tpot_met,
+            arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s,
+            **transfers)
 
     @property
     def queue_backlog_s(self) -> float:

@@ -21,11 +21,12 @@ A chunk is admitted only if its KV blocks fit. With a runtime predictor the budg
     scheduler.update(batch, sampled, now_s)
     ...engine checks stop conditions, then scheduler.finish(request_id, reason, now_s)
 
-Prefix caching (block_manager.py): ``add`` hashes the prompt's full blocks and looks them up,
-so urgency, policies and AWD see only the uncached part of the prompt; a new request is
-admitted with its longest cached prefix already computed (its shared blocks acquired), and the
-packer prices its first chunk at that KV length; ``update`` registers every block that a step
-filled, so later requests (and this one, after a recompute preemption) can reuse it.
+Prefix caching (block_manager.py, prefix_reuse.py): ``add`` hashes the prompt's full blocks
+and looks them up, so urgency, policies and AWD see only the uncached part of the prompt; a
+new request is admitted with its longest cached prefix already computed (its shared blocks
+acquired), and the packer prices its first chunk at that KV length; ``update`` registers every
+block that a step filled, so later requests (and this one, after a recompute preemption) can
+reuse it.
 
 Shared prompts (the API's ``n > 1``): a request added with ``share_prompt_with`` naming a
 request of the same prompt that has not yet computed it is held back, outside the queue,
@@ -41,8 +42,8 @@ until ``next_wakeup_s(now_s)`` (or a new request) instead of calling ``schedule`
 from __future__ import annotations
 
 from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
-from slipstream.agent.scheduler.block_manager import (
-    BlockManager, blocks_for_tokens, chain_block_hashes)
+from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
+from slipstream.agent.scheduler.chunks import decode_chunk, prefill_chunk
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.length_predictor import LengthPredictor, RunningMeanLengthPredictor
 from slipstream.agent.scheduler.packer import PrefillBudget
@@ -50,6 +51,8 @@ from slipstream.agent.scheduler.policies import PolicyContext
 from slipstream.agent.scheduler.policy_registry import make_policy
 from slipstream.agent.scheduler.predictor import BatchTimeModel, TokenBudgetModel
 from slipstream.agent.scheduler.preemption import Preemptor
+from slipstream.agent.scheduler.prefix_reuse import (
+    hash_blocks, prompt_source, register_blocks, shared_prompt_blocks, take_prefix)
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
@@ -117,12 +120,12 @@ class Scheduler:
         request.status = WAITING
         self.requests[request.request_id] = request
         if self.block_manager.prefix_caching:
-            self._hash_blocks(request, request.num_tokens)
+            hash_blocks(request, request.num_tokens, self.block_manager.block_size)
             request.prefix_hit_tokens = self.block_manager.block_size * len(
                 self.block_manager.match_prefix(request.block_hashes, request.num_tokens))
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
-        source = self._prompt_source(request)
+        source = prompt_source(request, self.requests, self.block_manager)
         if source is not None:
             self.prompt_waiters.setdefault(source.request_id, []).append(request)
         elif self.short_prefills is not None and self.short_prefills.accepts(request):
@@ -217,7 +220,7 @@ class Scheduler:
         # A decode's KV after this step is its start position + 1.
         budget.add_decodes(len(decodes), sum(r.num_computed_tokens for r in decodes) + len(decodes))
         grants = self._pack_prefills(now_s, budget)
-        chunks = [self._decode_chunk(request) for request in decodes]
+        chunks = [decode_chunk(request) for request in decodes]
         chunks.extend(self._admit(request, size, now_s) for request, size in grants)
         batch = Batch(
             chunks=tuple(chunks),
@@ -242,9 +245,9 @@ class Scheduler:
                 continue  # finished or aborted while the batch ran
             request.num_computed_tokens = chunk.end_pos
             if caching and chunk.end_pos // block_size > request.num_registered_blocks:
-                self._register_blocks(request)
+                register_blocks(self.block_manager, request)
             if self.prompt_waiters and request.request_id in self.prompt_waiters and \
-                    request.num_registered_blocks >= _shared_prompt_blocks(request, block_size):
+                    request.num_registered_blocks >= shared_prompt_blocks(request, block_size):
                 self._release_prompt_waiters(request, now_s)
             token = sampled.get(chunk.request_id)
             if chunk.sample and token is not None:
@@ -401,7 +404,7 @@ class Scheduler:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
                 return False
             if prefix:
-                self._take_prefix(request, prefix)
+                take_prefix(self.block_manager, request, prefix)
                 free_blocks -= reviving
             budget.add_prefill(kv_before, size)
             free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
@@ -452,7 +455,7 @@ class Scheduler:
                 self.queue.start_prefilling(request, now_s)
             else:
                 self.queue.remove(request)
-        return self._chunk(request, size)
+        return prefill_chunk(request, size)
 
     def _preempt(self, request: Request, now_s: float, swap_out: list[BlockCopy] | None) -> None:
         self._release_prompt_waiters(request, now_s)
@@ -468,41 +471,7 @@ class Scheduler:
         self.urgency.note_recompute(request, computed_tokens)
         self.queue.add_waiting(request, now_s)
 
-    # -- prefix caching ---------------------------------------------------------------------
-
-    def _hash_blocks(self, request: Request, num_tokens: int) -> None:
-        """Extend the request's block hash chain over the full blocks of its first
-        ``num_tokens`` tokens."""
-        block_size = self.block_manager.block_size
-        hashes = request.block_hashes
-        start = len(hashes) * block_size
-        end = num_tokens // block_size * block_size
-        if end > start:
-            hashes.extend(chain_block_hashes(hashes[-1] if hashes else b"",
-                                             request.token_ids(start, end), block_size))
-
-    def _register_blocks(self, request: Request) -> None:
-        """Offer every full, computed block of the request to the prefix cache."""
-        manager = self.block_manager
-        full = min(request.num_computed_tokens // manager.block_size, len(request.block_ids))
-        self._hash_blocks(request, full * manager.block_size)
-        manager.register(request.block_ids, request.block_hashes,
-                         request.num_registered_blocks, full)
-        request.num_registered_blocks = full
-
-    def _prompt_source(self, request: Request) -> Request | None:
-        """The request whose prefill ``request`` should wait for, if any: the one it shares a
-        prompt with, while there are full prompt blocks it has not computed yet."""
-        source_id = request.share_prompt_with
-        if source_id is None or not self.block_manager.prefix_caching:
-            return None
-        source = self.requests.get(source_id)
-        if source is None or source is request or source.prompt_token_ids != request.prompt_token_ids:
-            return None
-        shared = _shared_prompt_blocks(request, self.block_manager.block_size)
-        if shared == 0 or source.num_registered_blocks >= shared:
-            return None
-        return source
+    # -- shared prompts (prefix_reuse.py has the request side of prefix caching) ------------
 
     def _release_prompt_waiters(self, source: Request, now_s: float) -> None:
         """Queue the requests held for ``source``'s prompt; each looks up the cache again."""
@@ -515,49 +484,3 @@ class Scheduler:
                 manager.match_prefix(request.block_hashes, request.num_tokens))
             self.queue.add_waiting(request, now_s)
 
-    def _take_prefix(self, request: Request, prefix: list[int]) -> None:
-        """Admit ``request`` with the cached blocks ``prefix`` as its computed prefix."""
-        self.block_manager.device.acquire(prefix)
-        request.block_ids = list(prefix)
-        request.num_computed_tokens = len(prefix) * self.block_manager.block_size
-        request.num_registered_blocks = len(prefix)
-        request.prefix_hit_tokens = request.num_computed_tokens
-
-    def _decode_chunk(self, request: Request) -> ScheduledChunk:
-        outputs = request.output_token_ids
-        token = outputs[-1] if outputs else request.prompt_token_ids[-1]
-        return ScheduledChunk(request.request_id, (token,), request.num_computed_tokens,
-                              tuple(request.block_ids), True, request.sampling, len(outputs),
-                              _penalty_history(request))
-
-    def _chunk(self, request: Request, size: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        end = start + size
-        sample = end == request.num_tokens
-        return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=tuple(request.token_ids(start, end)),
-            start_pos=start,
-            block_ids=tuple(request.block_ids),
-            sample=sample,
-            sampling=request.sampling,
-            num_generated=request.num_output_tokens,
-            history=_penalty_history(request) if sample else (),
-        )
-
-
-def _shared_prompt_blocks(request: Request, block_size: int) -> int:
-    """Prompt blocks another request of the same prompt can take from the cache (the last
-    prompt token is always computed, see ``BlockManager.match_prefix``)."""
-    return (request.prompt_len - 1) // block_size
-
-
-def _penalty_history(request: Request) -> tuple[int, ...]:
-    """The tokens a request's penalties count (see ``ScheduledChunk.history``); empty for the
-    requests that use none, so they pay nothing."""
-    sampling = request.sampling
-    if not sampling.uses_output_history:
-        return ()
-    if sampling.uses_prompt_history:
-        return (*request.prompt_token_ids, *request.output_token_ids)
-    return tuple(request.output_token_ids)

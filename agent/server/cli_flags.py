@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "model's config")
     model.add_argument("--cpu-matmul", choices=("auto", "onednn", "torch"), default="auto",
                        help="CPU matmuls: 'onednn' reorders the weights once at load for "
-                            "oneDNN's kernels (1.5-2.6x faster steps than 'torch' on a 2-core "
+                            "oneDNN's kernels (1.5-2x faster decode steps than 'torch' on a 2-core "
                             "CPU, docs/engine.md); 'torch' runs F.linear on the weights as "
                             "loaded. auto: onednn for float32 on CPU when PyTorch has it")
     model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",

@@ -138,3 +138,25 @@ def test_decode_step_bench_times_both_paths_side_by_side(tiny_model_dir, tmp_pat
     if onednn_available():
         ratios = report["onednn_over_torch_step_time"]
         assert set(ratios) == {"1", "3"} and all(value > 0 for value in ratios.values())
+
+
+@needs_onednn
+@pytest.mark.parametrize("failure", ["wrong results", "op raises"])
+def test_a_onednn_that_misbehaves_leaves_the_model_on_f_linear(tiny_model_dir, monkeypatch,
+                                                               caplog, failure):
+    from slipstream.agent.engine.models import cpu_matmul
+
+    if failure == "wrong results":
+        monkeypatch.setattr(ReorderedLinear, "forward", lambda self, hidden: hidden.new_zeros(
+            *hidden.shape[:-1], self.out_features))
+    else:
+        def broken(*args, **kwargs):
+            raise RuntimeError("no such op")
+        monkeypatch.setattr(cpu_matmul.ReorderedLinear, "__init__", broken)
+    config = ModelConfig.from_dir(tiny_model_dir)
+    model = load_model(tiny_model_dir, CPU, torch.float32, config)
+    with caplog.at_level("WARNING", logger="slipstream.agent.engine.models.cpu_matmul"):
+        assert pack_cpu_matmuls(model) == 0
+    assert "keeping torch's" in caplog.text
+    layer = next(iter(model.model.layers.values()))
+    assert layer.mlp.gate_up_weight is not None and type(layer.mlp.down_proj) is torch.nn.Linear

@@ -17,8 +17,9 @@ It changes which kernel sums the products, not what is summed: outputs match ``F
 float32 rounding (``pack_cpu_matmuls`` checks one layer before it commits). The reordered
 weights replace the dense ones in the serving model; the model's ``state_dict`` then holds only
 what the forward still reads (norms, the embedding). Used for float32 on CPU (``--cpu-matmul``;
-``auto`` picks it when this PyTorch has oneDNN), never under tensor parallelism, whose layers
-bring their own matmuls and communication.
+``auto`` picks it when this PyTorch has oneDNN), in one process and in pipeline or KV-parallel
+workers; never under tensor parallelism, whose layers bring their own matmuls and
+communication.
 """
 
 from __future__ import annotations
@@ -127,7 +128,13 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
     layers = cast(list[LlamaDecoderLayer], list(model.model.layers.values()))
     first = layers[0].mlp if layers else None
     if first is not None and first.gate_up_weight is not None:
-        if not _matches(ReorderedLinear(first.gate_up_weight), first.gate_up_weight, None):
+        try:
+            agrees = _matches(ReorderedLinear(first.gate_up_weight), first.gate_up_weight, None)
+        except (RuntimeError, TypeError) as error:  # a PyTorch whose private ops changed
+            log.warning("oneDNN's matmul failed on this machine (%s: %s); keeping torch's",
+                        type(error).__name__, error)
+            return 0
+        if not agrees:
             log.warning("oneDNN's matmul disagrees with torch's on this machine; keeping "
                         "torch's (--cpu-matmul torch)")
             return 0

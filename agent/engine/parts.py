@@ -1,0 +1,71 @@
+"""What ``LLMEngine`` is built from, chosen from its config before anything is allocated.
+
+``max_model_len`` caps the context at what the model and the parallel layout support,
+``make_runner`` builds the in-process runner (``parallel.compose.build_engine`` passes a
+parallel executor instead), and ``scheduler_config`` / ``fit_packer`` fill in what the
+scheduler takes from the engine config and fit the packer's time budget to a runtime profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.model_runner import ModelRunner
+from slipstream.agent.engine.runner import Runner
+from slipstream.agent.scheduler.config import SchedulerConfig, fit_target_to_model
+from slipstream.agent.scheduler.predictor import RuntimePredictor
+
+log = logging.getLogger(__name__)
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The context length: ``config.max_model_len`` if the model and the layout allow it
+    (ValueError if not), else the most they allow."""
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        # Without a sliding-window kernel, attention is exact only inside the window.
+        limit = min(limit, model_config.sliding_window)
+    parallel = config.parallel
+    if parallel.kvp > 1:
+        limit = min(limit, parallel.max_context_tokens)  # no KVP group beyond the last
+    requested = config.max_model_len
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
+    return requested or limit
+
+
+def make_runner(config: EngineConfig, model_config: ModelConfig) -> Runner:
+    """The in-process runner; a parallel config needs its runner passed in."""
+    if not config.parallel.is_single_process:
+        raise ValueError(
+            f"tp x spp x kvp = {config.parallel.world_size} needs worker processes: build the "
+            "engine with slipstream.agent.parallel.compose.build_engine")
+    return ModelRunner(config, model_config)
+
+
+def scheduler_config(config: EngineConfig,
+                     scheduler_config: SchedulerConfig | None) -> SchedulerConfig:
+    """The scheduler config given (else one from the engine config's limits), with the KVP
+    group size of a KVP layout filled in."""
+    scheduler_config = scheduler_config or SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
+    if config.parallel.kvp > 1 and scheduler_config.kvp_tokens_per_group is None:
+        scheduler_config = dataclasses.replace(
+            scheduler_config, kvp_tokens_per_group=config.parallel.kvp_tokens_per_group)
+    return scheduler_config
+
+
+def fit_packer(config: EngineConfig, scheduler_config: SchedulerConfig
+               ) -> tuple[SchedulerConfig, RuntimePredictor | None]:
+    """With a runtime profile (``config.profile_dir``): its predictor, and the scheduler
+    config with the packer's time budget fitted to it (a warning logged where it had to
+    change); without one, the config as it is and no predictor."""
+    if config.profile_dir is None:
+        return scheduler_config, None
+    predictor = RuntimePredictor.from_directory(config.profile_dir)
+    scheduler_config, warning = fit_target_to_model(scheduler_config, predictor)
+    if warning:
+        log.warning("packer: %s", warning)
+    return scheduler_config, predictor

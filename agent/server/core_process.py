@@ -1,0 +1,280 @@
+"""The engine-core process: builds ``LLMEngine`` and runs its loop (``run_engine_core``).
+
+The loop drains whatever commands have arrived from the API processes (core_messages.py),
+runs one step, and sends that step's outputs, stats and step summaries in one ``Outputs``
+message; it never waits on HTTP. With several API processes (``--api-processes``) each gets
+its own requests' outputs and every step's stats. The API side is engine_core.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+from typing import TYPE_CHECKING
+
+import zmq
+
+from slipstream.agent.engine.async_engine import DRAINED_MESSAGE, IDLE_CHECK_S
+from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.errors import (
+    DRAINED, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError)
+from slipstream.agent.engine.outputs import error_output
+from slipstream.agent.engine.sampling_params import RequestOutput
+from slipstream.agent.engine.stats import StepStats, StepSummary
+from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.agent.scheduler.request import FinishReason
+from slipstream.agent.server.core_messages import (
+    Abort, Add, Attach, CutInFlight, Dead, DropKV, Outputs, Ready, WarmedUp, WarmUp,
+    command_decoder, encoder)
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+EXIT_CORE_DEAD = 3
+
+
+def core_threads(requested: int = 0) -> int | None:
+    """The torch CPU threads of the engine-core process: ``requested`` if positive; else None
+    (torch's own choice) where ``OMP_NUM_THREADS`` says; else every CPU this process may use
+    but one, which the API process keeps.
+
+    Why not torch's default (one thread per CPU): the API process is busy on a CPU of its
+    own, and an intra-op parallel region waits for its slowest thread; a thread that has to
+    wait for that CPU stretches every operator of every step. Measured on a 2-CPU machine at
+    1,000 streams (tiny model): 2 threads gave 110-280 output tok/s, 1 thread 798.
+    """
+    if requested > 0:
+        return requested
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | None,
+                    command_addr: str, output_addr: str, threads: int = 0) -> None:
+    """The engine-core process's whole life (a ``multiprocessing`` spawn target)."""
+    import torch
+
+    from slipstream.agent.parallel.compose import build_engine
+    from slipstream.agent.parallel.launch import die_with_parent
+
+    die_with_parent()
+    # Ctrl-C reaches the whole process group; the API process decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The engine first: a parallel executor forks its workers, and they must not inherit
+    # this process's ZeroMQ context (its I/O threads do not survive a fork).
+    engine: LLMEngine | None = None
+    failure = ""
+    try:
+        from slipstream.agent.engine.auto_profile import with_runtime_profile
+
+        # A first start profiles here, in the process and with the threads the steps use;
+        # its progress lines are worth showing at this process's WARNING level.
+        logging.getLogger("slipstream.agent.engine.auto_profile").setLevel(logging.INFO)
+        # So is the one line that says how large a KV cache was chosen, and why.
+        logging.getLogger("slipstream.agent.engine.model_runner").setLevel(logging.INFO)
+        config = with_runtime_profile(config, core_threads(threads))
+        engine = build_engine(config, scheduler_config, output_text=False)
+    except Exception as error:  # noqa: BLE001 - tell the API process why, then exit
+        failure = str(error) or type(error).__name__
+    # After the build: loading and allocating the KV cache keep all threads; the steps, which
+    # share the machine with the API process, get one CPU fewer (``core_threads``).
+    if (count := core_threads(threads)) is not None:
+        torch.set_num_threads(count)
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(command_addr)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(output_addr)
+    code = 2
+    try:
+        if engine is None:
+            outputs.send(encoder.encode(Dead(failure)))
+        else:
+            try:
+                # Everything loaded so far lives as long as the process; out of the
+                # collector's generations it cannot cause pauses inside schedule().
+                gc.collect()
+                gc.freeze()
+                outputs.send(encoder.encode(_ready(engine)))
+                loop = _CoreLoop(engine, commands, outputs, context)
+                try:
+                    code = loop.run()
+                finally:
+                    loop.close_clients()
+            finally:
+                engine.close()
+    finally:
+        commands.close(0)
+        outputs.close()  # lingers for the last message
+        context.term()
+    raise SystemExit(code)
+
+
+def _ready(engine: LLMEngine) -> Ready:
+    return Ready(engine.model_name, engine.limits, engine.stats(), sorted(engine.eos_token_ids))
+
+
+class _CoreLoop:
+    def __init__(self, engine: LLMEngine, commands: zmq.Socket, outputs: zmq.Socket,
+                 context: zmq.Context) -> None:
+        self.engine = engine
+        self.commands = commands
+        self.outputs = outputs  # to the first API process (client 0)
+        self.context = context
+        self.poller = zmq.Poller()
+        self.poller.register(commands, zmq.POLLIN)
+        self.steps: list[StepSummary] = []
+        # --api-processes: the other API processes' output sockets, which API process sent
+        # each request in flight, and refusals owed to a client other than the first.
+        self.clients: dict[int, zmq.Socket] = {}
+        self.owner: dict[str, int] = {}
+        self.refused: dict[int, list[RequestOutput]] = {}
+        self.dropping: set[int] = set()  # clients whose outputs were dropped (logged once)
+        engine.on_step = self._on_step
+
+    def _on_step(self, step: StepStats) -> None:
+        self.steps.append(StepSummary.of(step))
+
+    def run(self) -> int:
+        engine = self.engine
+        while True:
+            timeout_s = IDLE_CHECK_S if not engine.has_unfinished() else engine.idle_wait_s()
+            outputs: list[RequestOutput] = []
+            if timeout_s > 0:
+                self.poller.poll(int(timeout_s * 1000))
+            if not self._drain(outputs):
+                outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
+                self._send(outputs)
+                return 0
+            try:
+                if engine.has_unfinished():
+                    outputs += engine.step()
+                else:
+                    engine.check_alive()  # idle: nothing else would notice a dead worker
+                    outputs += engine.poll_transfers()  # acknowledged KV hand-offs
+            except EngineDeadError as error:
+                log.error("the engine is dead: %s", error)
+                dead = encoder.encode(Dead(str(error)))
+                self.outputs.send(dead)
+                for client in self.clients:
+                    self._send_to(client, dead)
+                return EXIT_CORE_DEAD
+            except Exception:  # noqa: BLE001 - fail the requests, keep serving
+                log.exception("engine step failed; failing in-flight requests")
+                outputs += self._fail_all("the engine failed while running this request",
+                                          ENGINE_ERROR)
+            self._send(outputs)
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        steps, self.steps = self.steps, []
+        stats = self.engine.stats()
+        if not self.clients:
+            self.outputs.send(encoder.encode(Outputs(outputs, stats, steps)))
+            return
+        # Several API processes: each gets its own requests' outputs, and all of them the
+        # same stats and step summaries (each exports the engine-level metrics itself).
+        by_client, self.refused = self.refused, {}
+        for output in outputs:
+            client = self.owner.get(output.request_id, 0)
+            if output.finished:
+                self.owner.pop(output.request_id, None)
+            by_client.setdefault(client, []).append(output)
+        self.outputs.send(encoder.encode(Outputs(by_client.pop(0, []), stats, steps)))
+        for client in self.clients:
+            self._send_to(client, encoder.encode(Outputs(by_client.get(client, []), stats,
+                                                          steps)))
+
+    def _send_to(self, client: int, raw: bytes) -> None:
+        """To an API process other than the first: never blocks the loop. A process that
+        stops reading has died, and the first process then ends the server."""
+        try:
+            self.clients[client].send(raw, zmq.NOBLOCK)
+        except zmq.Again:
+            if client not in self.dropping:
+                self.dropping.add(client)
+                log.warning("API process %d is not reading its outputs; dropping them",
+                            client)
+
+    def _attach(self, command: Attach) -> None:
+        self.commands.connect(command.command_addr)
+        socket = self.context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(command.output_addr)
+        self.clients[command.client] = socket
+        self._send_to(command.client, encoder.encode(_ready(self.engine)))
+
+    def close_clients(self) -> None:
+        for socket in self.clients.values():
+            socket.close(0)
+        self.clients.clear()
+
+    def _drain(self, outputs: list[RequestOutput]) -> bool:
+        """Apply every command that has arrived; False on shutdown."""
+        engine = self.engine
+        while True:
+            try:
+                raw = self.commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            command = command_decoder.decode(raw)
+            if isinstance(command, Add):
+                try:
+                    engine.add_request(command.prompt_token_ids, command.params,
+                                       command.request_id, app_id=command.app_id,
+                                       priority=command.priority, slo=command.slo,
+                                       kv_transfer=command.kv_transfer,
+                                       share_prompt_with=command.share_prompt_with)
+                except ValueError as error:
+                    refusal = error_output(command.request_id, str(error), INVALID_REQUEST)
+                    if command.client == 0:
+                        outputs.append(refusal)
+                    else:  # to the sender, whoever owns a request of that id
+                        self.refused.setdefault(command.client, []).append(refusal)
+                    continue
+                if command.client != 0:
+                    self.owner[command.request_id] = command.client
+                # Prefill role: the streaming KV handle goes out now, not after the step
+                # that computes the first chunk.
+                if (early := engine.handle_output(command.request_id)) is not None:
+                    self._send(outputs + [early])
+                    outputs.clear()
+            elif isinstance(command, Abort):
+                for request_id in command.request_ids:
+                    if (output := engine.abort(request_id)) is not None:
+                        outputs.append(output)
+            elif isinstance(command, Attach):
+                self._attach(command)
+            elif isinstance(command, CutInFlight):
+                outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
+            elif isinstance(command, DropKV):
+                for transfer_id in command.transfer_ids:
+                    engine.drop_kv(transfer_id)
+            elif isinstance(command, WarmUp):
+                self._warm_up()
+            else:
+                return False
+
+    def _warm_up(self) -> None:
+        try:
+            self.engine.warm_up()
+            error = None
+        except EngineDeadError:
+            raise
+        except Exception as failure:  # noqa: BLE001 - the API process reports it
+            error = str(failure) or type(failure).__name__
+        self.steps.clear()
+        self.outputs.send(encoder.encode(WarmedUp(error)))
+
+    def _fail_all(self, message: str, code: str) -> list[RequestOutput]:
+        engine = self.engine
+        return [output for request_id in list(engine.scheduler.requests)
+                if (output := engine.abort(request_id, FinishReason.ERROR, message, code))]
+
