@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads of the profile (0: what `slipstream serve`'s "
                              "engine core uses, every CPU but one, or OMP_NUM_THREADS)")
     args = parser.parse_args(argv)
-    from slipstream.agent.server.engine_core import core_threads
+    from slipstream.agent.server.core_process import core_threads
 
     threads = core_threads(args.threads)
     if threads is not None:

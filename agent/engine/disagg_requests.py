@@ -22,7 +22,8 @@ from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.disagg import Disaggregation, KVImport
+    from slipstream.agent.engine.disagg import Disaggregation
+    from slipstream.agent.engine.disagg_imports import KVImport
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class DisaggRequests:
                     known: Container[str]) -> None:
         """Fetch the prompt's KV from the prefill instance named in the handle; ValueError
         for a handle that cannot serve this request. ``known``: the request ids in use."""
-        from slipstream.agent.engine.disagg import KVImport
+        from slipstream.agent.engine.disagg_imports import KVImport
         from slipstream.agent.engine.kv_transfer.transport import KVHandle
 
         imports = self.disagg.imports

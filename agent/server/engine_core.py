@@ -53,9 +53,7 @@ from slipstream.agent.scheduler.request import FinishReason, RequestSLO
 from slipstream.agent.server.core_messages import (
     Abort, Add, Attach, Command, CutInFlight, Dead, DropKV, Outputs, Ready, SetPool, Shutdown,
     WarmedUp, WarmUp, core_decoder, encoder)
-# core_threads: agent/bench/first_start.py imports it from here, as `slipstream serve`'s
-# engine core sizes its threads with it.
-from slipstream.agent.server.core_process import core_threads, run_engine_core
+from slipstream.agent.server.core_process import run_engine_core
 
 if TYPE_CHECKING:
     from slipstream.agent.engine.async_engine import AsyncEngine
