@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.decisions.autoscale import (
     AT_MAX, AT_MIN, NO_SIGNALS, SCALE_DOWN, SCALE_UP, STABILIZING, WITHIN_TARGETS, InstanceLoad,
-    ScaleHistory, ScaleSignals, Starting, decide_scale, fit_trend)
+    ScaleHistory, ScaleSignals, Starting, decide_scale)
+from slipstream.decisions.trend import fit_trend
 
 BASE = {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image": "agent:1"}
 
