@@ -47,6 +47,28 @@ class StreamOptions(_StrictModel):
     include_usage: bool = False
 
 
+INT64_MIN, UINT64_MAX = -2**63, 2**64 - 1
+
+
+def check_wire_integers(value: Any) -> None:
+    """ValueError if a JSON value holds an integer msgpack cannot carry (outside -2**63 to
+    2**64 - 1), naming where. Walks with a stack, not recursion: a deeply nested body must
+    not become a RecursionError."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, bool):
+            continue
+        if isinstance(item, int) and not INT64_MIN <= item <= UINT64_MAX:
+            where = f" at {path}" if path else ""
+            raise ValueError(f"the integer {item}{where} is outside the 64-bit range")
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), child)
+                         for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{index}]", child) for index, child in enumerate(item))
+
+
 class _GenerationRequest(_StrictModel):
     """Fields shared by completions and chat completions."""
 
@@ -103,6 +125,15 @@ class _GenerationRequest(_StrictModel):
     def _bounded_stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+        return value
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _kv_transfer_fits_the_wire(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The handle crosses to the engine core as msgpack, which has 64-bit integers only;
+        # a larger one failed there as a 500 (found by the schemathesis fuzz test).
+        if value is not None:
+            check_wire_integers(value)
         return value
 
     @field_validator("logit_bias")

@@ -66,6 +66,12 @@ BAD_REQUESTS = [
     ("unknown field", COMPLETIONS, completion(ttft_slo_s=1.0), 400, "ttft_slo_s"),
     ("negative slo", CHAT, chat(slo={"ttft_s": -2}), 400, "slo.ttft_s"),
     ("stream on bad request", CHAT, chat(stream=True, max_tokens=10**9), 400, "max_tokens"),
+    # The handle crosses to the engine core as msgpack (64-bit integers): found by the
+    # schemathesis fuzz test as a 500.
+    ("huge int in kv_transfer_params", CHAT,
+     chat(kv_transfer_params={"a": {"b": [1, -6 * 10**33]}}), 400, "kv_transfer_params"),
+    ("int past uint64 in kv_transfer_params", COMPLETIONS,
+     completion(kv_transfer_params={"n": 2**64}), 400, "kv_transfer_params"),
 ]
 
 
