@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator)
 
 from slipstream.agent.engine.sampling_params import MAX_LOGPROBS
+from slipstream.agent.server.wire_values import check_wire_integers
 
 MAX_STOP_SEQUENCES = 16
 MAX_CHOICES = 16  # n: each choice is a request of its own in the engine
@@ -45,28 +46,6 @@ class SloSpec(_StrictModel):
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
-
-
-INT64_MIN, UINT64_MAX = -2**63, 2**64 - 1
-
-
-def check_wire_integers(value: Any) -> None:
-    """ValueError if a JSON value holds an integer msgpack cannot carry (outside -2**63 to
-    2**64 - 1), naming where. Walks with a stack, not recursion: a deeply nested body must
-    not become a RecursionError."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, bool):
-            continue
-        if isinstance(item, int) and not INT64_MIN <= item <= UINT64_MAX:
-            where = f" at {path}" if path else ""
-            raise ValueError(f"the integer {item}{where} is outside the 64-bit range")
-        if isinstance(item, dict):
-            stack.extend((f"{path}.{key}" if path else str(key), child)
-                         for key, child in item.items())
-        elif isinstance(item, list):
-            stack.extend((f"{path}[{index}]", child) for index, child in enumerate(item))
 
 
 class _GenerationRequest(_StrictModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.server.protocol import check_wire_integers
+from slipstream.agent.server.wire_values import check_wire_integers
 
 
 @pytest.mark.parametrize("value", [
