@@ -24,7 +24,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.kv_memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
 from slipstream.agent.engine.loader import load_model, resolve_dtype
-from slipstream.agent.engine.models.cpu_matmul import pack_cpu_matmuls, resolve_cpu_matmul
+from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.llama import KVCache
 from slipstream.agent.engine.sampler import MaskSource, SampleResult, Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
@@ -135,9 +135,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model_dir, self.device, self.dtype, model_config)
-        self.cpu_matmul = resolve_cpu_matmul(config.cpu_matmul, self.device, self.dtype)
-        if self.cpu_matmul == "onednn" and not pack_cpu_matmuls(self.model):
-            self.cpu_matmul = "torch"
+        self.cpu_matmul = apply_cpu_matmul(self.model, config.cpu_matmul, self.device, self.dtype)
         self.backend = select_backend(self.device, config.attention_backend)
         self.kv_plan = plan_kv_blocks(config, model_config, self.device, self.dtype,
                                       model_config.num_layers * model_config.num_kv_heads)

@@ -26,7 +26,7 @@ from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.kv_memory import allocate_kv_tensor
 from slipstream.agent.engine.model_runner import (
     FlatInputs, SampledToken, plan_kv_blocks, sample_batch)
-from slipstream.agent.engine.models.cpu_matmul import pack_cpu_matmuls, resolve_cpu_matmul
+from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
 from slipstream.agent.engine.sampler import MaskSource, Sampler
 from slipstream.agent.parallel.groups import ProcessGroups
@@ -68,10 +68,8 @@ class StageRunner:
                                 self.stage)
         # Tensor-parallel layers bring their own matmuls and communication; plain ones (a
         # pipeline stage, a KV-parallel rank) take oneDNN's reordered weights like one process.
-        self.cpu_matmul = (resolve_cpu_matmul(config.cpu_matmul, device, self.dtype)
+        self.cpu_matmul = (apply_cpu_matmul(self.model, config.cpu_matmul, device, self.dtype)
                            if parallel.tp == 1 else "torch")
-        if self.cpu_matmul == "onednn" and not pack_cpu_matmuls(self.model):
-            self.cpu_matmul = "torch"
         backend = select_backend(device, config.attention_backend)
         self.backend = backend
         if parallel.kvp > 1:

@@ -161,3 +161,13 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
         model.lm_head = _reordered(cast(nn.Module, model.lm_head))
         packed += 1
     return packed
+
+
+def apply_cpu_matmul(model: nn.Module, choice: str, device: torch.device,
+                     dtype: torch.dtype) -> str:
+    """Resolve ``choice`` (``--cpu-matmul``) for this model and reorder its weights when that
+    is oneDNN; returns the path the model runs on (``torch`` if packing declined)."""
+    resolved = resolve_cpu_matmul(choice, device, dtype)
+    if resolved == "onednn" and not pack_cpu_matmuls(model):
+        return "torch"
+    return resolved
