@@ -1,8 +1,9 @@
-"""The attention backend interface, shared by the torch reference (CPU) and FlashInfer (GPU).
+"""The attention backend interface, shared by the torch reference (CPU), the Triton kernels
+(CUDA, no extra wheel) and FlashInfer (CUDA, when installed).
 
 Data flow per engine step::
 
-    model runner: Batch -> AttentionMetadata (plain tensors, built once)
+    model runner: Batch -> AttentionMetadata (host tuples + device tensors, one copy)
     backend.plan(metadata)                     once per step
     for each layer:
         backend.write_kv(k_cache, v_cache, key, value)   store this step's new tokens
@@ -22,15 +23,21 @@ the partial results of several shards are combined with :func:`merge_states`.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Everything a backend needs about one step's sequences. Built once, used by every layer."""
+    """Everything a backend needs about one step's sequences. Built once, used by every layer.
+
+    The host tuples describe the step for index math on the host (no synchronisation); the
+    tensors live on the cache's device and were moved there in one copy (``build``)."""
 
     query_lens: tuple[int, ...]  # new tokens per sequence
     kv_lens: tuple[int, ...]  # KV tokens each sequence attends to in this shard (cached + new)
@@ -40,6 +47,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64; slot = block * block_size + offset; -1 = skip
     block_size: int
+    # The same sequences for kernels that take flattened block tables (triton_attention.py):
+    # [num_seqs, 6] int64 rows (token start, query len, query pos, kv len, kv pos, block
+    # start) and every sequence's blocks back to back. None when built without them.
+    seq_info: torch.Tensor | None = None
+    block_indices: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -49,27 +61,80 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    @property
+    def longest_query(self) -> int:
+        return max(self.query_lens, default=0)
+
     @classmethod
     def build(cls, query_lens: list[int], kv_lens: list[int], query_start_pos: list[int],
               block_tables: list[list[int]], slot_mapping: list[int], block_size: int,
               device: torch.device | str = "cpu", kv_start_pos: list[int] | None = None,
               ) -> AttentionMetadata:
+        return cls.build_with(query_lens, kv_lens, query_start_pos, block_tables,
+                              slot_mapping, block_size, device, kv_start_pos)[0]
+
+    @classmethod
+    def build_with(cls, query_lens: Sequence[int], kv_lens: Sequence[int],
+                   query_start_pos: Sequence[int], block_tables: Sequence[Sequence[int]],
+                   slot_mapping: Sequence[int], block_size: int,
+                   device: torch.device | str = "cpu",
+                   kv_start_pos: Sequence[int] | None = None,
+                   extra: Sequence[Sequence[int]] = ()
+                   ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """The metadata, plus ``extra`` integer arrays (a runner's token ids, positions)
+        moved to ``device`` in the same single host-to-device copy."""
+        num_seqs = len(query_lens)
+        kv_start = list(kv_start_pos) if kv_start_pos is not None else [0] * num_seqs
         num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        while num_decodes < num_seqs and query_lens[num_decodes] == 1:
             num_decodes += 1
         max_blocks = max((len(table) for table in block_tables), default=0)
-        padded = [list(table) + [0] * (max_blocks - len(table)) for table in block_tables]
-        return cls(
-            query_lens=tuple(query_lens),
-            kv_lens=tuple(kv_lens),
-            query_start_pos=tuple(query_start_pos),
-            kv_start_pos=tuple(kv_start_pos or [0] * len(query_lens)),
-            num_decodes=num_decodes,
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(
-                len(block_tables), max_blocks),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            block_size=block_size,
-        )
+        dense = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for row, table in enumerate(block_tables):
+            dense[row, :len(table)] = table
+        lengths = np.fromiter((len(table) for table in block_tables), np.int64, num_seqs)
+        block_starts = np.zeros(num_seqs, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=block_starts[1:])
+        token_starts = np.zeros(num_seqs, dtype=np.int64)
+        np.cumsum(np.asarray(query_lens[:-1], dtype=np.int64), out=token_starts[1:])
+        seq_info = np.stack([token_starts, np.asarray(query_lens, dtype=np.int64),
+                             np.asarray(query_start_pos, dtype=np.int64),
+                             np.asarray(kv_lens, dtype=np.int64),
+                             np.asarray(kv_start, dtype=np.int64), block_starts], axis=1) \
+            if num_seqs else np.zeros((0, 6), dtype=np.int64)
+        flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64,
+                                  int(lengths.sum()))
+        moved = to_device_in_one_copy(
+            [dense, np.asarray(slot_mapping, dtype=np.int64), seq_info, flat_blocks,
+             *[np.asarray(array, dtype=np.int64) for array in extra]], device)
+        metadata = cls(
+            query_lens=tuple(query_lens), kv_lens=tuple(kv_lens),
+            query_start_pos=tuple(query_start_pos), kv_start_pos=tuple(kv_start),
+            num_decodes=num_decodes, block_tables=moved[0], slot_mapping=moved[1],
+            block_size=block_size, seq_info=moved[2], block_indices=moved[3])
+        return metadata, moved[4:]
+
+
+def to_device_in_one_copy(arrays: Sequence[np.ndarray], device: torch.device | str
+                          ) -> list[torch.Tensor]:
+    """int64 ``arrays`` as tensors on ``device`` (same shapes), views of one buffer filled on
+    the host and moved by one copy: pinned and asynchronous on CUDA, so the host never
+    waits for the GPU here. On the CPU the views share the host buffer."""
+    device = torch.device(device)
+    sizes = [int(array.size) for array in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    offset = 0
+    for array, size in zip(arrays, sizes):
+        flat[offset:offset + size] = array.reshape(-1)
+        offset += size
+    moved = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    views = []
+    offset = 0
+    for array, size in zip(arrays, sizes):
+        views.append(moved[offset:offset + size].view(array.shape))
+        offset += size
+    return views
 
 
 @dataclass(frozen=True)
@@ -134,13 +199,24 @@ def merge_many(results: list[AttentionResult]) -> AttentionResult:
     return AttentionResult(output=output, lse_natural=lse)
 
 
+BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
-    """FlashInfer when on CUDA and installed (or asked for), else the torch reference."""
+    """``auto``: on CUDA, FlashInfer when it is installed, else the Triton kernels; on a CPU
+    the torch reference. ``triton`` on a CPU runs under Triton's interpreter, which needs
+    ``TRITON_INTERPRET=1`` (tests do this); ValueError otherwise."""
     from slipstream.kernels.torch_ref import TorchReferenceBackend
 
+    if prefer not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {prefer!r}")
     device = torch.device(device)
-    if prefer == "torch" or device.type != "cuda":
+    if prefer == "torch" or (prefer == "auto" and device.type != "cuda"):
         return TorchReferenceBackend()
+    if prefer == "triton":
+        return _triton_backend(device)
+    if prefer == "flashinfer" and device.type != "cuda":
+        raise ValueError(f"the flashinfer attention backend runs on CUDA only, not {device}")
     # The adapter module imports without flashinfer; constructing the backend is what needs it.
     try:
         from slipstream.kernels.flashinfer_backend import FlashInferBackend
@@ -149,4 +225,10 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
     except ImportError:
         if prefer == "flashinfer":
             raise
-        return TorchReferenceBackend()
+        return _triton_backend(device)
+
+
+def _triton_backend(device: torch.device) -> AttentionBackend:
+    from slipstream.kernels.triton_backend import TritonBackend
+
+    return TritonBackend(device)
