@@ -50,6 +50,8 @@ SEQ_INFO_COLUMNS = 6
 
 # A dot product needs at least 16 rows, columns and depth on the tensor cores.
 MIN_DOT = 16
+# Decode KV segments per sequence, at most (a power of two: the merge reads them as one tile).
+MAX_DECODE_SEGMENTS = 32
 
 
 def _pow2_at_least(value: int, floor: int = MIN_DOT) -> int:
@@ -107,16 +109,17 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 # -- decode ------------------------------------------------------------------------------------
 
 
-@triton.jit
+# The segment count is a plain argument, not specialised: one compiled kernel serves every
+# count (each CUDA graph size has its own), so start-up compiles it once.
+@triton.jit(do_not_specialize=["num_segments"])
 def _decode_partial_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, seq_info_ptr, block_indices_ptr,
-        partial_out_ptr, partial_lse_ptr, scale,
+        partial_out_ptr, partial_lse_ptr, scale, num_segments,
         query_token_stride, query_head_stride,
         cache_block_stride, cache_token_stride, cache_head_stride,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, NUM_HEADS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -128,7 +131,7 @@ def _decode_partial_kernel(
     block_start = tl.load(info + 5)
     # KV index j is visible iff j < kv_len and kv_pos + j <= query_pos.
     visible = tl.maximum(tl.minimum(kv_len, query_pos - kv_pos + 1), 0)
-    per_segment = tl.cdiv(tl.cdiv(visible, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
+    per_segment = tl.cdiv(tl.cdiv(visible, num_segments), BLOCK_N) * BLOCK_N
     start = segment * per_segment
     end = tl.minimum(start + per_segment, visible)
 
@@ -168,26 +171,26 @@ def _decode_partial_kernel(
     out = acc / tl.where(seen, total, 1.0)[:, None]
     # partial_out [decodes, heads, segments, dim] and partial_lse [decodes, heads, segments],
     # both contiguous float32.
-    head_rows = (seq * NUM_HEADS + heads) * NUM_SEGMENTS + segment
+    head_rows = (seq * NUM_HEADS + heads) * num_segments + segment
     tl.store(partial_out_ptr + head_rows[:, None] * HEAD_DIM + dims[None, :], out,
              mask=row_mask[:, None] & dim_mask[None, :])
     tl.store(partial_lse_ptr + head_rows, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])
 def _decode_reduce_kernel(partial_out_ptr, partial_lse_ptr, seq_info_ptr, out_ptr, lse_ptr,
-                          out_token_stride, out_head_stride,
-                          NUM_HEADS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-                          SEGMENTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          DIM_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
+                          num_segments, out_token_stride, out_head_stride,
+                          NUM_HEADS: tl.constexpr, SEGMENTS_PAD: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                          WRITE_LSE: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.load(seq_info_ptr + seq * 6)
     segments = tl.arange(0, SEGMENTS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    segment_mask = segments < NUM_SEGMENTS
+    segment_mask = segments < num_segments
     dim_mask = dims < HEAD_DIM
-    base = (seq * NUM_HEADS + head) * NUM_SEGMENTS
+    base = (seq * NUM_HEADS + head) * num_segments
     lses = tl.load(partial_lse_ptr + base + segments, mask=segment_mask, other=float("-inf"))
     top = tl.max(lses, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -205,7 +208,8 @@ def _decode_reduce_kernel(partial_out_ptr, partial_lse_ptr, seq_info_ptr, out_pt
 
 
 def decode_segments(num_decodes: int, num_kv_heads: int, longest_kv: int,
-                    programs_wanted: int = 264, tile: int = 64, most: int = 32) -> int:
+                    programs_wanted: int = 264, tile: int = 64,
+                    most: int = MAX_DECODE_SEGMENTS) -> int:
     """How many segments to split each decode's KV into: enough programs to fill the chip
     (``programs_wanted``, two per multiprocessor of an H100/H200 by default), never a
     segment shorter than one tile, at most ``most``."""
@@ -225,6 +229,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_decodes = seq_info.shape[0]
     if num_decodes == 0:
         return
+    if not 1 <= num_segments <= MAX_DECODE_SEGMENTS:
+        raise ValueError(f"num_segments must be 1..{MAX_DECODE_SEGMENTS}, got {num_segments}")
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -239,17 +245,16 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = 64 if on_gpu else MIN_DOT
     _decode_partial_kernel[(num_decodes, num_kv_heads, num_segments)](
         query, k_cache, v_cache, seq_info, block_indices, partial_out, partial_lse, scale,
-        query.stride(0), query.stride(1),
+        num_segments, query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=_pow2_at_least(group), HEAD_DIM=head_dim,
         DIM_PAD=_pow2_at_least(head_dim), PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        NUM_SEGMENTS=num_segments, NUM_HEADS=num_heads,
-        DOT_PRECISION=_dot_precision(query.dtype), num_warps=4, num_stages=2)
+        NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype), num_warps=4,
+        num_stages=2)
     _decode_reduce_kernel[(num_decodes, num_heads)](
         partial_out, partial_lse, seq_info, out, lse if lse is not None else out,
-        out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SEGMENTS=num_segments,
-        SEGMENTS_PAD=triton.next_power_of_2(num_segments), HEAD_DIM=head_dim,
+        num_segments, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, SEGMENTS_PAD=MAX_DECODE_SEGMENTS, HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim), WRITE_LSE=lse is not None, num_warps=1)
 
 

@@ -97,3 +97,35 @@ class TritonBackend:
         if self._metadata is None:
             raise RuntimeError("plan() must be called once per step before write_kv()/run()")
         return self._metadata
+
+
+class StaticDecodeAttention:
+    """Decode attention bound to fixed buffers, for a CUDA graph (``decode_graphs.py``): the
+    rows' slots, ``seq_info`` and block indices are rewritten in place before each replay,
+    and the segment count is fixed for the graph's batch size. No plan, no host values."""
+
+    name = "triton-static-decode"
+
+    def __init__(self, slot_mapping: torch.Tensor, seq_info: torch.Tensor,
+                 block_indices: torch.Tensor, num_segments: int) -> None:
+        self.slot_mapping = slot_mapping
+        self.seq_info = seq_info
+        self.block_indices = block_indices
+        self.num_segments = num_segments
+
+    def plan(self, metadata: AttentionMetadata | None = None) -> None:
+        """Nothing to plan: the step's rows are already in the bound buffers."""
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 key: torch.Tensor, value: torch.Tensor) -> None:
+        write_kv(key, value, k_cache, v_cache, self.slot_mapping)
+
+    def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scale: float, return_lse: bool = True) -> AttentionResult:
+        if return_lse:
+            raise ValueError("graph-captured decode serves one process without KV shards; it "
+                             "does not compute the log-sum-exp")
+        output = torch.empty_like(query, memory_format=torch.contiguous_format)
+        paged_decode(query, k_cache, v_cache, self.seq_info, self.block_indices, scale, output,
+                     None, self.num_segments)
+        return AttentionResult(output=output, lse_natural=None)

@@ -150,7 +150,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         return ModelRunner(EngineConfig(
             model_dir=model_dir, device="cuda", dtype=args.dtype,
             attention_backend=args.attention_backend, num_kv_blocks=num_blocks,
-            cuda_graphs=cuda_graphs, short_prefill_buckets=buckets), model_config)
+            short_prefill_graphs=cuda_graphs, short_prefill_buckets=buckets,
+            cuda_graphs=False), model_config)
 
     eager, graphed = runner(cuda_graphs=False), runner(cuda_graphs=True)
     executor = graphed.short_prefill

@@ -129,7 +129,7 @@ DEFAULT_SHORT_PREFILL_BATCH_SIZES = (1, 2, 4, 8, 16)
 @dataclass(frozen=True)
 class ShortPrefillBuckets:
     """The (length, batch) shapes a batch of fresh short prefills is padded to (PLA-Serve's
-    power-of-two grid). With ``EngineConfig.cuda_graphs`` one CUDA graph is captured per
+    power-of-two grid). With ``EngineConfig.short_prefill_graphs`` one CUDA graph is captured per
     (length, batch) pair on CUDA; on CPU the same padded path runs eagerly.
 
     ``max_padding_factor`` keeps a batch on the eager path when its bucket would hold more
@@ -192,7 +192,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 512
     seed: int = 0
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer (kernels/attention.py)
+    # Where the weights come from: the checkpoint's safetensors, or "dummy": random weights
+    # of the checkpoint's shapes made on the device (benchmarks of models too large to ship).
+    load_format: str = "safetensors"
     # CPU matmuls: auto | onednn (weights reordered once at load) | torch (F.linear); auto is
     # oneDNN for float32 on CPU when PyTorch has it (models/cpu_matmul.py).
     cpu_matmul: str = "auto"
@@ -203,9 +206,13 @@ class EngineConfig:
     # With no profile_dir: measure one (or read the cached one) before the engine is built
     # (auto_profile.with_runtime_profile; `slipstream serve` without --profile/--no-profile).
     auto_profile: bool = False
+    # Replay decode-only steps from CUDA graphs (decode_graphs.py). None: on where it can
+    # run (CUDA, one process, the Triton attention backend); True asks for it (still eager on
+    # a CPU, where the same static path runs without capture); False: eager decodes.
+    cuda_graphs: bool | None = None
     # Run batches made only of fresh short prefills through the padded static-shape path,
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
-    cuda_graphs: bool = False
+    short_prefill_graphs: bool = False
     short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
     # Prefill/decode disaggregation: the role and the KV transfer (engine/disagg.py).
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
@@ -222,8 +229,13 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format}")
+        if self.short_prefill_graphs and not self.parallel.is_single_process:
+            raise ValueError("short_prefill_graphs (the bucketed short-prefill path) runs in a "
+                             "single process only; it is not wired into tp/spp/kvp workers yet")
         if self.cuda_graphs and not self.parallel.is_single_process:
-            raise ValueError("cuda_graphs (the bucketed short-prefill path) runs in a single "
+            raise ValueError("cuda_graphs (decode steps from CUDA graphs) runs in a single "
                              "process only; it is not wired into tp/spp/kvp workers yet")
         if self.disagg.enabled and not self.parallel.is_single_process:
             raise ValueError(f"--role {self.disagg.role} runs in a single process only; KV "

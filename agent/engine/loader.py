@@ -67,7 +67,10 @@ def check_checkpoint(model_dir: str | Path) -> None:
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None, layers: LayerFactory | None = None,
-               stage: PipelineStage | None = None) -> LlamaForCausalLM:
+               stage: PipelineStage | None = None,
+               load_format: str = "safetensors") -> LlamaForCausalLM:
+    """The model of ``model_dir`` on ``device``: its checkpoint's weights, or with
+    ``load_format="dummy"`` random ones made on the device (``dummy_weights``)."""
     model_dir = Path(model_dir)
     config = config or ModelConfig.from_dir(model_dir)
     stage = stage or PipelineStage.whole(config.num_layers)
@@ -80,7 +83,11 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     tied_apart = config.tie_word_embeddings and "lm_head.weight" in expected \
         and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
     loaded: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
+    if load_format == "dummy":
+        loaded = dummy_weights(expected, device, dtype)
+    elif load_format != "safetensors":
+        raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
+    for path in safetensors_files(model_dir) if load_format == "safetensors" else ():
         with _open_checkpoint(path) as shard:
             for name in shard.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
@@ -111,6 +118,28 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                                                   config.rope_scaling).to(device)
     fuse_projections(model)
     return model.eval()
+
+
+def dummy_weights(expected: dict[str, torch.nn.Parameter], device: torch.device,
+                  dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of the shapes ``expected`` names, drawn on ``device`` in ``dtype``
+    (no float32 copy, no file): norms 1, embeddings std 0.02, projections std
+    1/sqrt(fan_in), as ``tiny_model.random_weights`` makes them, so activations keep a
+    spread of order one through any depth. The same seed and device give the same weights."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, parameter in expected.items():
+        tensor = torch.empty(parameter.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        elif name.endswith("embed_tokens.weight"):
+            tensor.normal_(0.0, 0.02, generator=generator)
+        else:
+            tensor.normal_(0.0, parameter.shape[-1] ** -0.5, generator=generator)
+        weights[name] = tensor
+    return weights
 
 
 def _local_part(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,15 @@
         -> model forward (attention backend reads/writes the paged KV cache)
         -> logits at each chunk that asks to sample -> Sampler -> {request_id: SampledToken}
 
-It makes no policy decisions: it runs exactly the chunks it is given. With
-``EngineConfig.cuda_graphs`` a batch made only of whole fresh short prompts that fits a
-(length, batch) bucket takes the padded static path of ``short_prefill`` (a CUDA graph replay
-on CUDA); every other batch, and every batch without the option, runs the eager path here.
+It makes no policy decisions: it runs exactly the chunks it is given. Three paths:
+
+- decodes only, on CUDA (``EngineConfig.cuda_graphs``, on by default there): one replay of
+  the captured graph of the smallest size holding the batch (``decode_graphs.py``);
+- with ``EngineConfig.short_prefill_graphs``, a batch made only of whole fresh short prompts
+  that fits a (length, batch) bucket: the padded static path of ``short_prefill.py``;
+- everything else: eager, here. Token ids, positions, the rows to sample and the attention
+  metadata reach the device in one copy, the forward never waits for the GPU, and the sampler
+  brings the tokens back in one copy.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.decode_graphs import DecodeGraphs, graph_friendly, greedy_only
 from slipstream.agent.engine.kv_memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
 from slipstream.agent.engine.loader import load_model, resolve_dtype
 from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.llama import KVCache
-from slipstream.agent.engine.sampler import MaskSource, SampleResult, Sampler
+from slipstream.agent.engine.sampler import NON_FINITE_ERROR, MaskSource, SampleResult, Sampler
 from slipstream.agent.engine.sampling_params import TokenLogprob
 from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
@@ -92,18 +98,23 @@ class FlatInputs:
     token_ids: list[int]
     positions: list[int]
     sample_rows: list[tuple[int, int]]
+    slots: list[int]
 
     @staticmethod
     def of(chunks: tuple[ScheduledChunk, ...]) -> FlatInputs:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[tuple[int, int]] = []
+        slots: list[int] = []
         for index, chunk in enumerate(chunks):
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.end_pos))
+            table = chunk.block_ids
+            slots.extend(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                         for pos in range(chunk.start_pos, chunk.end_pos))
             if chunk.sample:
                 sample_rows.append((index, len(token_ids) - 1))
-        return FlatInputs(token_ids, positions, sample_rows)
+        return FlatInputs(token_ids, positions, sample_rows, slots)
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor(self.token_ids, dtype=torch.int64, device=device),
@@ -134,7 +145,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model_dir, self.device, self.dtype, model_config)
+        self.model = load_model(config.model_dir, self.device, self.dtype, model_config,
+                                load_format=config.load_format)
         self.cpu_matmul = apply_cpu_matmul(self.model, config.cpu_matmul, self.device, self.dtype)
         self.backend = select_backend(self.device, config.attention_backend)
         self.kv_plan = plan_kv_blocks(config, model_config, self.device, self.dtype,
@@ -142,14 +154,15 @@ class ModelRunner:
         self.num_kv_blocks = self.kv_plan.num_blocks
         # The padded short-prefill path needs one block the block manager never hands out,
         # for the KV writes of its padding: block ``num_kv_blocks``, past the managed range.
-        scratch_blocks = 1 if config.cuda_graphs else 0
+        scratch_blocks = 1 if config.short_prefill_graphs else 0
         self.kv_caches = self._allocate(self.num_kv_blocks + scratch_blocks, self.device)
         self.host_kv_caches = self._allocate(0, torch.device("cpu"))
         self.sampler = Sampler(config.seed)
         # Seconds spent in the model forward (and logits) by the last execute(): the rest of
         # an engine step is scheduling, tensor preparation, sampling and output handling.
         self.last_forward_s = 0.0
-        self.short_prefill = self._make_short_prefill() if config.cuda_graphs else None
+        self.short_prefill = self._make_short_prefill() if config.short_prefill_graphs else None
+        self.decode_graphs = self._make_decode_graphs()
         self._next_seq = 0
         self._done: deque[tuple[int, dict[str, SampledToken]]] = deque()
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention backend %s",
@@ -166,6 +179,24 @@ class ModelRunner:
             log.info("cuda_graphs on a %s device: the padded short-prefill path runs eagerly "
                      "(no graph capture)", self.device.type)
         return executor
+
+    def _make_decode_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs on CUDA unless turned off; they run our Triton decode kernel, so a
+        FlashInfer or torch attention backend keeps decodes eager."""
+        wanted = self.config.cuda_graphs
+        if wanted is False or (wanted is None and self.device.type != "cuda"):
+            return None
+        if self.backend.name != "triton":
+            log.info("decode CUDA graphs run the Triton attention kernels; with the %s backend "
+                     "decodes stay eager", self.backend.name)
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.config.max_num_seqs,
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.num_kv_heads, self.device)
+        if self.device.type == "cuda":
+            graphs.capture()
+        return graphs
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         """Host-memory KV blocks that swap preemption copies device blocks into."""
@@ -214,8 +245,32 @@ class ModelRunner:
             self._copy_blocks(self.host_kv_caches, self.kv_caches, copy)
         if not batch.chunks:
             return {}
+        graphs = self.decode_graphs
+        if graphs is not None and len(batch.chunks) <= graphs.max_size \
+                and graph_friendly(batch.chunks):
+            return self._execute_from_graph(graphs, batch, masks)
         logits, sample_rows = self._forward_sampling(batch)
         return sample_batch(self.sampler, batch, sample_rows, logits, masks)
+
+    def _execute_from_graph(self, graphs: DecodeGraphs, batch: Batch,
+                            masks: MaskSource | None) -> dict[str, SampledToken]:
+        """A decode-only batch from its graph: the graph's greedy tokens when every row is
+        greedy (one copy back), else its logits through the sampler."""
+        chunks = batch.chunks
+        started = time.perf_counter()
+        program = graphs.run(chunks)
+        if masks is None and greedy_only(chunks):
+            tokens, finite = graphs.greedy(program, len(chunks))
+            self.last_forward_s = time.perf_counter() - started
+            return {chunk.request_id: SampledToken(token, None,
+                                                   None if ok else NON_FINITE_ERROR)
+                    for chunk, token, ok in zip(chunks, tokens, finite)}
+        logits = graphs.logits(program, len(chunks))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - started
+        return sample_batch(self.sampler, batch, [(row, row) for row in range(len(chunks))],
+                            logits, masks)
 
     @torch.inference_mode()
     def sample_logits(self, batch: Batch) -> torch.Tensor:
@@ -235,11 +290,11 @@ class ModelRunner:
             started = time.perf_counter()
             logits = short_prefill.forward(bucket, len(chunks))
         else:
-            input_ids, positions, metadata, sample_rows = self._prepare(batch)
+            input_ids, positions, metadata, sample_rows, sample_index = self._prepare(batch)
             started = time.perf_counter()
             self.backend.plan(metadata)
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
-            logits = self.model.compute_logits(hidden[[row for _, row in sample_rows]])
+            logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - started
@@ -249,26 +304,23 @@ class ModelRunner:
     def compute_logits(self, batch: Batch) -> torch.Tensor:
         """Logits ``[num_tokens, vocab]`` for every token of the batch (correctness checks and
         profiling; serving samples only the last token of each chunk)."""
-        input_ids, positions, metadata, _ = self._prepare(batch)
+        input_ids, positions, metadata, _, _ = self._prepare(batch)
         self.backend.plan(metadata)
         return self.model.compute_logits(
             self.model(input_ids, positions, self.kv_caches, self.backend))
 
     def _prepare(self, batch: Batch):
+        """Token ids, positions, attention metadata, the sampled ``(chunk, row)`` pairs and
+        those rows as a device index: every array built on the host, moved in one copy."""
         flat = FlatInputs.of(batch.chunks)
-        slots: list[int] = []
-        for chunk in batch.chunks:
-            table = chunk.block_ids
-            slots.extend(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-                         for pos in range(chunk.start_pos, chunk.end_pos))
-        metadata = AttentionMetadata.build(
+        metadata, (input_ids, positions, sample_index) = AttentionMetadata.build_with(
             query_lens=[c.num_tokens for c in batch.chunks],
             kv_lens=[c.end_pos for c in batch.chunks],
             query_start_pos=[c.start_pos for c in batch.chunks],
-            block_tables=[list(c.block_ids) for c in batch.chunks],
-            slot_mapping=slots, block_size=BLOCK_SIZE, device=self.device)
-        input_ids, position_tensor = flat.tensors(self.device)
-        return input_ids, position_tensor, metadata, flat.sample_rows
+            block_tables=[c.block_ids for c in batch.chunks],
+            slot_mapping=flat.slots, block_size=BLOCK_SIZE, device=self.device,
+            extra=[flat.token_ids, flat.positions, [row for _, row in flat.sample_rows]])
+        return input_ids, positions, metadata, flat.sample_rows, sample_index
 
     @staticmethod
     def _copy_blocks(source, destination, copy: BlockCopy) -> None:

@@ -65,7 +65,7 @@ class StageRunner:
         self.stage = PipelineStage.split(model_config.num_layers, parallel.spp, coords.stage)
         layers = TensorParallelLayers(groups) if parallel.tp > 1 else LocalLayers()
         self.model = load_model(config.model_dir, device, self.dtype, model_config, layers,
-                                self.stage)
+                                self.stage, load_format=config.load_format)
         # Tensor-parallel layers bring their own matmuls and communication; plain ones (a
         # pipeline stage, a KV-parallel rank) take oneDNN's reordered weights like one process.
         self.cpu_matmul = (apply_cpu_matmul(self.model, config.cpu_matmul, device, self.dtype)

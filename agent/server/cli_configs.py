@@ -148,12 +148,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir, served_model_name=args.served_model_name or served_name,
         device=args.device, dtype=args.dtype, cpu_matmul=args.cpu_matmul,
+        attention_backend=args.attention_backend, load_format=args.load_format,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory or KVCacheMemory(), max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, seed=args.seed, profile_dir=args.profile,
         auto_profile=args.profile is None and not args.no_profile,
-        cuda_graphs=args.cuda_graphs, short_prefill_buckets=short_prefill_buckets_from_args(args),
+        cuda_graphs=args.cuda_graphs, short_prefill_graphs=args.short_prefill_graphs,
+        short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
                                 kvp_tokens_per_group=args.kvp_tokens_per_group),
         disagg=disagg_config_from_args(args))

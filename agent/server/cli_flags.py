@@ -57,6 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "oneDNN's kernels (1.5-2x faster decode steps than 'torch' on a 2-core "
                             "CPU, docs/engine.md); 'torch' runs F.linear on the weights as "
                             "loaded. auto: onednn for float32 on CPU when PyTorch has it")
+    model.add_argument("--attention-backend", choices=("auto", "torch", "triton", "flashinfer"),
+                       default="auto",
+                       help="paged attention kernels: 'triton' (CUDA; Triton ships with "
+                            "PyTorch), 'flashinfer' (CUDA; pip install flashinfer-python), "
+                            "'torch' (the reference, any device). auto: FlashInfer on CUDA "
+                            "when installed, else Triton; torch on a CPU")
+    model.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
+                       help="'dummy' serves random weights of the checkpoint's shapes, made "
+                            "on the device: the model directory needs only config.json and "
+                            "the tokenizer (benchmarks of models too large to ship)")
     model.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                        help="context length (prompt + output); default: the model's maximum")
     model.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=None,
@@ -95,12 +105,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "process keeps)")
 
     graphs = parser.add_argument_group(
-        "short-prefill CUDA graphs", "For a short-pool instance (PLA-Serve): a batch made only "
-        "of whole fresh prompts is padded to the smallest (length, batch) bucket that holds it "
-        "and runs as one captured CUDA graph. Decodes, chunked and long prefills stay eager.")
-    graphs.add_argument("--cuda-graphs", action="store_true",
-                        help="capture one CUDA graph per (length, batch) bucket at start-up "
-                             "(on CPU the same padded path runs eagerly); single process only")
+        "CUDA graphs", "A step made only of decodes replays a CUDA graph captured at start-up "
+        "for the smallest batch size holding it (1, 2, 4, 8, 16, 32, then every 16 up to "
+        "--max-num-seqs), greedy sampling included: one launch per step instead of several "
+        "per layer. For a short-pool instance (PLA-Serve), --short-prefill-graphs also pads "
+        "a batch made only of whole fresh prompts to the smallest (length, batch) bucket that "
+        "holds it and replays that bucket's graph. Chunked and long prefills, and steps "
+        "mixing prefills with decodes, run eagerly.")
+    graphs.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode steps from CUDA graphs (default: on with CUDA, one "
+                             "process and the Triton attention backend)")
+    graphs.add_argument("--short-prefill-graphs", action="store_true",
+                        help="capture one CUDA graph per short-prefill (length, batch) bucket "
+                             "at start-up (on CPU the same padded path runs eagerly); single "
+                             "process only")
     graphs.add_argument("--cuda-graph-lengths", type=_positive_int_list,
                         default=_comma_list(DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS),
                         metavar="TOKENS,...",

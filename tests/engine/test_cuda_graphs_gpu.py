@@ -37,7 +37,7 @@ TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # fp32; cuBLAS picks different kernels
 def make_runner(model_dir, cuda_graphs: bool) -> ModelRunner:
     config = EngineConfig(model_dir=model_dir, device="cuda", dtype="float32",
                           attention_backend="torch", num_kv_blocks=NUM_BLOCKS,
-                          cuda_graphs=cuda_graphs, short_prefill_buckets=BUCKETS)
+                          short_prefill_graphs=cuda_graphs, short_prefill_buckets=BUCKETS)
     return ModelRunner(config, ModelConfig.from_dir(model_dir))
 
 
@@ -125,7 +125,7 @@ def test_engine_output_is_the_same_with_graphs_on_and_off(tiny_model_dir):
     for cuda_graphs in (False, True):
         engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cuda",
                                         dtype="float32", attention_backend="torch",
-                                        num_kv_blocks=NUM_BLOCKS, cuda_graphs=cuda_graphs,
+                                        num_kv_blocks=NUM_BLOCKS, short_prefill_graphs=cuda_graphs,
                                         max_batched_tokens=4096))
         outputs.append(engine.generate(prompts, params))
         if cuda_graphs:  # 141 tokens in 6 prompts: bucket (64, 8), under the padding cap

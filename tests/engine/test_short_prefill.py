@@ -33,7 +33,7 @@ BUCKETS = ShortPrefillBuckets(lengths_tokens=(16, 32, 64), batch_sizes=(1, 2, 4,
 
 def make_runner(model_dir, cuda_graphs: bool, buckets=BUCKETS) -> ModelRunner:
     config = EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=NUM_BLOCKS,
-                          cuda_graphs=cuda_graphs, short_prefill_buckets=buckets)
+                          short_prefill_graphs=cuda_graphs, short_prefill_buckets=buckets)
     return ModelRunner(config, ModelConfig.from_dir(model_dir))
 
 
@@ -146,7 +146,7 @@ def test_engine_output_is_the_same_with_the_option_on_and_off(tiny_model_dir, le
     outputs = []
     for cuda_graphs in (False, True):
         engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu",
-                                        num_kv_blocks=64, cuda_graphs=cuda_graphs),
+                                        num_kv_blocks=64, short_prefill_graphs=cuda_graphs),
                            SchedulerConfig(max_batched_tokens=budget))
         outputs.append(engine.generate(prompts, params))
         if cuda_graphs and budget >= sum(lengths):

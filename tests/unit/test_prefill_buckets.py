@@ -80,4 +80,8 @@ def test_invalid_bucket_configs_are_rejected(kwargs, message):
 def test_cuda_graphs_are_refused_with_parallel_workers(tmp_path):
     with pytest.raises(ValueError, match="single process"):
         EngineConfig(model_dir=tmp_path, cuda_graphs=True, parallel=ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match="single process"):
+        EngineConfig(model_dir=tmp_path, short_prefill_graphs=True,
+                     parallel=ParallelConfig(tp=2))
     assert EngineConfig(model_dir=tmp_path, cuda_graphs=True).cuda_graphs
+    assert EngineConfig(model_dir=tmp_path, parallel=ParallelConfig(tp=2)).cuda_graphs is None

@@ -38,12 +38,14 @@ def test_invalid_server_settings_are_rejected():
 
 def test_cuda_graph_flags_build_the_bucket_grid():
     defaults = _parse([])
-    assert not defaults.cuda_graphs
+    assert defaults.cuda_graphs is None  # decode graphs: on where they can run
+    assert not defaults.short_prefill_graphs
+    assert _parse(["--no-cuda-graphs"]).cuda_graphs is False
     assert cli_configs.short_prefill_buckets_from_args(defaults).num_buckets == 25
-    args = _parse(["--cuda-graphs", "--cuda-graph-lengths", "16,64",
+    args = _parse(["--short-prefill-graphs", "--cuda-graph-lengths", "16,64",
                    "--cuda-graph-batch-sizes", "1,8", "--cuda-graph-max-padding-factor", "2"])
     buckets = cli_configs.short_prefill_buckets_from_args(args)
-    assert args.cuda_graphs
+    assert args.short_prefill_graphs
     assert (buckets.lengths_tokens, buckets.batch_sizes, buckets.max_padding_factor) == (
         (16, 64), (1, 8), 2.0)
     with pytest.raises(SystemExit):
