@@ -16,7 +16,7 @@ LIVE_ARGS ?=
 
 BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
 
-.PHONY: setup default-model serve test test-unit test-e2e test-gpu lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
+.PHONY: setup default-model serve test test-unit test-e2e test-gpu device-wheels device-check lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
 	clean prometheus-tools transfer-engine-libs dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -73,6 +73,38 @@ test-e2e: setup
 # every engine a test builds without naming a device runs on the GPU. CI has no GPU.
 test-gpu: setup
 	$(BIN)/pytest tests/engine
+
+# The device check: on a bare GPU machine whose python3 already has torch, triton,
+# transformers, safetensors, tokenizers, numpy, grpcio, httpx and prometheus-client, the rest
+# of what the agent imports travels as wheels (cp312, manylinux x86-64; about 9 MB) in
+# $(WHEELS), which `make device-wheels` fills here. `make device-check` installs them where
+# the Python lacks them, then runs agent/bench/device_check.py: the GPU tests, the 8B-body
+# serving figures and the engine tier in one run under 8 minutes, written to
+# $(RESULTS)/device-check/ (device_check.json, device_check.png, logs). Without CUDA it
+# rehearses the same code on the CPU with the tiny model (as CI does).
+WHEELS ?= .whl
+DEVICE_SITE ?= /tmp/slipstream-device-site
+DEVICE_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+DEVICE_WHEEL_PINS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+	annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0 \
+	uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 opentelemetry-api==1.45.2 \
+	msgspec==0.22.0 pyzmq==27.3.0 gguf==0.19.0 llguidance==1.9.1 protobuf==7.36.2 \
+	jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1
+DEVICE_PLATFORMS := $(foreach n,17 24 26 27 28 31 34 35,--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64 --platform any
+
+device-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp $(DEVICE_PLATFORMS) -d $(WHEELS) $(DEVICE_WHEEL_PINS)
+	@du -sh $(WHEELS)
+
+device-check:
+	@if ! $(DEVICE_PYTHON) -c "import fastapi, msgspec, zmq, pydantic, gguf, llguidance" 2>/dev/null; then \
+	  ls $(WHEELS)/*.whl >/dev/null 2>&1 || { echo "no wheels in $(WHEELS): run make device-wheels first" >&2; exit 2; }; \
+	  $(DEVICE_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+	    --upgrade --target $(DEVICE_SITE) $(WHEELS)/*.whl; fi
+	PYTHONPATH=$(DEVICE_SITE):$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	  $(DEVICE_PYTHON) -m slipstream.agent.bench.device_check --out $(RESULTS)/device-check $(DEVICE_CHECK_ARGS)
 
 # Pods on the fake nodes run as local processes with $(BIN) first on PATH, each on its own
 # loopback address (127.N.x.y).

@@ -32,6 +32,11 @@ import numpy as np
 import torch
 
 
+# Columns of AttentionMetadata.seq_info, one row per sequence (kernels/triton_attention.py).
+TOKEN_START, QUERY_LEN, QUERY_POS, KV_LEN, KV_POS, BLOCK_START = range(6)
+SEQ_INFO_COLUMNS = 6
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Everything a backend needs about one step's sequences. Built once, used by every layer.
@@ -226,6 +231,18 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
         if prefer == "flashinfer":
             raise
         return _triton_backend(device)
+
+
+def backend_name(device: torch.device | str, prefer: str = "auto") -> str:
+    """The name of the backend ``select_backend`` picks, without building it."""
+    import importlib.util
+
+    device = torch.device(device)
+    if prefer != "auto":
+        return prefer
+    if device.type != "cuda":
+        return "torch"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
 def _triton_backend(device: torch.device) -> AttentionBackend:

@@ -44,12 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-# seq_info columns (see the module docstring).
-TOKEN_START, QUERY_LEN, QUERY_POS, KV_LEN, KV_POS, BLOCK_START = range(6)
-SEQ_INFO_COLUMNS = 6
+from slipstream.kernels.attention import SEQ_INFO_COLUMNS
 
 # A dot product needs at least 16 rows, columns and depth on the tensor cores.
 MIN_DOT = 16
+SEQ_INFO = tl.constexpr(SEQ_INFO_COLUMNS)  # the row stride of seq_info, inside kernels
 # Decode KV segments per sequence, at most (a power of two: the merge reads them as one tile).
 MAX_DECODE_SEGMENTS = 32
 
@@ -123,7 +122,7 @@ def _decode_partial_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
-    info = seq_info_ptr + seq * 6
+    info = seq_info_ptr + seq * SEQ_INFO
     token = tl.load(info + 0)
     query_pos = tl.load(info + 2)
     kv_len = tl.load(info + 3)
@@ -185,7 +184,7 @@ def _decode_reduce_kernel(partial_out_ptr, partial_lse_ptr, seq_info_ptr, out_pt
                           WRITE_LSE: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    token = tl.load(seq_info_ptr + seq * 6)
+    token = tl.load(seq_info_ptr + seq * SEQ_INFO)
     segments = tl.arange(0, SEGMENTS_PAD)
     dims = tl.arange(0, DIM_PAD)
     segment_mask = segments < num_segments
@@ -272,7 +271,7 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
-    info = seq_info_ptr + seq * 6
+    info = seq_info_ptr + seq * SEQ_INFO
     token_start = tl.load(info + 0)
     query_len = tl.load(info + 1)
     query_pos = tl.load(info + 2)

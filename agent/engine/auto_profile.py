@@ -43,6 +43,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.loader import resolve_dtype
 from slipstream.agent.engine.model_runner import resolve_device
 from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
+from slipstream.kernels.attention import backend_name
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ log = logging.getLogger(__name__)
 # 4: fused q/k/v and gate/up matmuls, block-wise decode KV gathers, a cheaper finiteness check
 #    in the sampler, and a 32-request wave in the quick grid's engine calibration
 # 5: CPU matmuls from oneDNN-reordered weights (--cpu-matmul; its choice is part of the key)
-PROFILER_VERSION = "5"
+# 6: the attention backend is part of the key (Triton on CUDA without FlashInfer), decode
+#    steps from CUDA graphs, one copy of a step's inputs
+PROFILER_VERSION = "6"
 GRID = "quick"
 REPEATS = 3
 KEY_FILE = "key.json"
@@ -77,17 +80,20 @@ class ProfileKey:
 
 
 def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
-                grid: str = GRID, cpu_matmul: str = "auto") -> ProfileKey:
+                grid: str = GRID, cpu_matmul: str = "auto",
+                attention_backend: str = "auto") -> ProfileKey:
     model_config = ModelConfig.from_dir(model_dir)
     torch_device = resolve_device(device)
     resolved = resolve_dtype(dtype, model_config, torch_device)
     matmul = resolve_cpu_matmul(cpu_matmul, torch_device, resolved)
+    attention = backend_name(torch_device, attention_backend)
     return ProfileKey(model=str(model_dir.resolve()), model_files=_model_files_hash(model_dir),
                       dtype=str(resolved).removeprefix("torch."),
                       device=_device_name(torch_device), threads=threads,
                       engine_version=f"slipstream {__version__}, profiler {PROFILER_VERSION}, "
                                      f"torch {torch.__version__}, grid {grid}"
-                                     + (", cpu matmul onednn" if matmul == "onednn" else ""))
+                                     + (", cpu matmul onednn" if matmul == "onednn" else "")
+                                     + f", attention {attention}")
 
 
 def _model_files_hash(model_dir: Path) -> str:
@@ -154,7 +160,7 @@ def with_runtime_profile(config: EngineConfig, threads: int | None = None) -> En
         return config
     try:
         entry = ensure_profile(config.model_dir, config.dtype, config.device, threads,
-                               cpu_matmul=config.cpu_matmul)
+                               cpu_matmul=config.cpu_matmul, served=config)
     except (OSError, RuntimeError, ValueError) as error:
         log.warning("profiling failed (%s: %s); %s", type(error).__name__, error, budget)
         return config
@@ -174,14 +180,17 @@ def _locked(path: Path) -> Iterator[None]:
 
 def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
                    threads: int | None = None, root: Path | None = None,
-                   grid: str | None = None, cpu_matmul: str = "auto") -> Path:
+                   grid: str | None = None, cpu_matmul: str = "auto",
+                   served: EngineConfig | None = None) -> Path:
     """The cached profile of ``model_dir`` on this device, measured first if there is none
-    (or only a stale or corrupt one)."""
+    (or only a stale or corrupt one). ``served``: the engine config that will be served,
+    whose attention backend, CUDA graphs and weight source the profile measures with."""
     from slipstream.agent.engine.profiler import PROFILE_GRIDS, profile
 
     grid = grid or GRID
     threads = threads or torch.get_num_threads()
-    key = profile_key(model_dir, dtype, device, threads, grid, cpu_matmul)
+    key = profile_key(model_dir, dtype, device, threads, grid, cpu_matmul,
+                      served.attention_backend if served is not None else "auto")
     root = root or cache_root()
     entry = root / key.entry_name(model_dir.name)
     with _locked(root / f"{entry.name}.lock"):
@@ -204,7 +213,7 @@ def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
         torch.set_num_threads(threads)
         try:
             profile(model_dir, device, staging, REPEATS, PROFILE_GRIDS[grid], dtype=dtype,
-                    cpu_matmul=cpu_matmul)
+                    cpu_matmul=cpu_matmul, served=served)
         finally:
             torch.set_num_threads(previous_threads)
         (staging / KEY_FILE).write_text(json.dumps(dataclasses.asdict(key), indent=1) + "\n",

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,8 +42,10 @@ from slipstream.agent.engine.models.llama import KVCache, LlamaForCausalLM
 from slipstream.agent.engine.sampler import plain_greedy
 from slipstream.agent.scheduler.batch import ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
-from slipstream.kernels.triton_attention import SEQ_INFO_COLUMNS, decode_segments
-from slipstream.kernels.triton_backend import StaticDecodeAttention
+from slipstream.kernels.attention import SEQ_INFO_COLUMNS
+
+if TYPE_CHECKING:  # Triton is imported only once decode graphs are built (CUDA, or tests)
+    from slipstream.kernels.triton_backend import StaticDecodeAttention
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,9 @@ class DecodeGraphs:
         self.runs = 0  # steps served from this path since start-up
 
     def _program(self, size: int, num_kv_heads: int, max_model_len: int) -> _Program:
+        from slipstream.kernels.triton_attention import decode_segments
+        from slipstream.kernels.triton_backend import StaticDecodeAttention
+
         inputs, largest = self._inputs, self.max_size
         seq_info = inputs[self._seq_info_at:self._blocks_at].view(largest, SEQ_INFO_COLUMNS)
         attention = StaticDecodeAttention(

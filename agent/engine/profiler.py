@@ -281,7 +281,8 @@ def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
 def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
                         random_batches: Sequence[tuple[int, float]],
                         meta: ProfileMeta, dtype: str = "auto",
-                        cpu_matmul: str = "auto") -> ProfileMeta:
+                        cpu_matmul: str = "auto",
+                        served: EngineConfig | None = None) -> ProfileMeta:
     """``meta`` with the runner and host overheads, fitted on the steps the real LLMEngine runs when it
     packs a serving load with this profile (see step_calibration.py); the runner's also on
     ``random_batches``, with as much weight in total as the engine steps."""
@@ -289,9 +290,9 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
     # usual 50 ms target (a ~100M model on one CPU core takes ~50 ms for 32 tokens).
     bootstrap = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
     target_ms = max(50.0, model_floor_target_ms(bootstrap))
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
-                                    profile_dir=profile_dir, num_kv_blocks=4096,
-                                    cpu_matmul=cpu_matmul),
+    engine = LLMEngine(as_served(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
+                                              profile_dir=profile_dir, num_kv_blocks=4096,
+                                              cpu_matmul=cpu_matmul), served),
                        SchedulerConfig(target_batch_time_ms=target_ms))
     try:
         if resolve_device(device).type == "cuda":
@@ -319,15 +320,27 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
                                host_overhead_ms=host_ms, host_per_sequence_ms=host_per_sequence_ms)
 
 
+def as_served(config: EngineConfig, served: EngineConfig | None) -> EngineConfig:
+    """``config`` running the kernels, graphs and weight source of the served config."""
+    if served is None:
+        return config
+    return dataclasses.replace(config, attention_backend=served.attention_backend,
+                               cuda_graphs=served.cuda_graphs, load_format=served.load_format)
+
+
 def profile(model_dir: Path, device: str, out: Path, repeats: int,
             grid: ProfileGrid = ProfileGrid(), dtype: str = "auto",
-            cpu_matmul: str = "auto") -> Path:
+            cpu_matmul: str = "auto", served: EngineConfig | None = None) -> Path:
+    """Measure the profile of ``model_dir`` into ``out``; ``served`` (the config that will be
+    served) gives the attention backend, CUDA graphs and weight source to measure with."""
     model_config = ModelConfig.from_dir(model_dir)
     # Calibration batches hold up to 24 decodes of 2K tokens plus three prefill chunks.
     needed_blocks = max(2 * max(grid.decode_kv), 60_000) // BLOCK_SIZE + 64
-    runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
-                                      num_kv_blocks=needed_blocks, cpu_matmul=cpu_matmul),
-                         model_config)
+    # The per-layer tables time single ops eagerly: no decode graphs to capture here.
+    runner = ModelRunner(dataclasses.replace(
+        as_served(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
+                               num_kv_blocks=needed_blocks, cpu_matmul=cpu_matmul), served),
+        cuda_graphs=False), model_config)
     steps = len(grid.tokens) + len(grid.prefill_kv) * len(grid.prefill_chunk) + \
         len(grid.decode_batch) * len(grid.decode_kv) + 2
     meta = ProfileMeta(num_layers=model_config.num_layers, device=str(runner.device),
@@ -350,7 +363,7 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         progress.update()
         del runner  # the engine below loads its own copy of the weights
         meta = fit_on_engine_steps(model_dir, device, out, grid.engine_load, random_batches,
-                                   meta, dtype, cpu_matmul)
+                                   meta, dtype, cpu_matmul, served)
         progress.update()
     write_profile(out, tables, meta)
     return out

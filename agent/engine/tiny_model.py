@@ -91,6 +91,13 @@ PRESETS: dict[str, TinyModelPreset] = {
     "100m": TinyModelPreset(hidden_size=768, intermediate_size=1536, num_hidden_layers=12,
                             num_attention_heads=12, num_key_value_heads=4, head_dim=64,
                             vocab_size=32_000, max_position_embeddings=131_072),
+    # Llama-3-8B's body (32 layers of hidden 4096, 32 heads, 8 KV heads, MLP 14336) with this
+    # tokenizer's 4,096-token vocabulary: 7.0B parameters, 14.0 GB in bf16. Written without
+    # weights (--no-weights) and served with --load-format dummy, as `make device-check` does.
+    "llama3-8b-body": TinyModelPreset(hidden_size=4096, intermediate_size=14336,
+                                      num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=8, head_dim=128, vocab_size=4096,
+                                      max_position_embeddings=131_072),
 }
 
 
@@ -258,10 +265,12 @@ _STALE_FILES = ("model.safetensors.index.json", "pytorch_model.bin",
 
 
 def write_tiny_model(out_dir: str | Path, preset_name: str = "tiny", seed: int = 0,
-                     force: bool = False, preset: TinyModelPreset | None = None) -> list[Path]:
+                     force: bool = False, preset: TinyModelPreset | None = None,
+                     weights: bool = True) -> list[Path]:
     """Write the model directory and return the files written. Refuses a non-empty
     directory unless ``force`` (then our files are overwritten and stale weights removed).
-    ``preset`` (a benchmark's own shape) overrides ``preset_name``."""
+    ``preset`` (a benchmark's own shape) overrides ``preset_name``. ``weights=False`` writes
+    the config and tokenizer only, for ``--load-format dummy``."""
     if preset is None:
         if preset_name not in PRESETS:
             raise ValueError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
@@ -287,8 +296,9 @@ def write_tiny_model(out_dir: str | Path, preset_name: str = "tiny", seed: int =
         "bos_token_id": ids.begin_of_text,
         "eos_token_id": [ids.end_of_text, ids.end_of_turn],
     })
-    save_file(random_weights(preset, seed), str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    if weights:
+        save_file(random_weights(preset, seed), str(out_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
     _write_json(out_dir / STAMP_FILE, {"format_version": FORMAT_VERSION, "preset": preset_name,
                                        "seed": seed, "preset_config": asdict(preset)})
     return sorted(path for path in out_dir.iterdir() if path.is_file())
@@ -349,20 +359,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random weights; the same seed gives identical files")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="size: 'tiny' (~0.7M parameters, a few MB) or '100m' "
-                             "(~110M parameters, for GPU timings)")
+                        help="size: 'tiny' (~0.7M parameters, a few MB), '100m' (~110M "
+                             "parameters, for GPU timings) or 'llama3-8b-body' (Llama-3-8B's "
+                             "layers with a 4,096-token vocabulary, 7.0B parameters)")
+    parser.add_argument("--no-weights", dest="weights", action="store_false",
+                        help="write config.json and the tokenizer only; serve it with "
+                             "--load-format dummy (random weights made on the device)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty directory, overwriting the model files")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        files = write_tiny_model(args.dir, args.preset, seed=args.seed, force=args.force)
+        files = write_tiny_model(args.dir, args.preset, seed=args.seed, force=args.force,
+                                 weights=args.weights)
     except (FileExistsError, ValueError) as error:
         print(f"slipstream make-tiny-model: error: {error}", file=sys.stderr)
         return 2
     preset = PRESETS[args.preset]
-    print(f"Wrote a random-weight Llama ({args.preset}, seed {args.seed}, "
+    what = "a random-weight Llama" if args.weights else \
+        "the config and tokenizer of a Llama (serve with --load-format dummy)"
+    print(f"Wrote {what} ({args.preset}, seed {args.seed}, "
           f"{count_parameters(preset):,} parameters, vocab {preset.vocab_size}) to {args.dir}:")
     total_bytes = 0
     for path in files:
