@@ -14,7 +14,7 @@ build (SPP). A stage that does not own the embedding takes its input as ``hidden
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -134,9 +134,16 @@ class LlamaModel(nn.Module):
                                  "hidden states, not from token ids")
             hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
+        # The residual stream travels beside the layer outputs, so that each norm can add
+        # them in the same pass (one kernel on CUDA).
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers.values(), kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, backend)
-        return self.norm(hidden) if self.norm is not None else hidden
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, backend)
+        if residual is None:  # a stage without layers
+            return self.norm(hidden) if self.norm is not None else hidden
+        if self.norm is None:  # a pipeline stage hands the whole residual stream on
+            return hidden + residual
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -147,10 +154,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, layers)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, backend: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``; the caller adds them (the next layer's norm
+        does, fused). The first layer gets ``residual=None``: its input is the stream."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaAttention(nn.Module):
@@ -193,7 +209,7 @@ class LlamaAttention(nn.Module):
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv(hidden)
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query, key = rotate(query, key, cos, sin)
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, key, value)
         attended = backend.run(query, k_cache, v_cache, self.scale, return_lse=False).output
@@ -232,7 +248,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of ``hidden``; with ``residual``, the norm of ``hidden + residual`` and
+        that sum (the new residual stream). On CUDA the add and the norm are one kernel
+        that writes both in place (``kernels/triton_layers.py``)."""
+        if residual is not None:
+            if hidden.is_cuda and self.weight.dtype == hidden.dtype:
+                from slipstream.kernels.triton_layers import fused_add_rms_norm
+
+                return fused_add_rms_norm(hidden, residual, self.weight, self.eps)
+            residual = hidden + residual
+            return self._norm(residual), residual
+        return self._norm(hidden)
+
+    def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the reference implementation, then scale in the input dtype.
         as_float = hidden.float()
         normed = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -269,6 +305,17 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tenso
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of query and key: in place and in one kernel on CUDA
+    (``kernels/triton_layers.py``), with torch ops elsewhere."""
+    if query.is_cuda:
+        from slipstream.kernels.triton_layers import rotary_
+
+        return rotary_(query, key, cos, sin)
+    return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

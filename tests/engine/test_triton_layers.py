@@ -1,0 +1,79 @@
+"""The fused add + RMSNorm and the in-place rotary kernels against the model's torch path
+(which the Hugging Face equivalence tests pin): under Triton's interpreter on a CPU, and
+compiled on CUDA in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.agent.engine.config import RopeScaling
+from slipstream.agent.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from slipstream.kernels.triton_backend import interpreting
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and not interpreting(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def _norm_case(size: int, rows: int, dtype, device, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(size, 1e-5)
+    norm.weight.data = 1 + 0.1 * torch.randn(size, generator=generator)
+    norm = norm.to(device=device, dtype=dtype)
+    hidden = torch.randn(rows, size, generator=generator).to(device=device, dtype=dtype)
+    residual = torch.randn(rows, size, generator=generator).to(device=device, dtype=dtype)
+    return norm, hidden, residual
+
+
+@pytest.mark.parametrize("size,rows", [(64, 5), (100, 3), (16, 1)])
+def test_fused_add_rms_norm_equals_add_then_norm(size, rows):
+    from slipstream.kernels.triton_layers import fused_add_rms_norm
+
+    norm, hidden, residual = _norm_case(size, rows, torch.float32, "cpu", seed=size)
+    expected_sum = hidden + residual
+    expected = norm(expected_sum)
+    out, summed = fused_add_rms_norm(hidden.clone(), residual.clone(), norm.weight, norm.eps)
+    torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 6, 32), (8, 1, 12)])
+def test_rotary_in_place_equals_torch(heads, kv_heads, dim):
+    from slipstream.kernels.triton_layers import rotary_
+
+    generator = torch.Generator().manual_seed(dim)
+    tokens = 7
+    positions = torch.tensor([0, 1, 2, 50, 51, 900, 3])
+    rotary = RotaryEmbedding(dim, 10_000.0, RopeScaling())
+    cos, sin = rotary(positions, torch.float32)
+    # q, k and v as views of one fused projection, as the model has them.
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    query = fused[:, :heads * dim].view(tokens, heads, dim)
+    key = fused[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    value_before = fused[:, (heads + kv_heads) * dim:].clone()
+    expected_q, expected_k = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+    rotary_(query, key, cos, sin)
+    torch.testing.assert_close(query, expected_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(key, expected_k, atol=1e-6, rtol=1e-6)
+    assert torch.equal(fused[:, (heads + kv_heads) * dim:], value_before)  # v untouched
+
+
+@pytest.mark.gpu
+def test_fused_layers_on_cuda_match_torch_in_bfloat16():
+    from slipstream.kernels.triton_layers import fused_add_rms_norm, rotary_
+
+    norm, hidden, residual = _norm_case(4096, 33, torch.bfloat16, "cuda", seed=1)
+    expected_sum = hidden + residual
+    expected = norm._norm(expected_sum)
+    out, summed = fused_add_rms_norm(hidden.clone(), residual.clone(), norm.weight, norm.eps)
+    torch.testing.assert_close(summed, expected_sum, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    rotary = RotaryEmbedding(128, 500_000.0, RopeScaling()).cuda()
+    cos, sin = rotary(torch.arange(33, device="cuda") * 97, torch.bfloat16)
+    query = torch.randn(33, 32, 128, device="cuda", dtype=torch.bfloat16)
+    key = torch.randn(33, 8, 128, device="cuda", dtype=torch.bfloat16)
+    expected_q, expected_k = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+    rotary_(query, key, cos, sin)
+    torch.testing.assert_close(query.float(), expected_q.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(key.float(), expected_k.float(), atol=2e-2, rtol=2e-2)
