@@ -40,6 +40,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64; slot = block * block_size + offset; -1 = skip
     block_size: int
+    # Tokens whose slot is -1, counted on the host when the metadata is built, so a backend
+    # learns whether it must filter its writes without reading the tensor (a device sync).
+    # None: not counted; a backend then checks ``slot_mapping`` itself.
+    skipped_writes: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -69,6 +73,7 @@ class AttentionMetadata:
                 len(block_tables), max_blocks),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
             block_size=block_size,
+            skipped_writes=sum(1 for slot in slot_mapping if slot < 0),
         )
 
 
