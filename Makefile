@@ -124,7 +124,7 @@ ifdef NAME
 	@$(MAKE) --no-print-directory bench-$(NAME)
 else
 	@echo "Benchmarks; run one with make bench NAME=<name> (or make bench-<name>):"
-	@sed -n 's/^bench-\([a-z-]*\):[^#]*\(## \)\{0,1\}/  \1\t/p' $(firstword $(MAKEFILE_LIST)) | expand -t 16
+	@sed -n 's/^bench-\([a-z-]*\):[^#]*\(## \)\{0,1\}/  \1\t/p' $(firstword $(MAKEFILE_LIST)) | expand -t 24
 endif
 
 bench-engine: setup  ## engine throughput vs transformers, and the engine's own overhead
@@ -209,6 +209,9 @@ bench-first-start: setup default-model  ## how long serve's first start spends p
 
 bench-decode-step: setup default-model  ## one engine decode step of SmolLM2 at 1/8/32 sequences, oneDNN-reordered vs plain torch matmuls: wall, forward, the rest (docs/engine.md)
 	$(BIN)/python -m slipstream.agent.bench.decode_step_bench --rounds 3 --out $(RESULTS)/decode-step
+
+bench-long-prefill-memory: setup  ## server memory growth while one 32K-token prompt is prefilled in 8,192-token chunks (CPU, tiny model; goal +512 MB)
+	$(BIN)/python -m slipstream.agent.bench.long_prefill_memory --out $(RESULTS)/long-prefill-memory
 
 bench-peer: setup default-model  ## Slipstream vs llama.cpp's llama-server, same GGUF, this CPU: tok/s at 1/8/32 streams, convoy TTFT (docs/peers.md; builds llama.cpp once, ~10 min)
 	$(BIN)/python -m slipstream.agent.bench.peer_bench --out $(RESULTS)/peer

@@ -57,6 +57,10 @@ class AttentionMetadata:
     # start) and every sequence's blocks back to back. None when built without them.
     seq_info: torch.Tensor | None = None
     block_indices: torch.Tensor | None = None
+    # Tokens whose slot is -1, counted on the host when the metadata is built, so a backend
+    # learns whether it must filter its writes without reading the tensor (a device sync).
+    # None: not counted; a backend then checks ``slot_mapping`` itself.
+    skipped_writes: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -109,14 +113,16 @@ class AttentionMetadata:
             if num_seqs else np.zeros((0, 6), dtype=np.int64)
         flat_blocks = np.fromiter(itertools.chain.from_iterable(block_tables), np.int64,
                                   int(lengths.sum()))
+        slots = np.asarray(slot_mapping, dtype=np.int64)
         moved = to_device_in_one_copy(
-            [dense, np.asarray(slot_mapping, dtype=np.int64), seq_info, flat_blocks,
+            [dense, slots, seq_info, flat_blocks,
              *[np.asarray(array, dtype=np.int64) for array in extra]], device)
         metadata = cls(
             query_lens=tuple(query_lens), kv_lens=tuple(kv_lens),
             query_start_pos=tuple(query_start_pos), kv_start_pos=tuple(kv_start),
             num_decodes=num_decodes, block_tables=moved[0], slot_mapping=moved[1],
-            block_size=block_size, seq_info=moved[2], block_indices=moved[3])
+            block_size=block_size, seq_info=moved[2], block_indices=moved[3],
+            skipped_writes=int((slots < 0).sum()))
         return metadata, moved[4:]
 
 

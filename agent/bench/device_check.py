@@ -318,6 +318,7 @@ def serving(scale: Scale, device: str, out: Path, deadline: Deadline,
         with serve(model_dir, scale, device, "lars", out / "server-lars.log",
                    cache_dir) as (url, start_s):
             result["lars_start_s"] = round(start_s, 1)
+            result["engine_log"] = engine_log_facts(out / "server-lars.log")
             record(result)
             for streams in scale.streams:
                 def streams_load(left: float, streams: int = streams) -> dict:
@@ -341,6 +342,19 @@ def serving(scale: Scale, device: str, out: Path, deadline: Deadline,
     except Exception as error:  # noqa: BLE001
         result["fcfs_server_error"] = f"{type(error).__name__}: {error}"[-3000:]
     return result
+
+
+ENGINE_LOG_FACTS = ("attention backend", "captured", "graph capture failed", "profiled",
+                    "profiling failed", "KV cache:", "packer:")
+
+
+def engine_log_facts(log: Path) -> list[str]:
+    """The start-up lines that say how the engine runs (backend, graphs, profile, KV)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[-300:] for line in lines if any(fact in line for fact in ENGINE_LOG_FACTS)]
 
 
 def weight_bytes(model_dir: Path, dtype: str) -> int:

@@ -195,7 +195,15 @@ class ModelRunner:
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.num_kv_heads, self.device)
         if self.device.type == "cuda":
-            graphs.capture()
+            try:
+                graphs.capture()
+            except RuntimeError as error:  # a driver or allocator refusing capture
+                if wanted:
+                    raise
+                log.warning("decode CUDA graph capture failed (%s); decodes run eagerly "
+                            "(--no-cuda-graphs silences this)", error)
+                torch.cuda.synchronize(self.device)
+                return None
         return graphs
 
     def allocate_host_cache(self, num_blocks: int) -> None:
