@@ -179,6 +179,7 @@ def run_pytest(arguments: list[str], timeout_s: float, log: Path) -> dict:
               "timed_out": returncode is None,
               "duration_s": round(time.monotonic() - started, 1)}
     result.update(junit_counts(junit))
+    junit.unlink(missing_ok=True)  # its counts are in the result; the log stays
     return result
 
 
