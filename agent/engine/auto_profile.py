@@ -56,6 +56,14 @@ log = logging.getLogger(__name__)
 #    steps from CUDA graphs, one copy of a step's inputs
 PROFILER_VERSION = "6"
 GRID = "quick"
+GPU_GRID = "quick-gpu"
+
+
+def default_grid(device: torch.device) -> str:
+    """The first start's grid: "quick", with long contexts on a GPU ("quick-gpu"), where
+    a 64K-token prefix takes milliseconds to profile and extrapolating to it from 4K misled
+    the packer into tiny chunks (a 64K prompt alone took 103 s to its first token on an H200)."""
+    return GPU_GRID if device.type == "cuda" else GRID
 REPEATS = 3
 KEY_FILE = "key.json"
 
@@ -187,7 +195,7 @@ def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
     whose attention backend, CUDA graphs and weight source the profile measures with."""
     from slipstream.agent.engine.profiler import PROFILE_GRIDS, profile
 
-    grid = grid or GRID
+    grid = grid or default_grid(resolve_device(device))
     threads = threads or torch.get_num_threads()
     key = profile_key(model_dir, dtype, device, threads, grid, cpu_matmul,
                       served.attention_backend if served is not None else "auto")

@@ -243,6 +243,21 @@ PROFILE_GRIDS = {
                                                      prompt_tokens=(16, 160),
                                                      output_tokens=(8, 24)),
                          max_point_ms=200.0),
+    # "quick-gpu" is the first start's grid on CUDA: the same calibration, with the attention
+    # tables reaching the contexts a GPU serves (64K-token prefixes and decode KV)
+    # and prefill chunks of 2K tokens, each point a few milliseconds there. Beyond a table the
+    # predictor extrapolates linearly in attended pairs from its last point, where launch
+    # overhead still dominates on a GPU: from 4K it predicted a 64K prefix far too slow, the
+    # packer cut the prompt into tiny chunks, and a 64K prompt alone took 103 s (H200).
+    "quick-gpu": ProfileGrid(tokens=(1, 8, 32, 128, 512, 2048),
+                             prefill_kv=(0, 4096, 32768, 65536),
+                             prefill_chunk=(32, 256, 2048),
+                             decode_batch=(1, 8, 64, 256), decode_kv=(256, 16384, 65536),
+                             calibration_batches=4, calibration_repeats=1,
+                             engine_load=CalibrationLoad(waves=(1, 4, 12, 32),
+                                                         prompt_tokens=(16, 160),
+                                                         output_tokens=(8, 24)),
+                             max_point_ms=200.0),
 }
 
 
@@ -334,8 +349,10 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
     """Measure the profile of ``model_dir`` into ``out``; ``served`` (the config that will be
     served) gives the attention backend, CUDA graphs and weight source to measure with."""
     model_config = ModelConfig.from_dir(model_dir)
-    # Calibration batches hold up to 24 decodes of 2K tokens plus three prefill chunks.
-    needed_blocks = max(2 * max(grid.decode_kv), 60_000) // BLOCK_SIZE + 64
+    # Calibration batches hold up to 24 decodes of 2K tokens plus three prefill chunks; the
+    # largest prefill point holds its prefix and chunk.
+    needed_blocks = max(2 * max(grid.decode_kv), 60_000,
+                        max(grid.prefill_kv) + max(grid.prefill_chunk)) // BLOCK_SIZE + 64
     # The per-layer tables time single ops eagerly: no decode graphs to capture here.
     runner = ModelRunner(dataclasses.replace(
         as_served(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
