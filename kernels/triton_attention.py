@@ -260,16 +260,19 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # -- prefill -----------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "first_token"])
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, seq_info_ptr, block_indices_ptr, out_ptr, lse_ptr,
-        scale, query_token_stride, query_head_stride, out_token_stride, out_head_stride,
+        partial_out_ptr, partial_lse_ptr, scale, num_segments, first_token,
+        query_token_stride, query_head_stride, out_token_stride, out_head_stride,
         cache_block_stride, cache_token_stride, cache_head_stride,
         GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
+    seq = (tl.program_id(1) // num_segments).to(tl.int64)
+    segment = tl.program_id(1) % num_segments
     head = tl.program_id(2)
     info = seq_info_ptr + seq * SEQ_INFO
     token_start = tl.load(info + 0)
@@ -292,10 +295,14 @@ def _prefill_kernel(
     # KV past the tile's last query is invisible to all its rows.
     last_row = tl.minimum(query_len, (tile + 1) * BLOCK_M) - 1
     end = tl.maximum(tl.minimum(kv_len, query_pos + last_row - kv_pos + 1), 0)
+    # With SPLIT, this program reads one segment of that KV (split-KV, as for decodes).
+    per_segment = tl.cdiv(tl.cdiv(end, num_segments), BLOCK_N) * BLOCK_N
+    start = segment * per_segment
+    end = tl.minimum(start + per_segment, end)
     max_score = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    for kv_tile in range(0, end, BLOCK_N):
+    for kv_tile in range(start, end, BLOCK_N):
         offsets = kv_tile + tl.arange(0, BLOCK_N)
         in_range = offsets < end
         block = tl.load(block_indices_ptr + block_start + offsets // PAGE, mask=in_range,
@@ -320,20 +327,82 @@ def _prefill_kernel(
 
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * out_token_stride + head * out_head_stride
-             + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & dim_mask[None, :])
+    lse = tl.where(seen, max_score + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    if SPLIT:
+        # partial_out [prefill tokens, heads, segments, dim], partial_lse [.., segments]
+        rows_out = ((tokens - first_token) * NUM_HEADS + head) * num_segments + segment
+        tl.store(partial_out_ptr + rows_out[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=row_mask[:, None] & dim_mask[None, :])
+        tl.store(partial_lse_ptr + rows_out, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + tokens[:, None] * out_token_stride + head * out_head_stride
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & dim_mask[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + tokens * NUM_HEADS + head, lse, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_segments", "first_token"])
+def _merge_segments_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, num_segments,
+                           first_token, out_token_stride, out_head_stride,
+                           NUM_HEADS: tl.constexpr, SEGMENTS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                           WRITE_LSE: tl.constexpr):
+    """Row ``r`` of the split prefill: its segments merged by their lse into token
+    ``first_token + r``."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    token = first_token + row
+    segments = tl.arange(0, SEGMENTS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    segment_mask = segments < num_segments
+    dim_mask = dims < HEAD_DIM
+    base = (row * NUM_HEADS + head) * num_segments
+    lses = tl.load(partial_lse_ptr + base + segments, mask=segment_mask, other=float("-inf"))
+    top = tl.max(lses, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp(lses - top)
+    weight_sum = tl.sum(weights, 0)
+    parts = tl.load(partial_out_ptr + (base + segments)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=segment_mask[:, None] & dim_mask[None, :], other=0.0)
+    seen = weight_sum > 0
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(seen, weight_sum, 1.0)
+    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_mask)
     if WRITE_LSE:
-        lse = tl.where(seen, max_score + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-        tl.store(lse_ptr + tokens * NUM_HEADS + head, lse, mask=row_mask)
+        lse = tl.where(seen, top + tl.log(tl.where(seen, weight_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + token * NUM_HEADS + head, lse)
+
+
+# Scratch of a split prefill, at most (float32 partial outputs): bounds the segment count.
+MAX_SPLIT_SCRATCH_BYTES = 64 << 20
+
+
+def prefill_segments(query_tiles: int, num_heads: int, longest_kv: int, num_tokens: int,
+                     head_dim: int, programs_wanted: int = 264,
+                     min_segment_tokens: int = 1024) -> int:
+    """KV segments per query tile of a prefill: 1 when the tiles x heads fill the chip;
+    otherwise enough to fill it, each at least ``min_segment_tokens`` of KV, within the
+    scratch bound. A 64-token chunk over a 64K-token prefix is 32 programs without a split
+    (a quarter of an H200's multiprocessors, each walking 1,000 KV tiles in a row)."""
+    programs = max(1, query_tiles * num_heads)
+    if programs >= programs_wanted or longest_kv < 2 * min_segment_tokens:
+        return 1
+    by_scratch = MAX_SPLIT_SCRATCH_BYTES // max(1, num_tokens * num_heads * head_dim * 4)
+    return max(1, min(MAX_DECODE_SEGMENTS, -(-programs_wanted // programs),
+                      longest_kv // min_segment_tokens, by_scratch))
 
 
 def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_info: torch.Tensor, block_indices: torch.Tensor, scale: float,
-                  out: torch.Tensor, lse: torch.Tensor | None, longest_query: int) -> None:
+                  out: torch.Tensor, lse: torch.Tensor | None, longest_query: int,
+                  longest_kv: int = 0, num_tokens: int = 0, first_token: int = 0,
+                  num_segments: int | None = None) -> None:
     """Attention of the query chunks of ``seq_info``'s sequences over their paged KV (the
-    chunk's own keys must be written already); ``longest_query`` sizes the grid (a host
-    value: no synchronisation)."""
+    chunk's own keys must be written already). Host values size the launch, so nothing
+    waits for the GPU: ``longest_query`` the grid; ``longest_kv``, ``num_tokens`` (the
+    chunks' tokens, the first of them ``first_token`` in the flat dimension) whether to
+    split the KV into segments (``prefill_segments``; ``num_segments`` forces a count)."""
     num_seqs = seq_info.shape[0]
     if num_seqs == 0 or longest_query == 0:
         return
@@ -347,15 +416,38 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_n, num_warps, num_stages = 64, (8 if block_m == 128 else 4), 2
     else:  # the interpreter: small tiles, so tests stay quick
         block_m, block_n, num_warps, num_stages = MIN_DOT, MIN_DOT, 1, 1
-    grid = (triton.cdiv(longest_query, block_m), num_seqs, num_heads)
+    query_tiles = triton.cdiv(longest_query, block_m)
+    if num_segments is None:
+        num_segments = prefill_segments(num_seqs * query_tiles, num_heads, longest_kv,
+                                        num_tokens, head_dim)
+    if not 1 <= num_segments <= MAX_DECODE_SEGMENTS:
+        raise ValueError(f"num_segments must be 1..{MAX_DECODE_SEGMENTS}, got {num_segments}")
+    split = num_segments > 1
+    if split:
+        if num_tokens <= 0:
+            raise ValueError("a split prefill needs num_tokens, the chunks' token count")
+        scratch_rows = num_tokens * num_heads * num_segments
+        partial_out = torch.empty(scratch_rows * head_dim, dtype=torch.float32,
+                                  device=query.device)
+        partial_lse = torch.empty(scratch_rows, dtype=torch.float32, device=query.device)
+    else:
+        partial_out = partial_lse = out  # unused
+    grid = (query_tiles, num_seqs * num_segments, num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, seq_info, block_indices, out, lse if lse is not None else out,
-        scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        partial_out, partial_lse, scale, num_segments, first_token,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // num_kv_heads, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         DIM_PAD=_pow2_at_least(head_dim), PAGE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_N=block_n, WRITE_LSE=lse is not None,
+        BLOCK_N=block_n, WRITE_LSE=lse is not None, SPLIT=split,
         DOT_PRECISION=_dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages)
+    if split:
+        _merge_segments_kernel[(num_tokens, num_heads)](
+            partial_out, partial_lse, out, lse if lse is not None else out, num_segments,
+            first_token, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            SEGMENTS_PAD=MAX_DECODE_SEGMENTS, HEAD_DIM=head_dim,
+            DIM_PAD=triton.next_power_of_2(head_dim), WRITE_LSE=lse is not None, num_warps=1)
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:

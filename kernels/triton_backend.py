@@ -76,9 +76,12 @@ class TritonBackend:
                          self._block_indices, scale, output, lse, self._segments,
                          partial_out, partial_lse)
         if num_decodes < metadata.num_seqs:
+            # Decodes are one token each and come first: the prefill tokens start there.
             paged_prefill(query, k_cache, v_cache, self._seq_info[num_decodes:],
                           self._block_indices, scale, output, lse,
-                          max(metadata.query_lens[num_decodes:]))
+                          max(metadata.query_lens[num_decodes:]),
+                          longest_kv=max(metadata.kv_lens[num_decodes:]),
+                          num_tokens=num_tokens - num_decodes, first_token=num_decodes)
         return AttentionResult(output=output, lse_natural=lse)
 
     def _decode_scratch(self, metadata: AttentionMetadata, num_heads: int, head_dim: int,

@@ -153,13 +153,28 @@ class PrefillBudget:
         """
         size = self._budgeted_chunk(kv_before_tokens, remaining_tokens, relative_slack, fit_tokens)
         if size == 0 and self.is_empty and remaining_tokens > 0:
-            # Progress over budget: when even a minimum chunk is predicted over the target and
-            # the batch would otherwise be empty, run the minimum chunk anyway. An empty batch
-            # makes no progress at all, so a pessimistic predictor, or one long prefill deep
-            # into its KV, would stall the instance forever.
-            cap = remaining_tokens if fit_tokens is None else min(remaining_tokens, fit_tokens)
-            return max(0, min(cap, self.config.min_chunk_tokens))
+            return self._over_budget_chunk(kv_before_tokens, remaining_tokens, fit_tokens)
         return size
+
+    def _over_budget_chunk(self, kv_before_tokens: int, remaining_tokens: int,
+                           fit_tokens: int | None) -> int:
+        """Progress over budget: even a minimum chunk is predicted over the target, and the
+        batch would otherwise be empty, which makes no progress at all (a pessimistic
+        predictor, or one long prefill deep into its KV, would stall the instance forever).
+        Such a step's time is then mostly what does not grow with the chunk (attention over
+        a long prefix, a fixed cost), so the chunk may cost up to one more target than the
+        minimum chunk: a 64K-token prompt went in 32-token steps before, each paying the
+        whole prefix (103 s to the first token on an H200)."""
+        cap = remaining_tokens if fit_tokens is None else min(remaining_tokens, fit_tokens)
+        minimum = max(0, min(cap, self.config.min_chunk_tokens))
+        if minimum == 0:
+            return 0
+        what_if = self.estimate.time_with_prefill_ms
+        limit_ms = (what_if(kv_before_tokens, minimum) + self.config.target_batch_time_ms) * (
+            1.0 + FLOAT_SLACK)
+        size = largest_chunk_tokens(lambda n: what_if(kv_before_tokens, n) <= limit_ms,
+                                    remaining_tokens, cap, self.config)
+        return max(minimum, size)
 
     def _budgeted_chunk(self, kv_before_tokens: int, remaining_tokens: int,
                         relative_slack: float, fit_tokens: int | None) -> int:

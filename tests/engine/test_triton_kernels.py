@@ -251,3 +251,76 @@ def test_triton_on_cuda_equals_torch_ref(dtype, atol):
 def test_triton_on_cuda_equals_dense_in_float32():
     check_against_dense([(300, 1), (40, 1), (64, 190), (0, 129)], heads=8, kv_heads=2,
                         dim=64, device="cuda", dtype=torch.float32, atol=1e-4)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 7])
+def test_split_kv_prefill_equals_one_pass(segments):
+    """A prefill's KV split into segments merged by lse (what a short chunk over a long
+    prefix gets on a GPU) equals the single pass, output and lse, also with decodes first
+    and a sequence whose early tiles see little of the KV."""
+    from slipstream.kernels.triton_attention import paged_decode, paged_prefill, write_kv
+
+    seqs = [(70, 1), (200, 1), (260, 20), (0, 37), (100, 5)]
+    case = paged_case(seqs, 4, 2, 16, "cpu", torch.float32, seed=segments)
+    k_cache, v_cache, metadata, keys, values, query, _, _ = case
+    write_kv(keys, values, k_cache, v_cache, metadata.slot_mapping)
+    num_decodes, num_tokens = metadata.num_decodes, metadata.num_tokens
+    results = []
+    for count in (1, segments):
+        out = torch.full_like(query, float("nan"))  # every row must be written
+        lse = torch.full(query.shape[:2], float("nan"))
+        paged_decode(query, k_cache, v_cache, metadata.seq_info[:num_decodes],
+                     metadata.block_indices, 0.25, out, lse, 2)
+        paged_prefill(query, k_cache, v_cache, metadata.seq_info[num_decodes:],
+                      metadata.block_indices, 0.25, out, lse, 37, longest_kv=280,
+                      num_tokens=num_tokens - num_decodes, first_token=num_decodes,
+                      num_segments=count)
+        assert not out.isnan().any() and not lse.isnan().any()
+        results.append((out, lse))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_split_kv_prefill_of_a_kv_shard_after_the_queries_sees_nothing():
+    from slipstream.kernels.triton_attention import paged_prefill
+
+    k_cache = torch.randn(4, BLOCK, 2, 16)
+    v_cache = torch.randn(4, BLOCK, 2, 16)
+    metadata = AttentionMetadata.build(
+        query_lens=[3], kv_lens=[60], query_start_pos=[10], block_tables=[[0, 1, 2, 3]],
+        slot_mapping=[-1] * 3, block_size=BLOCK, kv_start_pos=[100])
+    out = torch.full((3, 4, 16), float("nan"))
+    lse = torch.full((3, 4), float("nan"))
+    paged_prefill(torch.randn(3, 4, 16), k_cache, v_cache, metadata.seq_info,
+                  metadata.block_indices, 0.25, out, lse, 3, longest_kv=60, num_tokens=3,
+                  num_segments=4)
+    assert torch.isneginf(lse).all() and torch.equal(out, torch.zeros_like(out))
+
+
+def test_prefill_segments_split_only_what_leaves_the_chip_idle():
+    from slipstream.kernels.triton_attention import prefill_segments
+
+    # 64 tokens (one tile) x 32 heads over a 64K prefix: 32 programs -> split 9 ways.
+    assert prefill_segments(1, 32, 65536, 64, 128) == 9
+    # A 2K-token chunk: 16 tiles x 32 heads fill the chip already.
+    assert prefill_segments(16, 32, 65536, 2048, 128) == 1
+    # A short prefix is not worth splitting.
+    assert prefill_segments(1, 32, 1500, 64, 128) == 1
+    # The scratch bound: 1,000 tokens x 32 heads x 128 x 4 bytes is 16 MB per segment, so 4
+    # segments fit in 64 MB where the 64 programs would want 5.
+    assert prefill_segments(2, 32, 65536, 1000, 128) == 4
+
+
+@pytest.mark.gpu
+def test_split_prefill_on_cuda_equals_torch_ref():
+    # A 64-token chunk over a 20K-token prefix: 32 heads x 1 tile, split into KV segments.
+    seqs = [(20_000, 64), (300, 1)]
+    seqs = [seqs[1], seqs[0]]  # decodes first
+    case = paged_case(seqs, 32, 8, 128, "cuda", torch.bfloat16, seed=12)
+    scale = 1 / math.sqrt(128)
+    triton_result, _, _ = run_backend(TritonBackend("cuda"), case, scale)
+    torch_result, _, _ = run_backend(TorchReferenceBackend(), case, scale)
+    torch.testing.assert_close(triton_result.output.float(), torch_result.output.float(),
+                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(triton_result.lse_natural, torch_result.lse_natural,
+                               atol=2e-2, rtol=2e-2)

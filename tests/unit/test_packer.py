@@ -43,6 +43,9 @@ def test_packer_never_exceeds_the_budget_by_its_own_prediction(num_decodes, mean
     longs = 0
     for kv_before, remaining, slack, fit in prefills:
         was_empty = budget.is_empty
+        minimum_ms = budget.estimate.time_with_prefill_ms(
+            kv_before, min(remaining, fit if fit is not None else remaining,
+                           config.min_chunk_tokens))
         size = budget.chunk_for(kv_before, remaining, slack, fit)
         assert 0 <= size <= remaining
         if fit is not None:
@@ -52,9 +55,11 @@ def test_packer_never_exceeds_the_budget_by_its_own_prediction(num_decodes, mean
             budget.add_prefill(kv_before, size)
             longs += budget.is_long(kv_before)
             if budget.time_ms > target_ms * (1 + FLOAT_SLACK):
-                # The one exception: a minimum chunk that is over budget on its own still
-                # runs when the batch would otherwise be empty (progress).
-                assert was_empty and size <= config.min_chunk_tokens
+                # The one exception: when even a minimum chunk is over budget and the batch
+                # would otherwise be empty, a chunk costing up to one more target than the
+                # minimum chunk runs (progress).
+                assert was_empty
+                assert budget.time_ms <= (minimum_ms + target_ms) * (1 + FLOAT_SLACK)
     if budget.num_prefills == 0:
         assert budget.time_ms == decode_only_ms
     assert longs <= 1
@@ -65,7 +70,10 @@ def test_an_otherwise_empty_batch_always_makes_progress():
     model = AnalyticModel(ms_per_token=0.01, iteration_overhead_ms=40.0)
     config = PackerConfig(target_batch_time_ms=20.0)
     budget = PrefillBudget(model, config)
-    assert budget.chunk_for(0, 1000) == config.min_chunk_tokens
+    # The fixed 40 ms dominates: the chunk may cost one more target (20 ms = 2,000 tokens)
+    # than the minimum chunk, so the whole 1,000 tokens go at once.
+    assert budget.chunk_for(0, 1000) == 1000
+    assert budget.chunk_for(0, 5000) == 2016  # 40.32 + 20 ms: 2,032 tokens, in granules
     assert budget.chunk_for(0, 10) == 10
     assert budget.chunk_for(0, 1000, fit_tokens=16) == 16
     budget.add_prefill(0, config.min_chunk_tokens)
@@ -160,3 +168,26 @@ def test_prefill_time_cache_with_h100_is_superlinear_and_monotone():
     assert times[-1] / times[-2] > 4.0 * 1.05  # attention makes 4x the tokens cost more than 4x
     # Each chunk of the simulation fits the target, so T(l) is at least l / max-chunk iterations.
     assert cache.total_s(65_536) >= 8 * 0.050 * 0.5
+
+
+def test_a_long_prefix_over_budget_takes_chunks_worth_their_step():
+    """Attention over a 64K-token prefix alone fills the target: minimum chunks would pay it
+    every 32 tokens; the packer takes what fits in one more target instead."""
+    model = AnalyticModel(ms_per_token=0.005, ms_per_attended_pair=2e-8,
+                          iteration_overhead_ms=5.0)
+    config = PackerConfig(target_batch_time_ms=50.0)
+    budget = PrefillBudget(model, config)
+    minimum_ms = budget.estimate.time_with_prefill_ms(65_536, config.min_chunk_tokens)
+    assert minimum_ms < 50.0  # 32 tokens fit: the plain budget decides
+    size = budget.chunk_for(65_536, 100_000)
+    assert 32 < size and budget.estimate.time_with_prefill_ms(65_536, size) <= 50.0
+    # A step that costs 80 ms whatever its chunk (a kernel short of parallelism, a fixed
+    # cost): the chunk grows until it costs one more target.
+    slow = AnalyticModel(ms_per_token=0.005, ms_per_attended_pair=1e-7,
+                         iteration_overhead_ms=80.0)
+    over = PrefillBudget(slow, config)
+    minimum_ms = over.estimate.time_with_prefill_ms(65_536, config.min_chunk_tokens)
+    assert minimum_ms > 50.0
+    size = over.chunk_for(65_536, 100_000)
+    assert size > 4000
+    assert over.estimate.time_with_prefill_ms(65_536, size) <= minimum_ms + 50.0 + 1e-6
