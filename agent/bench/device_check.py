@@ -468,18 +468,22 @@ def plot(report: dict, path: Path) -> None:
         if points:
             timeline.scatter([a for a, _ in points], [t for _, t in points], s=8, color=color,
                              label=name.split("_")[1].upper())
-    timeline.set_yscale("log")
     timeline.set_xlabel("arrival (s)")
     timeline.set_ylabel("short request TTFT (s)")
     timeline.set_title("convoy: short requests among long documents")
-    timeline.legend()
+    if timeline.collections:
+        timeline.set_yscale("log")
+        timeline.legend()
+    else:
+        timeline.text(0.5, 0.5, "not measured", ha="center", va="center",
+                      transform=timeline.transAxes)
     table.axis("off")
     cells = [[row["goal"], _fmt(row["value"]), row["target"],
               {True: "met", False: "missed", None: "-"}[row["met"]]]
              for row in report.get("goals", [])]
     if cells:
         shown = table.table(cellText=cells, colLabels=["goal", "value", "target", ""],
-                            loc="center", cellLoc="left")
+                            loc="center", cellLoc="left", colWidths=[0.42, 0.14, 0.32, 0.12])
         shown.auto_set_font_size(False)
         shown.set_fontsize(8)
         shown.scale(1, 1.4)
