@@ -1,10 +1,28 @@
-"""Fixtures shared by every test tier."""
+"""Fixtures shared by every test tier.
+
+Without a CUDA device, Triton kernels run in Triton's interpreter: the variable is set here,
+before any test module imports a kernel (``triton.jit`` reads it when a kernel is defined).
+Only the CUDA check imports torch, and only where torch is installed."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

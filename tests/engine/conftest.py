@@ -1,16 +1,10 @@
-"""Engine-tier test setup: tests marked ``gpu`` are skipped on machines without CUDA, and
-without CUDA Triton kernels run in Triton's interpreter (set before anything imports a
-kernel: ``triton.jit`` reads it when a kernel is defined)."""
+"""Engine-tier test setup: tests marked ``gpu`` are skipped on machines without CUDA (where
+Triton kernels run in its interpreter: see tests/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
