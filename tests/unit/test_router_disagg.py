@@ -258,3 +258,40 @@ def test_a_decode_leg_refused_because_the_prefill_ended_at_its_first_token():
         assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == \
             (" end", "stop")
     assert len(decode_calls) == 2
+
+
+def test_sequential_chains_spread_decode_legs_over_idle_decode_instances():
+    """Issue 30: each chain places a prefill and then a decode leg. With one tie-break
+    counter for both choices, the decode choice always saw the same rotation parity, and six
+    sequential requests all went to one of two idle decode instances."""
+    table = _table(spec("p1", "short"), spec("d1", "decode"), spec("d22", "decode"))
+    dispatcher = make_dispatcher(table)
+
+    async def one_request() -> str:
+        prefill = await dispatcher.acquire(_routed("short", 10), 0.0)
+        decode = await dispatcher.acquire(_routed("decode", 10), 0.0)
+        prefill.first_token()
+        prefill.finish(1)
+        decode.first_token()
+        decode.finish(4)
+        return decode.instance.name
+
+    used = [asyncio.run(one_request()) for _ in range(6)]
+    assert sorted(set(used)) == ["d1", "d22"]
+    assert used.count("d1") == used.count("d22") == 3
+
+
+def test_sequential_prefills_spread_over_idle_prefill_instances_too():
+    table = _table(spec("p1", "short"), spec("p22", "short"), spec("d1", "decode"))
+    dispatcher = make_dispatcher(table)
+
+    async def one_request() -> str:
+        prefill = await dispatcher.acquire(_routed("short", 10), 0.0)
+        decode = await dispatcher.acquire(_routed("decode", 10), 0.0)
+        for lease in (prefill, decode):
+            lease.first_token()
+            lease.finish(1)
+        return prefill.instance.name
+
+    used = [asyncio.run(one_request()) for _ in range(4)]
+    assert used.count("p1") == used.count("p22") == 2
