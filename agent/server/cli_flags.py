@@ -160,7 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefill/decode disaggregation",
         "A prefill instance computes prompts and their first token and keeps their KV for a "
         "decode instance, which fetches it and continues (docs/disaggregation.md). The router "
-        "(slipstream router --prefill/--decode) chains the two.")
+        "(slipstream router, given decode instances as --backend URL=decode or as pods in the "
+        "decode pool) chains the two.")
     disagg.add_argument("--role", choices=ROLES, default=None,
                         help="this instance's part; default: $SLIPSTREAM_ROLE if set, else "
                              "mixed (prefill and decode here, no KV transfer)")

@@ -52,8 +52,11 @@ def parse_subcommand(argv: list[str]) -> tuple[ModuleType, argparse.Namespace]:
     """The subcommand's module and its parsed arguments (``argv[0]`` names the subcommand)."""
     module_name, help_text = SUBCOMMANDS[argv[0]]
     module = importlib.import_module(module_name)
+    # No abbreviated flags: `slipstream router --decode X` was silently read as
+    # --decode-weight-tokens X. A flag is spelt out or refused.
     sub_parser = argparse.ArgumentParser(prog=f"slipstream {argv[0]}", description=help_text,
-                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                         allow_abbrev=False)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
     config_path = getattr(args, "config", None)
