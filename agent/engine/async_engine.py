@@ -136,6 +136,13 @@ class _CutInFlight:
     """Command: fail every request in flight (the drain period is over)."""
 
 
+@dataclass(frozen=True)
+class _DropKV:
+    """Command: free a KV hold no decode instance will read (prefill role)."""
+
+    transfer_id: str
+
+
 _CUT = _CutInFlight()
 
 
@@ -153,7 +160,8 @@ class AsyncEngine:
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.grammar = self.engine.grammar  # checks grammars for the API (thread-safe)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | _DropKV | None] = \
+            queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -255,6 +263,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def release_kv(self, transfer_id: str) -> None:
+        """Prefill role: free the KV held under ``transfer_id`` (a router whose decode leg
+        found no decode instance); unknown ids are ignored. Any thread."""
+        self._commands.put(_DropKV(transfer_id))
+
     # -- engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -330,6 +343,8 @@ class AsyncEngine:
             elif isinstance(command, _CutInFlight):
                 for failed in self._fail_all(DRAINED_MESSAGE, DRAINED):
                     self._deliver(failed)
+            elif isinstance(command, _DropKV):
+                self.engine.drop_kv(command.transfer_id)
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:

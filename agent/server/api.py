@@ -103,6 +103,17 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
         _require_healthy(ctx)
         return await _answer(create_chat_completion(ctx, request, body))
 
+    @app.post("/v1/kv_transfer/release")
+    async def release_kv(request: Request) -> Response:
+        """Prefill role: free a KV hold that no decode instance will read, now rather than
+        at the hold timeout (the router, when a chain's decode leg found no decode
+        instance). The transfer id is the capability: random, known only to the router
+        and the decode instance it was handed to."""
+        raw = await read_body(request, config.max_body_bytes, config.request_read_timeout_s)
+        transfer_id = _transfer_id(parse_json(raw))
+        engine.release_kv(transfer_id)
+        return JSONResponse({"transfer_id": transfer_id, "released": True})
+
     _describe_request_bodies(app, {"/v1/completions": CompletionRequest,
                                    "/v1/chat/completions": ChatCompletionRequest})
     return app
@@ -161,9 +172,19 @@ async def _parse_body(request: Request, model_type: type[M], config: ServerConfi
         raise bad_request("The request body is nested too deeply.") from None
 
 
+def _transfer_id(data: Any) -> str:
+    transfer_id = data.get("transfer_id") if isinstance(data, dict) else None
+    if not isinstance(transfer_id, str) or not 1 <= len(transfer_id) <= 64 \
+            or not all(ch in "0123456789abcdef" for ch in transfer_id):
+        raise bad_request("transfer_id: a KV handle's transfer id (hex) is required",
+                          param="transfer_id")
+    return transfer_id
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     add_openai_error_handlers(app, "Unknown endpoint. Slipstream serves /v1/completions, "
-                              "/v1/chat/completions, /v1/models, /health and /metrics.")
+                              "/v1/chat/completions, /v1/models, /v1/kv_transfer/release, /health "
+                              "and /metrics.")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:

@@ -320,6 +320,11 @@ class EngineCoreClient:
     async def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))
 
+    def release_kv(self, transfer_id: str) -> None:
+        """Prefill role: free the KV held under ``transfer_id`` (a router whose decode leg
+        found no decode instance); unknown ids are ignored."""
+        self._send(DropKV([transfer_id]))
+
     def _send(self, command: Command) -> None:
         raw = encoder.encode(command)
         with self._send_lock:  # the event loop and the output thread both send
