@@ -125,6 +125,7 @@ class _Add:
     slo: RequestSLO | None
     kv_transfer: dict | None = None
     share_prompt_with: str | None = None
+    share_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -248,13 +249,14 @@ class AsyncEngine:
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None,
                  kv_transfer: dict | None = None,
-                 share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
+                 share_prompt_with: str | None = None,
+                 share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         check_admission(self, request_id, prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                                kv_transfer, share_prompt_with))
+                                kv_transfer, share_prompt_with, share_weight))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
             self._deliver(dead_output(request_id))
         return stream_outputs(request_id, stream, self._streams,
@@ -332,7 +334,8 @@ class AsyncEngine:
                                             command.request_id, app_id=command.app_id,
                                             priority=command.priority, slo=command.slo,
                                             kv_transfer=command.kv_transfer,
-                                            share_prompt_with=command.share_prompt_with)
+                                            share_prompt_with=command.share_prompt_with,
+                                            share_weight=command.share_weight)
                 except ValueError as error:
                     self._deliver(error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))

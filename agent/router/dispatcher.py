@@ -104,7 +104,7 @@ class Dispatcher:
     def tag(self, routed: RoutedRequest) -> float:
         """The request's fairness tag, taken once (a retry keeps it)."""
         return self.queues[routed.request_class].tag(routed.app_id, routed.prompt_tokens,
-                                                     routed.max_tokens)
+                                                     routed.max_tokens, routed.share_weight)
 
     async def acquire(self, routed: RoutedRequest, finish_tag: float,
                       exclude: frozenset[str] = frozenset()) -> Lease:

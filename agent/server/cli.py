@@ -43,6 +43,7 @@ from slipstream.agent.server.cli_configs import (
     check_api_processes, defaults_from_config, engine_config_from_args,
     scheduler_config_from_args, server_config_from_args, use_engine_process)
 from slipstream.agent.server.cli_flags import add_arguments
+from slipstream.agent.server.tenancy.config import tenancy_line
 from slipstream.agent.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         check_api_processes(args)
-    except ValueError as error:
+        tenancy_line(server_config.tenants_path)  # a file that does not validate stops here
+    except (ValueError, OSError) as error:
         log.error("cannot start: %s", error)
         return 2
     shared_dir = None
@@ -224,6 +226,7 @@ def _print_banner(config: ServerConfig, port: int, model_name: str, max_model_le
     print(f"Slipstream serving {model_name!r} (context {max_model_len} tokens) at {url}/v1\n"
           f"  metrics: {url}/metrics   health: {url}/health   "
           f"control (gRPC): {host}:{config.control_port or 'off'}\n"
+          f"  {tenancy_line(config.tenants_path)}\n"
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'", flush=True)

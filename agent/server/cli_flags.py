@@ -19,7 +19,8 @@ from slipstream.agent.scheduler.flags import add_short_prefill_arguments
 
 from slipstream.agent.server.config import (
     DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HOST, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS,
-    DEFAULT_MAX_TOKENS_CAP, TOOL_CALL_PARSERS, add_request_limit_arguments)
+    DEFAULT_MAX_TOKENS_CAP, TOOL_CALL_PARSERS, add_request_limit_arguments,
+    add_tenants_argument)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -148,6 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
     add_request_limit_arguments(http)
+    add_tenants_argument(http)
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                       help="the model's tool-call syntax, turned into OpenAI tool_calls: "
                            "hermes (Qwen, Hermes, ChatML), llama3_json (Llama 3.1+), mistral; "

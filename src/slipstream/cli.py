@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "Replay a workload through the real scheduler on a performance model."),
     "bench": ("slipstream.agent.bench.cli",
               "Benchmarks; `bench serve` loads any OpenAI-compatible endpoint."),
+    "tenants": ("slipstream.agent.server.tenancy.cli",
+                "API keys and tenants files: new-key, hash-key, check (docs/tenancy.md)."),
     "operator": ("slipstream.operator.cli",
                  "Run the ServingReplica Kubernetes operator (kopf) in this process."),
 }
