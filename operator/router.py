@@ -91,6 +91,7 @@ def build_router_deployment_spec(replica: str, namespace: str, spec: ServingRepl
     pod_spec: dict[str, Any] = {
         "serviceAccountName": naming.router_name(replica),
         "terminationGracePeriodSeconds": 10,
+        "securityContext": builders.pod_security_context(),
         "containers": [_router_container(replica, namespace, spec)],
         "volumes": [builders.model_volume(spec)],
     }
@@ -117,6 +118,9 @@ def _router_container(replica: str, namespace: str, spec: ServingReplicaSpec) ->
         "image": spec.image,
         "command": router_command(replica, namespace, spec),
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        # The router writes nothing (the image sets PYTHONDONTWRITEBYTECODE): no scratch
+        # volume under its read-only root.
+        "securityContext": builders.container_security_context(),
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT}],
         # Ready once it sees at least one Ready agent pod: until then it could only answer 503.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},

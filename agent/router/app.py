@@ -40,7 +40,7 @@ from slipstream.agent.server.errors import APIError, add_openai_error_handlers
 from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.tenancy.gate import TenancyGate
 from slipstream.agent.server.tenancy.identity import caller_of
-from slipstream.agent.server.tenancy.registry import Tenants
+from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 
 log = logging.getLogger(__name__)
 # Bodies larger than this are tokenized off the event loop (a 1M-token prompt takes ~1 s).
@@ -143,9 +143,9 @@ def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -
                   lifespan=lifespan)
     app.state.router = router
     _add_error_handlers(app)
-    if config.tenants_path is not None:
-        app.add_middleware(TenancyGate, tenants=Tenants(config.tenants_path),
-                           count=router.metrics.count_tenant_request)
+    tenants = None if config.tenants_path is None else Tenants(config.tenants_path)
+    router.metrics.create_tenant_series(tenants.metric_labels() if tenants else [OPEN_LABEL])
+    app.add_middleware(TenancyGate, tenants=tenants, count=router.metrics.count_tenant_request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -57,6 +57,10 @@ class RouterMetrics:
         for pool in POOLS:
             self.retries.labels(pool)
 
+    def create_tenant_series(self, labels: list[str]) -> None:
+        for label in labels:
+            self.tenant_requests.labels(label, "ok")
+
     def count_tenant_request(self, tenant_label: str, outcome: str) -> None:
         self.tenant_requests.labels(tenant_label, outcome).inc()
 

@@ -35,7 +35,7 @@ from slipstream.agent.server.prepare import ServingContext
 from slipstream.agent.server.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
 from slipstream.agent.server.tenancy.gate import TenancyGate
-from slipstream.agent.server.tenancy.registry import Tenants
+from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 
 if TYPE_CHECKING:
     from slipstream.agent.server.engine_core import ServingEngine
@@ -74,10 +74,10 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
                   lifespan=lifespan)
     app.state.serving = ctx
     _add_error_handlers(app)
-    if config.tenants_path is not None:
-        app.add_middleware(TenancyGate, tenants=Tenants(config.tenants_path),
-                           count=metrics.count_tenant_request,
-                           on_clamped=metrics.count_slo_clamped)
+    tenants = None if config.tenants_path is None else Tenants(config.tenants_path)
+    metrics.create_tenant_series(tenants.metric_labels() if tenants else [OPEN_LABEL])
+    app.add_middleware(TenancyGate, tenants=tenants, count=metrics.count_tenant_request,
+                       on_clamped=metrics.count_slo_clamped)
 
     @app.get("/health")
     async def health() -> Response:

@@ -157,6 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
+    http.add_argument("--control-token-file", type=Path, default=None, metavar="FILE",
+                      help="every control call must carry 'authorization: Bearer <the token "
+                           "in FILE>' (the operator mounts one per ServingReplica; re-read "
+                           "when it changes); without it the control port is open")
 
     disagg = parser.add_argument_group(
         "prefill/decode disaggregation",

@@ -80,6 +80,8 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     # The tenants file (tenancy/config.py); None: open, no API keys.
     tenants_path: Path | None = None
+    # The control port's bearer token (control_auth.py); None: the port is open.
+    control_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -117,6 +117,12 @@ class ServingMetrics:
             for collector in local:
                 self._exported.register(collector)
 
+    def create_tenant_series(self, labels: list[str]) -> None:
+        """Every tenant's series as zeros from the start, so dashboards have data at once."""
+        for label in labels:
+            self.tenant_requests.labels(label, "ok")
+            self.tenant_slo_clamped.labels(label)
+
     def count_tenant_request(self, tenant_label: str, outcome: str) -> None:
         self.tenant_requests.labels(tenant_label, outcome).inc()
 

@@ -11,6 +11,7 @@
 It runs before the body is read, so an unauthenticated or over-limit client costs a header
 parse, and nothing of its request reaches the tokenizer or the engine. ``/health`` and
 ``/metrics`` (kubelet, Prometheus) are not gated; NetworkPolicies keep them in the cluster.
+Without a tenants file (``tenants=None``) it only counts outcomes, under the label "open".
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 from slipstream.agent.server.errors import APIError, bad_request, error_response
 from slipstream.agent.server.tenancy.identity import CALLER_SCOPE_KEY, Caller
 from slipstream.agent.server.tenancy.keys import KeyProblem, bearer_token, credential_in_query
-from slipstream.agent.server.tenancy.registry import NONE_LABEL, Tenants, unauthorized
+from slipstream.agent.server.tenancy.registry import (
+    NONE_LABEL, OPEN_LABEL, Tenants, unauthorized)
 from slipstream.agent.server.tenancy.slo_policy import CLAMPED_HEADER, CLASS_HEADER
 
 GATED_PREFIX = "/v1/"
@@ -39,7 +41,7 @@ def outcome_of(status: int) -> str:
 
 
 class TenancyGate:
-    def __init__(self, app: Any, tenants: Tenants, count: OutcomeCounter | None = None,
+    def __init__(self, app: Any, tenants: Tenants | None, count: OutcomeCounter | None = None,
                  on_clamped: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.tenants = tenants
@@ -49,6 +51,9 @@ class TenancyGate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(GATED_PREFIX):
             await self.app(scope, receive, send)
+            return
+        if self.tenants is None:
+            await self._open(scope, receive, send)
             return
         limited = scope["method"] == "POST" and scope["path"] in LIMITED_PATHS
         caller: Caller | None = None
@@ -81,6 +86,20 @@ class TenancyGate:
             if caller.slo is not None and caller.slo.clamped:
                 self._on_clamped(caller.label)
 
+    async def _open(self, scope: dict, receive: Any, send: Any) -> None:
+        status = 500
+
+        async def send_counted(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            self._count(OPEN_LABEL, outcome_of(status))
+
     def _identify(self, scope: dict) -> Caller:
         in_query = credential_in_query(scope.get("query_string", b""))
         if in_query is not None:
@@ -91,6 +110,7 @@ class TenancyGate:
             key = bearer_token(scope.get("headers", []))
         except KeyProblem as problem:
             raise unauthorized(str(problem), missing=problem.missing) from None
+        assert self.tenants is not None
         return self.tenants.identify(key)
 
 

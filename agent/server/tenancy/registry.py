@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 INVALID_KEY = "invalid_api_key"
 OTHER_LABEL = "other"  # tenants past MAX_LABELLED_TENANTS in the file
 NONE_LABEL = "none"  # requests refused before a tenant was known
+OPEN_LABEL = "open"  # every request, when there is no tenants file
 
 
 def unauthorized(message: str, *, missing: bool = False) -> APIError:
@@ -66,6 +67,10 @@ class Tenants:
         self._names = frozenset(tenant.name for tenant in tenants_file.tenants)
         self.labels = {tenant.name: tenant.name if index < MAX_LABELLED_TENANTS else OTHER_LABEL
                        for index, tenant in enumerate(tenants_file.tenants)}
+
+    def metric_labels(self) -> list[str]:
+        """Every tenant label this file can produce, for series that exist from the start."""
+        return sorted({*self.labels.values(), NONE_LABEL})
 
     def describe(self) -> str:
         keys = sum(len(tenant.api_keys) for tenant in self.file.tenants)
