@@ -1,6 +1,7 @@
 """The tenancy gate: ASGI middleware in front of the agent's and the router's API.
 
-    request --/v1/*?--> credentials in the URL?      --> 400 (never served, never logged)
+    request --/v1/*?--> headers past MAX_HEADER_BYTES --> 431
+                    --> credentials in the URL?      --> 400 (never served, never logged)
                     --> Authorization: Bearer <key>  --> Tenants.identify --> 401 / 403
                     --> POST completions / chat      --> TenantLimiter.admit --> 429
                     --> the app, with the Caller in the scope (identity.caller_of)
@@ -27,6 +28,9 @@ from slipstream.agent.server.tenancy.registry import (
 from slipstream.agent.server.tenancy.slo_policy import CLAMPED_HEADER, CLASS_HEADER
 
 GATED_PREFIX = "/v1/"
+# The HTTP server (uvicorn with httptools) accepts header blocks of any size; no API client
+# sends more than a few KiB, and a large block only costs memory before anything is checked.
+MAX_HEADER_BYTES = 32 * 1024
 LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Outcome label values of the tenant request counters.
 OUTCOMES = ("ok", "unauthenticated", "forbidden", "rate_limited", "rejected", "error")
@@ -51,6 +55,14 @@ class TenancyGate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(GATED_PREFIX):
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(name) + len(value) + 4 for name, value in scope.get("headers", []))
+        if header_bytes > MAX_HEADER_BYTES:
+            self._count(NONE_LABEL, "rejected")
+            await error_response(APIError(
+                431, f"Request header fields too large: {header_bytes} bytes, at most "
+                     f"{MAX_HEADER_BYTES}.", code="request_header_fields_too_large",
+                headers={"Connection": "close"}))(scope, receive, send)
             return
         if self.tenants is None:
             await self._open(scope, receive, send)
