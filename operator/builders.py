@@ -28,6 +28,10 @@ CONFIG_VOLUME = "engine-config"
 CONTROL_TOKEN_VOLUME = "control-token"
 CONTROL_TOKEN_DIR = "/var/run/slipstream/control"
 CONTROL_TOKEN_KEY = "token"
+# The tenants file (spec.tenants), mounted from the user's Secret.
+TENANTS_VOLUME = "tenants"
+TENANTS_DIR = "/etc/slipstream/tenants"
+TENANTS_KEY = "tenants.yaml"
 # Pods run with a read-only root file system: what the agent writes (runtime profiles, GGUF
 # conversions, compiler caches, temporary files) goes to this emptyDir.
 SCRATCH_VOLUME = "scratch"
@@ -87,6 +91,8 @@ def template_hash(spec: ServingReplicaSpec) -> str:
     shaping = {"config": agent_config(spec).to_yaml(), "image": spec.image,
                "model": spec.model.model_dump(mode="json", by_alias=True),
                "placement": spec.placement.model_dump(mode="json", by_alias=True)}
+    if spec.tenants is not None:  # only when set: existing replicas keep their hash
+        shaping["tenants"] = spec.tenants.secret_name
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
@@ -99,6 +105,23 @@ def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec
                      "labels": naming.common_labels(replica)},
         "data": {ENGINE_CONFIG_FILE: agent_config(spec).to_yaml()},
     }
+
+
+def tenants_volume(spec: ServingReplicaSpec) -> list[dict]:
+    if spec.tenants is None:
+        return []
+    return [{"name": TENANTS_VOLUME, "secret": {"secretName": spec.tenants.secret_name,
+                                                "defaultMode": 0o440}}]
+
+
+def tenants_mount(spec: ServingReplicaSpec) -> list[dict]:
+    if spec.tenants is None:
+        return []
+    return [{"name": TENANTS_VOLUME, "mountPath": TENANTS_DIR, "readOnly": True}]
+
+
+def tenants_flag(spec: ServingReplicaSpec) -> list[str]:
+    return [] if spec.tenants is None else ["--tenants", f"{TENANTS_DIR}/{TENANTS_KEY}"]
 
 
 def build_control_secret_spec(replica: str, namespace: str, token: str) -> dict:
@@ -197,7 +220,8 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
         "securityContext": pod_security_context(),
         "containers": [_agent_container(replica, namespace, spec, instance, share, rank,
                                         num_ranks, pool, control_auth and rank == 0)],
-        "volumes": _volumes(replica, spec, control_auth and rank == 0),
+        "volumes": _volumes(replica, spec, control_auth and rank == 0) + (
+            tenants_volume(spec) if rank == 0 else []),
     }
     if spec.placement.node_selector:
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
@@ -224,8 +248,8 @@ def termination_grace_seconds(spec: ServingReplicaSpec) -> int:
     return PRE_STOP_SLEEP_SECONDS + spec.drain_timeout_seconds + DRAIN_MARGIN_SECONDS
 
 
-def agent_command(*, rank: int, role: str | None = None,
-                  control_auth: bool = False) -> list[str]:
+def agent_command(*, rank: int, role: str | None = None, control_auth: bool = False,
+                  tenants: list[str] | None = None) -> list[str]:
     """Pod 0 runs the controller (HTTP, scheduler) and its node's ranks; every further pod
     runs `slipstream worker` for its node's ranks. The rank layout comes from the
     SLIPSTREAM_* variables (see ``parallel_env``). Everything the spec says about the engine
@@ -245,6 +269,7 @@ def agent_command(*, rank: int, role: str | None = None,
                "--no-profile"]
     if control_auth:
         command += ["--control-token-file", f"{CONTROL_TOKEN_DIR}/{CONTROL_TOKEN_KEY}"]
+    command += tenants or []
     if role is not None:
         command += ["--role", role]
     if role == PREFILL_ROLE:
@@ -286,7 +311,8 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.image,
-        "command": agent_command(rank=rank, role=role, control_auth=control_auth),
+        "command": agent_command(rank=rank, role=role, control_auth=control_auth,
+                                 tenants=tenants_flag(spec) if rank == 0 else []),
         "env": [
             _field_env("POD_IP", "status.podIP"),
             _field_env("POD_NAME", "metadata.name"),
@@ -304,7 +330,8 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
         "resources": {"requests": {gpu_resource: str(share.gpus)},
                       "limits": {gpu_resource: str(share.gpus)}},
         "securityContext": container_security_context(),
-        "volumeMounts": _volume_mounts(spec, control_auth),
+        "volumeMounts": _volume_mounts(spec, control_auth) + (
+            tenants_mount(spec) if rank == 0 else []),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
     }
     if rank == 0:

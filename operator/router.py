@@ -61,8 +61,9 @@ def router_command(replica: str, namespace: str, spec: ServingReplicaSpec) -> li
     # The tokenizer makes the length classes match the agents' token counts. Decode
     # instances (pool label "decode") make the router chain each request through a prefill
     # and a decode instance.
-    return command + ["--model", builders.model_path(spec),
-                      "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT)]
+    return command + builders.tenants_flag(spec) + [
+        "--model", builders.model_path(spec), "--host", "$(POD_IP)",
+        "--port", str(naming.HTTP_PORT)]
 
 
 def build_router_service_account_spec(replica: str, namespace: str) -> dict:
@@ -93,7 +94,7 @@ def build_router_deployment_spec(replica: str, namespace: str, spec: ServingRepl
         "terminationGracePeriodSeconds": 10,
         "securityContext": builders.pod_security_context(),
         "containers": [_router_container(replica, namespace, spec)],
-        "volumes": [builders.model_volume(spec)],
+        "volumes": [builders.model_volume(spec), *builders.tenants_volume(spec)],
     }
     if spec.placement.node_selector:
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
@@ -128,5 +129,5 @@ def _router_container(replica: str, namespace: str, spec: ServingReplicaSpec) ->
         "livenessProbe": {"tcpSocket": {"port": "http"}, "initialDelaySeconds": 30,
                           "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-        "volumeMounts": [builders.model_volume_mount(spec)],
+        "volumeMounts": [builders.model_volume_mount(spec), *builders.tenants_mount(spec)],
     }

@@ -166,3 +166,24 @@ def test_reconcile_writes_the_token_secret_and_pods_that_require_it():
     assert [s["stringData"]["token"] for s in secrets] == [control.token("ns", "chat")]
     (pod_manifest,) = [m for m in kube.created if m["kind"] == "Pod"]
     assert "--control-token-file" in pod_manifest["spec"]["containers"][0]["command"]
+
+
+def test_spec_tenants_mounts_the_secret_and_turns_keys_on_in_agents_and_router():
+    spec = SPEC.model_copy(update={"tenants": SPEC.model_validate(
+        {**SPEC.to_api(), "tenants": {"secretName": "chat-tenants"}}).tenants})
+    controller = builders.build_agent_pod_spec(
+        "chat", "ns", spec, instance="chat-1", index=1, incarnation="abcde",
+        share=NodeShare(node="node-a", gpus=4, first_rank=0), rank=0, num_ranks=2,
+        pool="short")
+    tenants_file = f"{builders.TENANTS_DIR}/{builders.TENANTS_KEY}"
+    command = controller["spec"]["containers"][0]["command"]
+    assert command[command.index("--tenants") + 1] == tenants_file
+    volumes = {v["name"]: v for v in controller["spec"]["volumes"]}
+    assert volumes[builders.TENANTS_VOLUME]["secret"]["secretName"] == "chat-tenants"
+    deployment = router.build_router_deployment_spec("chat", "ns", spec)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][container["command"].index("--tenants") + 1] == tenants_file
+    assert {"name": builders.TENANTS_VOLUME, "mountPath": builders.TENANTS_DIR,
+            "readOnly": True} in container["volumeMounts"]
+    assert builders.template_hash(spec) != builders.template_hash(SPEC)
+    assert "--tenants" not in agent_pod(0, False)["spec"]["containers"][0]["command"]
