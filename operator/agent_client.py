@@ -5,8 +5,9 @@
     handle_autoscale --read_load(instance)--> gRPC Stats --> InstanceLoad (+ requests in flight)
 
 Each call carries the replica's control token when the operator has a master key
-(control_credentials.py). Calls block for at most ``timeout_s``; the rebalancer runs them off the event loop. An agent
-that does not answer is left out of this step rather than guessed at.
+(control_credentials.py). Calls block for at most ``timeout_s``; the rebalancer runs them
+off the event loop. An agent that does not answer is left out of this step rather than
+guessed at.
 """
 
 from __future__ import annotations

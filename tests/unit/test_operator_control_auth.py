@@ -160,8 +160,9 @@ def test_reconcile_writes_the_token_secret_and_pods_that_require_it():
     kube = _FakeKube({"metadata": {"name": "chat", "namespace": "ns", "generation": 1},
                       "spec": spec})
     control = ControlCredentials(MASTER)
-    handle_reconcile.reconcile(kube, "ns", "chat", adopt=lambda child, owner: None,  # type: ignore[arg-type]
-                               event=lambda *args: None, control=control)
+    handle_reconcile.reconcile(kube, "ns", "chat",  # type: ignore[arg-type]
+                               adopt=lambda child, owner: None, event=lambda *args: None,
+                               control=control)
     secrets = [m for m in kube.created if m["kind"] == "Secret"]
     assert [s["stringData"]["token"] for s in secrets] == [control.token("ns", "chat")]
     (pod_manifest,) = [m for m in kube.created if m["kind"] == "Pod"]
