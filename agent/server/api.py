@@ -33,7 +33,7 @@ from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.prepare import ServingContext
 from slipstream.agent.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+    ChatCompletionRequest, CompletionRequest, KvReleaseRequest, ModelCard, ModelList)
 from slipstream.agent.server.tenancy.gate import TenancyGate
 from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 
@@ -115,13 +115,13 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
         at the hold timeout (the router, when a chain's decode leg found no decode
         instance). The transfer id is the capability: random, known only to the router
         and the decode instance it was handed to."""
-        raw = await read_body(request, config.max_body_bytes, config.request_read_timeout_s)
-        transfer_id = _transfer_id(parse_json(raw))
-        engine.release_kv(transfer_id)
-        return JSONResponse({"transfer_id": transfer_id, "released": True})
+        body = await _parse_body(request, KvReleaseRequest, config)
+        engine.release_kv(body.transfer_id)
+        return JSONResponse({"transfer_id": body.transfer_id, "released": True})
 
     _describe_request_bodies(app, {"/v1/completions": CompletionRequest,
-                                   "/v1/chat/completions": ChatCompletionRequest})
+                                   "/v1/chat/completions": ChatCompletionRequest,
+                                   "/v1/kv_transfer/release": KvReleaseRequest})
     return app
 
 
@@ -176,15 +176,6 @@ async def _parse_body(request: Request, model_type: type[M], config: ServerConfi
         raise from_validation_error(error) from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
-
-
-def _transfer_id(data: Any) -> str:
-    transfer_id = data.get("transfer_id") if isinstance(data, dict) else None
-    if not isinstance(transfer_id, str) or not 1 <= len(transfer_id) <= 64 \
-            or not all(ch in "0123456789abcdef" for ch in transfer_id):
-        raise bad_request("transfer_id: a KV handle's transfer id (hex) is required",
-                          param="transfer_id")
-    return transfer_id
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -39,13 +39,18 @@ class _StrictModel(BaseModel):
 
 
 class SloSpec(_StrictModel):
-    """Per-request service-level objectives; absent fields use the engine's defaults. With
-    tenants on, ``class`` names one of the key's tenant's SLO classes, and the numbers may
-    loosen it but are never tighter than the tenant's tightest class (tenancy/slo_policy.py)."""
+    """Per-request objectives (absent: the engine's defaults); with tenants, ``class`` names a
+    tenant's SLO class, never tighter than its tightest (tenancy/slo_policy.py)."""
 
     class_name: str | None = Field(default=None, alias="class", min_length=1, max_length=63)
     ttft_s: float | None = Field(default=None, gt=0, le=86_400)
     tpot_ms: float | None = Field(default=None, gt=0, le=600_000)
+
+
+class KvReleaseRequest(_StrictModel):
+    """``POST /v1/kv_transfer/release``: free a prefill instance's KV hold now."""
+
+    transfer_id: str = Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
 
 
 class StreamOptions(_StrictModel):
