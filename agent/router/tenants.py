@@ -25,9 +25,11 @@ from slipstream.agent.server.tenancy.slo_policy import RequestedSlo
 
 def scoped_body(caller: Caller, body: dict[str, Any]) -> bytes | None:
     """The body to forward (JSON), or None to forward the client's bytes unchanged (an
-    ``slo`` of the wrong shape: the agent answers it with its precise 400)."""
+    ``app_id`` or ``slo`` of the wrong shape: the agent answers it with its precise 400)."""
     app_id = body.get("app_id")
-    application = caller.application(app_id if isinstance(app_id, str) else None)
+    if app_id is not None and not isinstance(app_id, str):
+        return None
+    application = caller.application(app_id)
     requested = _requested_slo(body.get("slo"))
     if requested is None:
         return None

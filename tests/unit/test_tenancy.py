@@ -320,3 +320,22 @@ def test_weighted_virtual_time_serves_a_weight_2_tenant_twice_as_fast():
     assert clock.now == 50.0
     with pytest.raises(ValueError):
         clock.tag("x", 1.0, weight=0)
+
+
+def test_the_router_scopes_the_body_to_the_tenant_or_leaves_odd_ones_to_the_agent(tenants_file):
+    from slipstream.agent.router.classify import RoutedRequest
+    from slipstream.agent.router.tenants import scoped_body, scoped_request
+
+    caller = Tenants(tenants_file).identify(SEARCH_KEY)
+    scoped = json.loads(scoped_body(caller, {"prompt": "x", "app_id": "ranking",
+                                             "slo": {"ttft_s": 0.001}}) or b"{}")
+    assert scoped["app_id"] == "search/ranking"
+    assert scoped["slo"] == {"ttft_s": 0.5}  # explicit, already within the floor
+    for odd in ({"app_id": 5}, {"slo": "fast"}, {"slo": {"ttft_s": True}},
+                {"slo": {"deadline": 1}}, {"slo": {"ttft_s": -1}}):
+        assert scoped_body(caller, {"prompt": "x", **odd}) is None
+    with pytest.raises(APIError) as forbidden:
+        scoped_body(caller, {"prompt": "x", "app_id": "batch"})
+    assert forbidden.value.status_code == 403
+    routed = scoped_request(caller, RoutedRequest("short", 10, "ranking", False, 6, None, 0.0))
+    assert (routed.app_id, routed.share_weight) == ("search", 2.0)
