@@ -330,7 +330,7 @@ def test_the_router_scopes_the_body_to_the_tenant_or_leaves_odd_ones_to_the_agen
     scoped = json.loads(scoped_body(caller, {"prompt": "x", "app_id": "ranking",
                                              "slo": {"ttft_s": 0.001}}) or b"{}")
     assert scoped["app_id"] == "search/ranking"
-    assert scoped["slo"] == {"ttft_s": 0.5}  # explicit, already within the floor
+    assert scoped["slo"] == {"ttft_s": 0.5, "tpot_ms": 50}  # explicit, within the floor
     for odd in ({"app_id": 5}, {"slo": "fast"}, {"slo": {"ttft_s": True}},
                 {"slo": {"deadline": 1}}, {"slo": {"ttft_s": -1}}):
         assert scoped_body(caller, {"prompt": "x", **odd}) is None
