@@ -1,0 +1,146 @@
+"""A GGUF file's tensors kept in their quantized form, for the loader.
+
+    FILE.gguf --GGUFReader (memory-mapped)--> per tensor:
+        Q4_0, Q4_1 blocks  -> Int4Weight, group 32 (the block's scale and minimum as they are)
+        Q8_0 blocks        -> Int8Weight, one scale per row (requantized from the blocks)
+        F32, F16, BF16     -> float tensors (norms)
+        anything else      -> float32 through the gguf library, with one warning naming the cost
+
+Q4_1 stores 32 weights as ``d * q + m`` (``d``, ``m`` float16, ``q`` 4 bits): our int4 group
+32 with scale ``d`` and minimum ``m``, bit for bit. Q4_0 is ``d * (q - 8)``: minimum ``-8 d``.
+A block's 16 bytes hold weights 0-15 in their low nibbles and 16-31 in their high nibbles.
+
+Q8_0 (32 int8 values per float16 scale) has no group-wise int8 kernel here, so its rows are
+requantized to one int8 scale per row (``_weight_int8pack_mm``); the load logs how far that
+moves the weights (on SmolLM2's Q8_0 token embedding: see docs/quantization.md). In llama.cpp
+files Q8_0 is mostly the token embedding, which is also the tied LM head.
+
+K-quants (Q4_K, Q5_K, Q6_K...) and the other block types are dequantized to float32, tensor by
+tensor; the warning names how many bytes that costs over the file.
+
+The Q/K rows that llama.cpp's converter permuted for its RoPE layout are put back here too;
+the permutation moves whole rows, so it applies to values and per-row scales alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slipstream.agent.engine.gguf_model import hf_tensor_name, unpermute_rope_rows
+from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8Weight,
+                                                           QuantizedWeight, pack_nibbles,
+                                                           quantize_int8)
+
+log = logging.getLogger(__name__)
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_INT4_TYPES = ("Q4_0", "Q4_1")
+KEPT_TYPES = (*_INT4_TYPES, "Q8_0")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+
+
+def gguf_tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each GGML type the file holds (for logs and the profile key)."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts
+
+
+def weight_format_name(path: Path) -> str:
+    """``gguf:`` and the file's tensor types, e.g. ``gguf:F32+Q4_1+Q8_0``."""
+    return "gguf:" + "+".join(sorted(gguf_tensor_types(path)))
+
+
+def _int4_from_blocks(blocks: np.ndarray, rows: int, kind: str) -> Int4Weight:
+    """Q4_0 / Q4_1 blocks ``[rows * blocks_per_row, bytes]`` as group-32 int4."""
+    header = 2 if kind == "Q4_0" else 4
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    if kind == "Q4_1":
+        minimum = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    else:
+        minimum = -8.0 * scale
+    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, header:]))  # [n, 16]
+    values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=1)  # weights 0-15, then 16-31
+    packed = pack_nibbles(values.reshape(rows, -1))
+    return Int4Weight(packed.contiguous(), torch.from_numpy(scale), torch.from_numpy(minimum), 32)
+
+
+def _int8_from_q8_0(blocks: np.ndarray, rows: int) -> tuple[Int8Weight, float]:
+    """Q8_0 blocks as int8 with one scale per row; also the relative RMS change."""
+    scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16).astype(np.float32))
+    values = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:]).view(np.int8))
+    exact = (values.to(torch.float32) * scale).reshape(rows, -1)
+    weight = quantize_int8(exact)
+    change = (weight.dequantize(torch.float32) - exact).norm() / exact.norm().clamp(min=1e-30)
+    return weight, float(change)
+
+
+def _unpermute(weight: QuantizedWeight | torch.Tensor, heads: int
+               ) -> QuantizedWeight | torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(weight.numpy(), heads)))
+
+    def rows(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(tensor.numpy(), heads)))
+
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(rows(weight.packed), rows(weight.scale), rows(weight.minimum),
+                          weight.group_size)
+    if isinstance(weight, Int8Weight):
+        return Int8Weight(rows(weight.values), rows(weight.scale))
+    raise TypeError(f"unexpected {type(weight).__name__} in a GGUF")
+
+
+def read_gguf_weights(path: Path, config: dict[str, Any]
+                      ) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
+    """Each tensor of the file under its Hugging Face name: quantized where Slipstream has a
+    format for its blocks, float otherwise. ``config``: the converted ``config.json``."""
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    fallback: dict[str, list[int]] = {}  # type -> [tensors, file bytes, float32 bytes]
+    requantized: list[float] = []
+    for tensor in reader.tensors:
+        target = hf_tensor_name(tensor.name)
+        kind = tensor.tensor_type.name
+        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        rows = shape[0]
+        weight: QuantizedWeight | torch.Tensor
+        if kind in _INT4_TYPES:
+            weight = _int4_from_blocks(np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES[kind]),
+                                       rows, kind)
+        elif kind == "Q8_0":
+            weight, change = _int8_from_q8_0(
+                np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES[kind]), rows)
+            requantized.append(change)
+        else:
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            weight = torch.from_numpy(np.array(array.reshape(shape), dtype=np.float32))
+            if kind not in _FLOAT_TYPES:
+                entry = fallback.setdefault(kind, [0, 0, 0])
+                entry[0] += 1
+                entry[1] += int(tensor.n_bytes)
+                entry[2] += weight.numel() * 4
+        if tensor.name.endswith("attn_q.weight"):
+            weight = _unpermute(weight, config["num_attention_heads"])
+        elif tensor.name.endswith("attn_k.weight"):
+            weight = _unpermute(weight, config["num_key_value_heads"])
+        yield target, weight
+    del reader  # releases the file mapping: nothing above keeps a view of it
+    if requantized:
+        log.info("GGUF %s: %d Q8_0 tensor(s) repacked to int8 with one scale per row "
+                 "(relative RMS change of the weights up to %.2e)", path.name, len(requantized),
+                 max(requantized))
+    for kind, (count, file_bytes, float_bytes) in sorted(fallback.items()):
+        log.warning("GGUF %s: %d %s tensor(s) have no quantized kernel in Slipstream and are "
+                    "dequantized to float32: %.1f MB in memory instead of %.1f MB in the file",
+                    path.name, count, kind, float_bytes / 1e6, file_bytes / 1e6)
