@@ -337,22 +337,36 @@ def prepare_quantized(model: nn.Module, device: torch.device) -> dict[str, int]:
     return counts
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the tensors the quantized layers keep (kernels' packed weights and scales)."""
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model's layers hold: parameters, buffers, and the tensors
+    that quantized kernels and oneDNN-reordered layers keep as plain attributes; a storage
+    shared by several (a tied embedding and LM head) counts once."""
     seen: set[int] = set()
     total = 0
+
+    def add(tensor: torch.Tensor) -> None:
+        nonlocal total
+        try:
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # opaque (oneDNN) tensors
+            key, size = id(tensor), tensor.numel() * tensor.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += size
+
     for module in model.modules():
-        tensors: list[torch.Tensor] = []
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            add(tensor)
+        holders: list[object] = [module]
         if isinstance(module, QuantLinear) and module.kernel is not None:
-            tensors = [t for t in vars(module.kernel).values() if isinstance(t, torch.Tensor)]
-        elif isinstance(module, QuantEmbedding):
-            tensors = [t for t in vars(module.weight_values).values()
-                       if isinstance(t, torch.Tensor)]
-        for tensor in tensors:
-            pointer = tensor.untyped_storage().data_ptr()
-            if pointer not in seen:
-                seen.add(pointer)
-                total += tensor.untyped_storage().nbytes()
+            holders.append(module.kernel)
+        if isinstance(module, QuantEmbedding):
+            holders.append(module.weight_values)
+        for holder in holders:
+            for value in vars(holder).values():
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    add(value)
     return total
 
 
