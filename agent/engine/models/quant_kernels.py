@@ -3,6 +3,7 @@ model holds: ``QuantLinear`` (a projection) and ``QuantEmbedding`` (a token look
 
     QuantizedWeight (weight_formats.py) --QuantLinear.prepare(device)--> kernel
         CPU:  int4 -> _weight_int4pack_mm_for_cpu      int8 -> _weight_int8pack_mm
+              int8 in groups (Q8_0) -> two int4 planes on the int4 kernel
         CUDA: int4 -> _weight_int4pack_mm (tinygemm)   int8 -> _weight_int8pack_mm, else
               F.linear on the int8 values then the scale   fp8 -> torch._scaled_mm (sm 8.9+)
 
@@ -37,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.agent.engine.models.weight_formats import (FP8_MAX, Fp8Weight, Int4Weight,
-                                                          Int8Weight, QuantizedWeight,
+                                                          Int8GroupWeight, Int8Weight,
+                                                          QuantizedWeight,
                                                           concat_rows, reference_linear,
                                                           to_device)
 
@@ -183,6 +185,21 @@ class Fp8ScaledMM:
         return out[:count].to(rows.dtype)
 
 
+class TwoInt4Planes:
+    """Group-wise int8 (GGUF's Q8_0) as the sum of two int4 products over its high and low
+    nibbles (``Int8GroupWeight.int4_planes``): exact in the weights, on the int4 kernel."""
+
+    name = "two int4 planes"
+
+    def __init__(self, weight: Int8GroupWeight, plane: Callable[[Int4Weight], Kernel]) -> None:
+        high, low = weight.int4_planes()
+        self.high, self.low = plane(high), plane(low)
+        self.name = f"two int4 planes ({getattr(self.high, 'name', '')})"
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.high(rows) + self.low(rows)
+
+
 def select_kernel(weight: QuantizedWeight, device: torch.device) -> Kernel:
     """The kernel for ``weight`` on ``device`` (the table in the module docstring), built from
     the weight already on the device; WeightFormatError where there is none."""
@@ -191,6 +208,8 @@ def select_kernel(weight: QuantizedWeight, device: torch.device) -> Kernel:
             return Int4PackedCPU(weight)
         if isinstance(weight, Int8Weight):
             return Int8PackedMM(weight, torch.bfloat16)
+        if isinstance(weight, Int8GroupWeight):
+            return TwoInt4Planes(weight, Int4PackedCPU)
         raise WeightFormatError(
             f"{weight.describe()} weights have no CPU kernel: serve this checkpoint on a GPU "
             "with compute capability 8.9+, or a float checkpoint with --quantization int8")
@@ -199,6 +218,8 @@ def select_kernel(weight: QuantizedWeight, device: torch.device) -> Kernel:
             return Int4Tinygemm(weight)
         if isinstance(weight, Int8Weight):
             return _int8_on_cuda(weight)
+        if isinstance(weight, Int8GroupWeight):
+            return TwoInt4Planes(weight, Int4Tinygemm)
         return Fp8ScaledMM(weight, device)
     raise WeightFormatError(f"{weight.describe()} weights have no kernel on {device.type}: "
                             "serve them on CPU or CUDA")

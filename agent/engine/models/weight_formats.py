@@ -10,7 +10,8 @@ The design, in one place:
 - **Formats.** ``dense`` is an ordinary float tensor (fp32/bf16/fp16) in an ``nn.Linear``.
   The quantized ones keep integer (or fp8) values with float scales, weight-only (activations
   stay in the model's dtype):
-    - ``int8``: one scale per output channel, ``w = q * scale``, ``q`` in [-127, 127];
+    - ``int8``: one scale per output channel, ``w = q * scale``, ``q`` in [-127, 127]; or
+      one per group of 32 inputs (GGUF's Q8_0), run as two exact int4 planes;
     - ``int4``: groups of ``group_size`` (32/64/128) along the input, each with a scale and a
       minimum, ``w = q * scale + minimum``, ``q`` in [0, 15]. A zero point ``z`` (AWQ, GPTQ)
       is the minimum ``-z * scale``; GGUF's Q4_1 blocks (32 weights, a scale ``d`` and a min
@@ -70,6 +71,48 @@ class Int8Weight:
 
     def describe(self) -> str:
         return "int8"
+
+
+@dataclass(frozen=True)
+class Int8GroupWeight:
+    """``values`` int8 [out, in], ``scale`` float32 [out, in/group_size]: ``w = values *
+    scale`` with one scale per group of inputs (GGUF's Q8_0: 32 weights per scale)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+    format = "int8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.values.shape[0], self.values.shape[1])
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        values = self.values[index].to(torch.float32)
+        rows, columns = values.shape
+        groups = values.view(rows, columns // self.group_size, self.group_size)
+        return (groups * self.scale[index, :, None]).view(rows, columns).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0], device=self.values.device), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.values, self.scale)
+
+    def describe(self) -> str:
+        return f"int8-g{self.group_size}"
+
+    def int4_planes(self) -> tuple[Int4Weight, Int4Weight]:
+        """Two int4 weights whose sum is this one exactly: with ``u = q + 128 = 16 h + l``,
+        ``d q = (16 d) h - 128 d + d l`` (the high nibbles with scale 16 d and minimum
+        -128 d, the low ones with scale d and minimum 0). So int4 kernels run it."""
+        unsigned = (self.values.to(torch.int16) + 128).to(torch.uint8)
+        high, low = unsigned >> 4, unsigned & 0xF
+        zero = torch.zeros_like(self.scale)
+        return (Int4Weight(pack_nibbles(high), 16 * self.scale, -128 * self.scale,
+                           self.group_size),
+                Int4Weight(pack_nibbles(low), self.scale.clone(), zero, self.group_size))
 
 
 @dataclass(frozen=True)
@@ -141,7 +184,7 @@ class Fp8Weight:
         return "fp8-" + ("channel" if self.per_channel else "tensor")
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Fp8Weight
+QuantizedWeight = Int8Weight | Int8GroupWeight | Int4Weight | Fp8Weight
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -209,6 +252,12 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     """The parts stacked along the output dimension (fusing q/k/v or gate/up), or None when
     they are not all of one format and layout (their products then stay separate)."""
     first = parts[0]
+    if isinstance(first, Int8GroupWeight):
+        groups = [p for p in parts if isinstance(p, Int8GroupWeight)]
+        if len(groups) == len(parts) and all(p.group_size == first.group_size for p in groups):
+            return Int8GroupWeight(torch.cat([p.values for p in groups]),
+                                   torch.cat([p.scale for p in groups]), first.group_size)
+        return None
     if isinstance(first, Int8Weight) and all(isinstance(p, Int8Weight) for p in parts):
         int8 = [p for p in parts if isinstance(p, Int8Weight)]
         return Int8Weight(torch.cat([p.values for p in int8]), torch.cat([p.scale for p in int8]))
@@ -233,6 +282,8 @@ def to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
     if isinstance(weight, Int4Weight):
         return replace(weight, packed=weight.packed.to(device), scale=weight.scale.to(device),
                        minimum=weight.minimum.to(device))
+    if isinstance(weight, Int8GroupWeight):
+        return replace(weight, values=weight.values.to(device), scale=weight.scale.to(device))
     return replace(weight, values=weight.values.to(device), scale=weight.scale.to(device))
 
 
