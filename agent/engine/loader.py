@@ -143,7 +143,25 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         counts = prepare_quantized(model, device)
         log.info("weights %s: %s", weights.describe(model_dir),
                  "; ".join(f"{count} x {name}" for name, count in sorted(counts.items())))
+        release_freed_heap()
     return model.eval()
+
+
+def release_freed_heap() -> None:
+    """Hand the heap that loading freed back to the OS. Packing quantized weights allocates
+    and frees large temporaries (unpacked values, tensor by tensor), which glibc otherwise
+    keeps: on SmolLM2's Q4_1 file that was 200 MB of a server's resident memory, twice the
+    weights. A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)
