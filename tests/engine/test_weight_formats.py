@@ -10,6 +10,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,3 +255,29 @@ def test_start_up_errors_name_the_format_and_what_to_do(tiny_model_dir, tmp_path
     with pytest.raises(WeightFormatError, match="no CPU kernel"):
         ModelRunner(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=8,
                                  quantization="fp8"), ModelConfig.from_dir(tiny_model_dir))
+
+
+def test_the_runtime_profile_key_names_the_weight_format(tiny_model_dir, tmp_path):
+    from slipstream.agent.engine import auto_profile
+
+    def key(**served):
+        config = EngineConfig(model_dir=tiny_model_dir, device="cpu", **served)
+        return auto_profile.profile_key(tiny_model_dir, "auto", "cpu", 1, "quick",
+                                        served=config)
+
+    dense, int8, int4 = key(), key(quantization="int8"), key(quantization="int4")
+    assert (dense.weights, int8.weights, int4.weights) == ("dense", "int8", "int4-g64")
+    names = {k.entry_name("tiny") for k in (dense, int8, int4)}
+    assert len(names) == 3  # each format gets its own profile
+    # Dense keeps the entry name it had before the weight format joined the key.
+    assert dense.entry_name("tiny") == auto_profile.profile_key(
+        tiny_model_dir, "auto", "cpu", 1, "quick").entry_name("tiny")
+    # A GGUF served from its blocks: the key names its block types and hashes the file.
+    from tests.engine.test_gguf_quantized import write_gguf
+
+    gguf = tmp_path / "m.gguf"
+    write_gguf(gguf, {"output_norm.weight": (np.ones(64, np.float32), "F32"),
+                      "blk.0.ffn_up.weight": (np.ones((32, 64), np.float32), "Q4_1")})
+    from_file = key(gguf_file=gguf)
+    assert from_file.weights == "gguf:F32+Q4_1"
+    assert from_file.model_files != dense.model_files
