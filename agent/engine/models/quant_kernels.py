@@ -18,8 +18,8 @@ that weights come from memory; best of 15 runs on a shared machine; milliseconds
 Both packed kernels take bfloat16 activations: their float32 variants are not vectorised here
 (a 49,152 x 576 LM head took 55 ms for one row against 0.4 ms in bf16), and float16 was 30-50x
 slower than bf16. So activations are rounded to bf16 at the kernel's input and its output is
-bf16; the model around it stays in its own dtype. torchao was not used: its x86 CPU int4
-layout calls the same ATen kernel. The oneDNN path (``cpu_matmul.py``) stays for float32
+bf16; the model around it stays in its own dtype. torchao was not tried (its x86 CPU int4
+layout is understood to wrap the same ATen kernel; not checked here). The oneDNN path (``cpu_matmul.py``) stays for float32
 weights.
 
 Every kernel has static shapes and no host synchronisation, so decode steps that use it can be
