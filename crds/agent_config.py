@@ -13,6 +13,7 @@ and can be written by hand for a local ``slipstream serve``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import Field
@@ -21,11 +22,17 @@ from slipstream.crds.base import ApiModel
 from slipstream.crds.servingreplica import (
     DEFAULT_DRAIN_TIMEOUT_SECONDS, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
 
+T = TypeVar("T")
+
 
 class AgentModel(ApiModel):
     name: str = Field(min_length=1, description="The model id clients send.")
     path: str = Field(min_length=1, description="The model's directory as the agent sees it.")
     dtype: str = "auto"
+    # Written only when not the default, so existing replicas' files (and template hashes)
+    # did not change when the fields came.
+    quantization: str | None = None
+    quantization_group_size: int | None = None
     max_model_len: int | None = None
 
 
@@ -67,6 +74,9 @@ class AgentConfig(ApiModel):
                 long_prefill_threshold_tokens=spec.pools.long_prefill_threshold_tokens)
         return cls(model=AgentModel(name=spec.model.name, path=model_path,
                                     dtype=spec.model.dtype,
+                                    quantization=_unless(spec.model.quantization, "auto"),
+                                    quantization_group_size=_unless(
+                                        spec.model.quantization_group_size, 64),
                                     max_model_len=spec.model.max_model_len),
                    parallelism=spec.parallelism, scheduler=spec.scheduler, slo=spec.slo,
                    pools=pools,
@@ -85,6 +95,10 @@ class AgentConfig(ApiModel):
         except yaml.YAMLError as error:
             raise ValueError(f"not YAML: {error}") from None
         return cls.model_validate(tree or {})
+
+
+def _unless(value: T, default: T) -> T | None:
+    return None if value == default else value
 
 
 def _disaggregation(spec: ServingReplicaSpec) -> AgentDisaggregation | None:

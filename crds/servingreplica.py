@@ -32,6 +32,7 @@ SHORT_NAMES = ("sr",)
 # The agent's own lists, so the API accepts exactly what `slipstream serve` does.
 SCHEDULER_POLICIES = POLICY_NAMES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 POOL_NAMES = ("short", "long")
 # AWD's longest length bucket: a power of two from the shortest bucket up to 8192 tokens.
 SHORT_PREFILL_PROMPT_LIMITS = tuple(AWD_SHORTEST_BUCKET_TOKENS << i for i in range(11))
@@ -71,6 +72,18 @@ class ModelSpec(ApiModel):
     name: str = Field(min_length=1, description="The model id clients send (served model name).")
     source: ModelSource
     dtype: str = Field("auto", max_length=16, json_schema_extra=rules(one_of("spec.model.dtype", DTYPES)))
+    quantization: str = Field(
+        "auto", max_length=16,
+        description="Weight format: auto (a GGUF's own blocks, a quantized checkpoint as "
+                    "stored, else the checkpoint's floats), none, or int8/int4/fp8 to quantize "
+                    "a float checkpoint at load (weights only). A format the GPU cannot run "
+                    "fails the agent at start-up.",
+        json_schema_extra=rules(one_of("spec.model.quantization", QUANTIZATIONS)))
+    quantization_group_size: int = Field(
+        64, description="int4's group of input weights sharing a scale and minimum.",
+        json_schema_extra=rules(Rule("self in [32, 64, 128]",
+                                     "spec.model.quantizationGroupSize must be one of: 32, "
+                                     "64, 128")))
     max_model_len: int | None = Field(None, description="Context length in tokens (prompt + "
                                       "output); default: the model's maximum.",
                                       json_schema_extra=rules(positive("spec.model.maxModelLen",

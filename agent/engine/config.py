@@ -199,6 +199,12 @@ class EngineConfig:
     # CPU matmuls: auto | onednn (weights reordered once at load) | torch (F.linear); auto is
     # oneDNN for float32 on CPU when PyTorch has it (models/cpu_matmul.py).
     cpu_matmul: str = "auto"
+    # Weight format (quantization.py): auto (a GGUF's own blocks, a quantized checkpoint as
+    # stored, else float) | none | int8 | int4 | fp8 (a float checkpoint quantized at load).
+    quantization: str = "auto"
+    quantization_group_size: int = 64  # int4's group along the input (32, 64 or 128)
+    # A GGUF file served quantized: model_dir then holds only its config and tokenizer.
+    gguf_file: Path | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp x spp x kvp ranks
     # A profile directory (``slipstream profile``) turns on the time-budget packer; without
     # one the scheduler packs a plain token budget of max_batched_tokens.
@@ -229,6 +235,17 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
+        if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
+            raise ValueError("quantization must be auto, none, int8, int4 or fp8, got "
+                             f"{self.quantization}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError("quantization_group_size must be 32, 64 or 128, got "
+                             f"{self.quantization_group_size}")
+        quantized = self.quantization in ("int8", "int4", "fp8") or (
+            self.quantization == "auto" and self.gguf_file is not None)
+        if quantized and self.parallel.tp > 1:
+            raise ValueError(f"--tp {self.parallel.tp}: quantized weights run without tensor "
+                             "parallelism for now (--tp 1, or --quantization none)")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format}")
         if self.short_prefill_graphs and not self.parallel.is_single_process:

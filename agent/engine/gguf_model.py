@@ -124,6 +124,22 @@ def unpermute_rope_rows(weight: Any, num_heads: int) -> Any:
             .reshape(weight.shape))
 
 
+def hf_tensor_name(name: str) -> str:
+    """The Hugging Face name of a llama GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``)."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    if name.startswith("blk."):
+        _, layer, kind, suffix = name.split(".", 3)
+        if kind not in _LAYER_TENSORS:
+            raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    if name == "rope_freqs.weight":
+        raise GGUFError("per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) in a "
+                        "GGUF are not supported yet")
+    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+
+
 def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The model's tensors under Hugging Face names, dequantized to float32 numpy arrays."""
     import numpy as np
@@ -132,18 +148,7 @@ def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     for tensor in reader.tensors:
         name = tensor.name
-        if name in _GLOBAL_TENSORS:
-            target = _GLOBAL_TENSORS[name]
-        elif name.startswith("blk."):
-            _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _LAYER_TENSORS:
-                raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
-            target = f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
-        elif name == "rope_freqs.weight":
-            raise GGUFError("per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) in a "
-                            "GGUF are not supported yet")
-        else:
-            raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+        target = hf_tensor_name(name)
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(shape)
@@ -215,8 +220,10 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write a Hugging Face directory for ``gguf_path`` into ``out_dir`` (created)."""
+def convert(gguf_path: str | Path, out_dir: str | Path, weights: bool = True) -> Path:
+    """Write a Hugging Face directory for ``gguf_path`` into ``out_dir`` (created); with
+    ``weights=False`` everything but ``model.safetensors`` (the engine then reads the
+    tensors from the GGUF itself, quantized: ``gguf_weights.py``)."""
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
@@ -227,9 +234,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
     tied = not any(tensor.name == "output.weight" for tensor in reader.tensors)
     config = hf_config(metadata, tied)
     backend = build_tokenizer(metadata)
-    tensors = {name: torch.from_numpy(array) for name, array in hf_tensors(reader, config).items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        tensors = {name: torch.from_numpy(array)
+                   for name, array in hf_tensors(reader, config).items()}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
     backend.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(metadata))
@@ -245,21 +255,23 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def cached_model_dir(gguf_path: str | Path, cache_dir: Path) -> Path:
+def cached_model_dir(gguf_path: str | Path, cache_dir: Path, weights: bool = True) -> Path:
     """The converted directory of ``gguf_path`` under ``cache_dir``, converting on first use
-    (into a temporary directory renamed into place, so concurrent starts never see half)."""
+    (into a temporary directory renamed into place, so concurrent starts never see half).
+    ``weights=False``: configuration and tokenizer only, for serving the file quantized."""
     gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
+    mode = "" if weights else "|no-weights"
     key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
-                         .encode()).hexdigest()[:16]
-    target = cache_dir / "gguf" / f"{gguf_path.stem}-{key}"
+                         f"{mode}".encode()).hexdigest()[:16]
+    target = cache_dir / "gguf" / f"{gguf_path.stem}-{key}{'' if weights else '-config'}"
     if (target / STAMP_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s to a Hugging Face directory in %s (once)", gguf_path.name, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        convert(gguf_path, staging)
+        convert(gguf_path, staging, weights)
         try:
             os.rename(staging, target)
         except OSError:

@@ -11,15 +11,25 @@ the full tensor (its ``shard_tensor`` method), so the loader knows no sharding r
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from slipstream.agent.engine.config import ModelConfig
-from slipstream.agent.engine.models.layers import LayerFactory, PipelineStage
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
 from slipstream.agent.engine.models.llama import (LlamaForCausalLM, fuse_projections,
                                                    tie_word_embeddings)
+from slipstream.agent.engine.models.quant_kernels import install_quantized, prepare_quantized
+from slipstream.agent.engine.models.weight_formats import QuantizedWeight
+from slipstream.agent.engine.quantization import (DEFAULT_GROUP_SIZE, QuantizationError,
+                                                  at_load_format, describe, quantize_at_load,
+                                                  read_quantized_checkpoint, resolve_quantization)
+
+log = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,12 +78,18 @@ def check_checkpoint(model_dir: str | Path) -> None:
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None, layers: LayerFactory | None = None,
                stage: PipelineStage | None = None,
-               load_format: str = "safetensors") -> LlamaForCausalLM:
+               load_format: str = "safetensors",
+               weights: WeightSource | None = None) -> LlamaForCausalLM:
     """The model of ``model_dir`` on ``device``: its checkpoint's weights, or with
-    ``load_format="dummy"`` random ones made on the device (``dummy_weights``)."""
+    ``load_format="dummy"`` random ones made on the device (``dummy_weights``). ``weights``
+    says in which formats (``quantization.py``); by default, the checkpoint's float weights."""
     model_dir = Path(model_dir)
+    weights = weights or WeightSource()
     config = config or ModelConfig.from_dir(model_dir)
     stage = stage or PipelineStage.whole(config.num_layers)
+    if weights.quantized and layers is not None and not isinstance(layers, LocalLayers):
+        raise QuantizationError(f"{weights.describe(model_dir)} weights run without tensor "
+                                "parallelism only for now: serve them with --tp 1")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, layers, stage)
         # Names of the whole model, to tell another stage's tensors from unknown ones.
@@ -83,41 +99,132 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     tied_apart = config.tie_word_embeddings and "lm_head.weight" in expected \
         and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
     loaded: dict[str, torch.Tensor] = {}
-    if load_format == "dummy":
-        loaded = dummy_weights(expected, device, dtype)
-    elif load_format != "safetensors":
-        raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
-    for path in safetensors_files(model_dir) if load_format == "safetensors" else ():
-        with _open_checkpoint(path) as shard:
-            for name in shard.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                target = "lm_head.weight" if tied_apart and name == "model.embed_tokens.weight" \
-                    else name
-                if target not in expected:
-                    if name in whole_names:
-                        continue  # another pipeline stage holds it
-                    raise ValueError(f"{path.name}: unexpected tensor {name!r} for "
-                                     f"{config.architecture}")
-                tensor = _local_part(model, target, shard.get_tensor(name))
-                if tensor.shape != expected[target].shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
-                                     f"shape {tuple(expected[target].shape)}")
-                loaded[target] = tensor.to(device=device, dtype=dtype)
+    quantized: dict[str, QuantizedWeight] = {}
+    for source, name, tensor in _checkpoint_tensors(model_dir, load_format, weights, expected,
+                                                    device, dtype):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        target = "lm_head.weight" if tied_apart and name == "model.embed_tokens.weight" \
+            else name
+        if target not in expected:
+            if name in whole_names:
+                continue  # another pipeline stage holds it
+            raise ValueError(f"{source}: unexpected tensor {name!r} for {config.architecture}")
+        if not isinstance(tensor, torch.Tensor):
+            if tuple(tensor.shape) != tuple(expected[target].shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"shape {tuple(expected[target].shape)}")
+            quantized[target] = tensor
+            continue
+        tensor = _local_part(model, target, tensor)
+        if tensor.shape != expected[target].shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                             f"shape {tuple(expected[target].shape)}")
+        loaded[target] = tensor.to(device=device, dtype=dtype)
     if config.tie_word_embeddings and not tied_apart:
         loaded.pop("lm_head.weight", None)
+        quantized.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
+    for name in quantized:
+        expected.pop(name)
+        expected.pop(name.removesuffix(".weight") + ".bias", None)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. "
                          f"{missing[:5]}")
+    install_quantized(model, quantized, loaded, dtype)
     model.load_state_dict(loaded, strict=False, assign=True)
     tie_word_embeddings(model, config)
     # Buffers (rotary inverse frequencies) were created on the meta device; rebuild them.
     model.model.rotary = type(model.model.rotary)(config.head_dim, config.rope_theta,
                                                   config.rope_scaling).to(device)
     fuse_projections(model)
+    if quantized:
+        counts = prepare_quantized(model, device)
+        log.info("weights %s: %s", weights.describe(model_dir),
+                 "; ".join(f"{count} x {name}" for name, count in sorted(counts.items())))
+        release_freed_heap()
     return model.eval()
+
+
+def release_freed_heap() -> None:
+    """Hand the heap that loading freed back to the OS. Packing quantized weights allocates
+    and frees large temporaries (unpacked values, tensor by tensor), which glibc otherwise
+    keeps: on SmolLM2's Q4_1 file that was 200 MB of a server's resident memory, twice the
+    weights. A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """In which formats the weights are served (``quantization.py``): ``resolved`` is none,
+    int8, int4, fp8 (a float checkpoint quantized at load), gguf (``gguf_file``'s blocks) or
+    checkpoint (a quantized Hugging Face checkpoint as stored)."""
+
+    resolved: str = "none"
+    group_size: int = DEFAULT_GROUP_SIZE
+    gguf_file: Path | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.resolved != "none"
+
+    def describe(self, model_dir: Path) -> str:
+        return describe(self.resolved, model_dir, self.gguf_file, self.group_size)
+
+
+def weight_source(config: EngineConfig) -> WeightSource:
+    """The weight formats ``config`` asks for, resolved against its model (QuantizationError
+    when they cannot be served)."""
+    return WeightSource(resolve_quantization(config.quantization, config.model_dir,
+                                             config.gguf_file),
+                        config.quantization_group_size, config.gguf_file)
+
+
+def _checkpoint_tensors(model_dir: Path, load_format: str, weights: WeightSource,
+                        expected: dict[str, torch.nn.Parameter], device: torch.device,
+                        dtype: torch.dtype
+                        ) -> Iterator[tuple[str, str, torch.Tensor | QuantizedWeight]]:
+    """(where from, name, tensor or quantized weight), one tensor at a time, so a float
+    checkpoint quantized at load never has more than one float tensor in memory."""
+    if load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
+    if weights.resolved == "gguf":
+        from slipstream.agent.engine.gguf_weights import read_gguf_weights
+
+        if weights.gguf_file is None:
+            raise ValueError("gguf weights need the GGUF file")
+        raw = json.loads((model_dir / "config.json").read_text())
+        for name, tensor in read_gguf_weights(weights.gguf_file, raw):
+            yield weights.gguf_file.name, name, tensor
+        return
+    if load_format == "dummy":
+        for name, tensor in dummy_weights(expected, device, dtype).items():
+            yield "dummy", name, quantize_at_load(name, tensor, weights.resolved,
+                                                  weights.group_size)
+        return
+    for path in safetensors_files(model_dir):
+        with _open_checkpoint(path) as shard:
+            names = [name for name in shard.keys() if not name.endswith(_IGNORED_SUFFIXES)]
+            if weights.resolved == "checkpoint":
+                for name, tensor in read_quantized_checkpoint(model_dir, shard, names):
+                    yield path.name, name, tensor
+                continue
+            for name in names:
+                tensor = shard.get_tensor(name)
+                if at_load_format(name, weights.resolved) is not None:
+                    tensor = quantize_at_load(name, tensor.to(device), weights.resolved,
+                                              weights.group_size)
+                yield path.name, name, tensor
 
 
 def dummy_weights(expected: dict[str, torch.nn.Parameter], device: torch.device,

@@ -29,7 +29,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.decode_graphs import DecodeGraphs, graph_friendly, greedy_only
 from slipstream.agent.engine.kv_memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
-from slipstream.agent.engine.loader import load_model, resolve_dtype
+from slipstream.agent.engine.loader import load_model, resolve_dtype, weight_source
 from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.llama import KVCache
 from slipstream.agent.engine.sampler import NON_FINITE_ERROR, MaskSource, SampleResult, Sampler
@@ -146,7 +146,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model_dir, self.device, self.dtype, model_config,
-                                load_format=config.load_format)
+                                load_format=config.load_format, weights=weight_source(config))
         self.cpu_matmul = apply_cpu_matmul(self.model, config.cpu_matmul, self.device, self.dtype)
         self.backend = select_backend(self.device, config.attention_backend)
         self.kv_plan = plan_kv_blocks(config, model_config, self.device, self.dtype,

@@ -340,7 +340,10 @@ def as_served(config: EngineConfig, served: EngineConfig | None) -> EngineConfig
     if served is None:
         return config
     return dataclasses.replace(config, attention_backend=served.attention_backend,
-                               cuda_graphs=served.cuda_graphs, load_format=served.load_format)
+                               cuda_graphs=served.cuda_graphs, load_format=served.load_format,
+                               quantization=served.quantization,
+                               quantization_group_size=served.quantization_group_size,
+                               gguf_file=served.gguf_file)
 
 
 def profile(model_dir: Path, device: str, out: Path, repeats: int,

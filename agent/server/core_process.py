@@ -79,6 +79,8 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
         logging.getLogger("slipstream.agent.engine.auto_profile").setLevel(logging.INFO)
         # So is the one line that says how large a KV cache was chosen, and why.
         logging.getLogger("slipstream.agent.engine.model_runner").setLevel(logging.INFO)
+        # And the weight formats the model is served in, with the kernel each runs on.
+        logging.getLogger("slipstream.agent.engine.loader").setLevel(logging.INFO)
         config = with_runtime_profile(config, core_threads(threads))
         engine = build_engine(config, scheduler_config, output_text=False)
     except Exception as error:  # noqa: BLE001 - tell the API process why, then exit

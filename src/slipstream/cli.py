@@ -24,6 +24,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "Route OpenAI requests to short/long prefill pools by prompt length."),
     "worker": ("slipstream.agent.parallel.launch",
                "Start this node's worker ranks of a multi-node instance (env-configured)."),
+    "eval-quant": ("slipstream.agent.engine.quant_eval",
+                   "Quality of each weight format: KL and greedy agreement against the float "
+                   "model."),
     "profile": ("slipstream.agent.engine.profiler",
                 "Measure per-layer op times of the engine on this device (for --profile)."),
     "simulate": ("slipstream.agent.sim.cli",

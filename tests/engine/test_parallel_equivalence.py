@@ -79,3 +79,22 @@ def test_spp_stage_one_starts_next_chunk_before_stage_two_finishes(tiny_model_di
     # while chunk i was still in stage 1. (Most pairs overlap; a loaded CI machine may
     # serialise a few.)
     assert len(overlapped) >= len(prefill_seqs) // 3, (overlapped, prefill_seqs)
+
+
+def test_quantized_weights_in_pipeline_ranks_equal_one_process(tiny_model_dir):
+    """int8 weights (docs/quantization.md) in two pipeline stages: each stage quantizes the
+    tensors it holds, and the tokens are the single int8 process's. (KV-parallel ranks load
+    them too, but their merged attention differs from one process's in the last float32 bits,
+    which the kernels' bf16 rounding can lift into a flipped near-tie on this random model.)"""
+
+    def int8_tokens(parallel: ParallelConfig) -> list[list[int]]:
+        engine = build_engine(EngineConfig(model_dir=tiny_model_dir, device="cpu",
+                                           num_kv_blocks=NUM_KV_BLOCKS, parallel=parallel,
+                                           quantization="int8"),
+                              SchedulerConfig(max_batched_tokens=CHUNK_TOKENS))
+        try:
+            return engine.generate(PROMPTS, GREEDY)
+        finally:
+            engine.close()
+
+    assert int8_tokens(ParallelConfig(spp=2)) == int8_tokens(ParallelConfig())

@@ -31,17 +31,23 @@ def test_the_rehearsal_writes_every_figure(tmp_path):
         assert convoy["documents_completed"] == convoy["documents_sent"] == 2
     # The servers profiled themselves (auto-profile) with the dummy weights.
     assert "profiling failed" not in (tmp_path / "server-lars.log").read_text()
+    # The quantized arm: the same model with int8 weights on the CPU (fp8 on a GPU).
+    quantized = serving["quantized_streams_1"]
+    assert serving["quantized"]["weights"] == "int8" and quantized["completed"] >= 4, quantized
+    assert "int8" in (tmp_path / "server-quantized.log").read_text()
     goals = {row["goal"]: row for row in report["goals"]}
-    assert len(goals) == 7 and all(row["met"] is not None for row in goals.values())
+    assert len(goals) == 8 and all(row["met"] is not None for row in goals.values())
     assert goals["convoy: every request completes"]["met"] is True
     assert (tmp_path / "device_check.png").stat().st_size > 10_000
 
 
 def test_goals_are_judged_from_the_figures():
-    report = {"scale_streams": [1, 32, 256], "stages": {
+    report = {"scale_streams": [1, 32, 256], "dtype": "bfloat16", "stages": {
         "environment": {"copy_gb_per_s": 4000.0},
         "serving": {"weight_bytes": 14_000_000_000,
                     "streams_1": {"tpot_p50_ms": 5.0},
+                    "quantized": {"weights": "fp8"},
+                    "quantized_streams_1": {"tpot_p50_ms": 3.2},
                     "streams_256": {"output_tok_per_s": 9000.0, "ttft_p50_s": 2.5},
                     "long_prompt": {"ttft_s": 8.0},
                     "convoy_lars": {"short_sent": 10, "short_completed": 10,
@@ -54,6 +60,8 @@ def test_goals_are_judged_from_the_figures():
     # 14 GB at 4,000 GB/s is 3.5 ms; 5 ms is 1.43 of it.
     assert rows["batch-1 TPOT / weight-read time"]["value"] == pytest.approx(1.43, abs=0.01)
     assert rows["batch-1 TPOT / weight-read time"]["met"] is True
+    assert rows["batch-1 TPOT, fp8 / bfloat16"]["value"] == 0.64  # 3.2 / 5.0
+    assert rows["batch-1 TPOT, fp8 / bfloat16"]["met"] is False
     assert rows["most streams: output tok/s"]["met"] is True
     assert rows["most streams: TTFT p50 s"]["met"] is False
     assert rows["long prompt alone: TTFT s"]["met"] is True

