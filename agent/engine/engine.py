@@ -94,9 +94,17 @@ class LLMEngine:
             except ValueError:
                 self.close()
                 raise
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
-                                          prefix_caching=scheduler_config.prefix_caching)
         scheduler_config, predictor = parts.fit_packer(config, scheduler_config)
+        tier_config = None
+        if config.kv_tiers.enabled and scheduler_config.prefix_caching:
+            try:
+                tier_config = parts.enable_kv_tiers(self.runner, config, predictor)
+            except ValueError:
+                self.runner.close()
+                raise
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
+                                          prefix_caching=scheduler_config.prefix_caching,
+                                          tiers=tier_config)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, predictor=predictor)
         if config.profile_dir is None:
             log.info("packer: a fixed budget of %d tokens per iteration (no runtime profile)",
@@ -261,9 +269,14 @@ class LLMEngine:
             self.disagg is not None and self.disagg.num_pending > 0)
 
     def stats(self) -> EngineStats:
+        transfers: dict[str, float] = {}
+        if self._disagg is not None:
+            transfers.update(self._disagg.transfer_stats())
+        if self.block_manager.tiers is not None:
+            transfers.update(self.runner.kv_tier_counters())
         return EngineStats.of(
             self.scheduler, self.load.snapshot(self.clock()), self._kvp_active_degree(),
-            self._disagg.transfer_stats() if self._disagg is not None else {})
+            transfers)
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""
@@ -312,6 +325,8 @@ class LLMEngine:
         return self._poll_disagg()
 
     def _step(self) -> list[RequestOutput]:
+        if self.block_manager.tiers is not None:  # fetches from disk that ended
+            self.scheduler.apply_tier_results(self.runner.poll_kv_tiers(), self.clock())
         if self.pipeline_depth > 1:
             return self._step_pipelined()
         schedule_start_s = self.clock()
