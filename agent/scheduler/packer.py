@@ -28,6 +28,11 @@ from slipstream.agent.scheduler.predictor import BatchTimeEstimate, BatchTimeMod
 
 # Relative tolerance on the budget, so that n tokens at target/n ms each still fit exactly.
 FLOAT_SLACK = 1e-9
+# A load from a lower KV tier counts against the budget up to this share of the target when a
+# chunk is sized; the batch's predicted time still carries all of it. Without the cap a prefix
+# whose load alone exceeds the target (80K tokens of Llama-3-8B over PCIe at 50 ms) would fit
+# only an otherwise empty batch, so running decodes would hold it back until they finished.
+MAX_LOAD_SHARE_OF_TARGET = 0.5
 
 
 @dataclass(frozen=True)
@@ -203,8 +208,9 @@ class PrefillBudget:
             return 0
         what_if = self.estimate.time_with_prefill_ms
         limit_ms = target_ms * (1.0 + FLOAT_SLACK)
+        charged_ms = min(load_ms, config.target_batch_time_ms * MAX_LOAD_SHARE_OF_TARGET)
         size = largest_chunk_tokens(
-            lambda size: what_if(kv_before_tokens, size, load_ms) <= limit_ms,
+            lambda size: what_if(kv_before_tokens, size, charged_ms) <= limit_ms,
             remaining_tokens, cap, config)
         if size == 0 and at_least_min_chunk and not long_request and load_ms == 0.0:
             self._refused_from_kv = min(self._refused_from_kv, kv_before_tokens)
