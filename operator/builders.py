@@ -24,6 +24,10 @@ ENGINE_CONFIG_FILE = "engine.yaml"
 PVC_MOUNT_DIR = "/models"
 MODEL_VOLUME = "model"
 CONFIG_VOLUME = "engine-config"
+KV_DISK_VOLUME = "kv-disk"  # spec.kvTiers.diskPath: an emptyDir of diskSize
+# Our size units (crds KV_SIZE_PATTERN) as Kubernetes quantity suffixes.
+_QUANTITY_SUFFIXES = {"KiB": "Ki", "MiB": "Mi", "GiB": "Gi", "TiB": "Ti", "KB": "k", "MB": "M",
+                      "GB": "G", "TB": "T", "B": ""}
 
 
 def model_path(spec: ServingReplicaSpec) -> str:
@@ -283,10 +287,28 @@ def model_volume_mount(spec: ServingReplicaSpec) -> dict:
 
 
 def _volumes(replica: str, spec: ServingReplicaSpec) -> list[dict]:
-    return [model_volume(spec),
-            {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(replica)}}]
+    volumes = [model_volume(spec),
+               {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(replica)}}]
+    tiers = spec.kv_tiers
+    if tiers is not None and tiers.disk_path is not None and tiers.disk_size is not None:
+        volumes.append({"name": KV_DISK_VOLUME,
+                        "emptyDir": {"sizeLimit": kubernetes_quantity(tiers.disk_size)}})
+    return volumes
 
 
 def _volume_mounts(spec: ServingReplicaSpec) -> list[dict]:
-    return [model_volume_mount(spec),
-            {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]
+    mounts = [model_volume_mount(spec),
+              {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]
+    tiers = spec.kv_tiers
+    if tiers is not None and tiers.disk_path is not None and tiers.disk_size is not None:
+        mounts.append({"name": KV_DISK_VOLUME, "mountPath": tiers.disk_path})
+    return mounts
+
+
+def kubernetes_quantity(size: str) -> str:
+    """A size as ``--kv-disk-size`` takes it (``2TiB``, ``500GB``) as a Kubernetes quantity
+    (``2Ti``, ``500G``)."""
+    for unit in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if size.endswith(unit):
+            return size[:-len(unit)] + _QUANTITY_SUFFIXES[unit]
+    raise ValueError(f"{size!r} has no size unit")

@@ -274,3 +274,18 @@ def test_the_crd_fields_reach_the_serve_flags(tmp_path):
     defaults = defaults_from_config(path)
     assert defaults["kv_host_memory"] == "1TiB" and defaults["kv_disk_size"] == "2TiB"
     assert str(defaults["kv_disk_path"]) == "/var/cache/kv"
+
+
+def test_a_load_longer_than_the_target_still_goes_in_beside_running_decodes():
+    """A prefix whose load alone exceeds the batch target is charged half the target when
+    its chunk is sized, so running decodes do not hold it back until they all finish; the
+    batch's predicted time still carries the whole load."""
+    from slipstream.agent.scheduler.packer import PackerConfig, PrefillBudget
+
+    budget = PrefillBudget(MODEL, PackerConfig(target_batch_time_ms=20.0))
+    budget.add_decodes(4, 4 * 1000)
+    size = budget.chunk_for(4096, 64, fit_tokens=10_000, load_ms=35.0)
+    assert size == 64
+    before = budget.time_ms
+    budget.add_prefill(4096, size, load_ms=35.0)
+    assert budget.time_ms > before + 35.0
