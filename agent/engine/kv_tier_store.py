@@ -30,8 +30,10 @@ it and computes those tokens. A failed write is reported the same way. The index
 disk holds lives in the scheduler and starts empty: files left by an earlier run are
 overwritten, never read.
 
-All disk work runs on one I/O thread, in order, so a fetch of a block queued after its spill
-reads what the spill wrote.
+All disk work runs on one I/O thread, reads before writes: a follow-up waiting for its prefix
+does not queue behind the spills of the prompts that pushed it out. A write waiting its turn
+stays in memory, and a read of that slot takes it from there, so a fetch always sees the
+block the index says the slot holds.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import struct
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -127,8 +130,18 @@ class KVTierStore:
                                 torch.zeros(shape, dtype=dtype, pin_memory=pin))
                                for _ in range(num_layers)]
         self.disk = disk
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-io")
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._reads: deque[TierCopy] = deque()
+        self._writes: deque[tuple[TierCopy, bytes]] = deque()
+        self._barriers: list[tuple[int, threading.Event]] = []  # drain(): (ticket, done)
+        self._queued = self._done = 0
+        self._pending_writes: dict[int, tuple[bytes, bytes]] = {}  # disk slot -> (hash, payload)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if disk is not None:
+            self._thread = threading.Thread(target=self._run_io, name="kv-tier-io", daemon=True)
+            self._thread.start()
         self._fetched: list[bytes] = []
         self._fetch_failed: list[bytes] = []
         self._spill_failed: list[bytes] = []
@@ -153,7 +166,8 @@ class KVTierStore:
         if ops.spill and self.disk is not None:
             for copy in ops.spill:
                 payload = self._payload(copy.src)  # read now: an offload may reuse the slot
-                self._io.submit(self._spill, copy, payload)
+                self._submit(lambda: self._writes.append((copy, payload)), copy.dst, payload,
+                             copy.block_hash)
         if ops.offload:
             self._copy(device_kv, self.host, ops.offload)
             self.bytes_offloaded += len(ops.offload) * self.bytes_per_block
@@ -166,8 +180,8 @@ class KVTierStore:
                 torch.cuda.synchronize(self.device)
             self.load_seconds += time.perf_counter() - started
             self.bytes_loaded += len(ops.load) * self.bytes_per_block
-        for copy in ops.fetch:
-            self._io.submit(self._fetch, copy)
+        for fetch in ops.fetch:
+            self._submit(lambda: self._reads.append(fetch))
 
     def poll(self) -> TierResults:
         """Fetches that ended and spills that failed since the last poll."""
@@ -179,8 +193,60 @@ class KVTierStore:
             self._fetched, self._fetch_failed, self._spill_failed = [], [], []
         return results
 
+    def drain(self) -> None:
+        """Wait until every disk read and write queued so far has run."""
+        if self._thread is None:
+            return
+        done = threading.Event()
+        with self._work:
+            if self._done >= self._queued:
+                return
+            self._barriers.append((self._queued, done))
+        done.wait()
+
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        with self._work:
+            self._closed = True
+            self._work.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the I/O thread ---------------------------------------------------------------------------
+
+    def _submit(self, enqueue: Callable[[], None], slot: int | None = None,
+                payload: bytes | None = None, block_hash: bytes | None = None) -> None:
+        with self._work:
+            enqueue()
+            if slot is not None and payload is not None and block_hash is not None:
+                self._pending_writes[slot] = (block_hash, payload)
+            self._queued += 1
+            self._work.notify()
+
+    def _run_io(self) -> None:
+        while True:
+            with self._work:
+                while not (self._reads or self._writes or self._closed):
+                    self._work.wait()
+                if self._reads:
+                    read: TierCopy | None = self._reads.popleft()
+                    write = None
+                elif self._writes:
+                    read, write = None, self._writes.popleft()
+                else:
+                    return  # closed, nothing left
+            if read is not None:
+                self._fetch(read)
+            elif write is not None:
+                self._spill(*write)
+            with self._work:
+                self._done += 1
+                if write is not None and self._pending_writes.get(write[0].dst, (b"", b""))[1] \
+                        is write[1]:
+                    del self._pending_writes[write[0].dst]
+                ready = [event for ticket, event in self._barriers if ticket <= self._done]
+                self._barriers = [(t, e) for t, e in self._barriers if t > self._done]
+            for event in ready:
+                event.set()
 
     # -- copies ---------------------------------------------------------------------------------
 
@@ -212,8 +278,13 @@ class KVTierStore:
     def _fetch(self, copy: TierCopy) -> None:
         assert self.disk is not None
         started = time.perf_counter()
+        with self._lock:
+            pending = self._pending_writes.get(copy.src)
         try:
-            payload = self.disk.read(copy.src, copy.block_hash)
+            if pending is not None and pending[0] == copy.block_hash:
+                payload = pending[1]  # its write has not run yet: the bytes are here
+            else:
+                payload = self.disk.read(copy.src, copy.block_hash)
             block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(
                 self.dtype).view(self.block_shape)
             for layer, (k, v) in enumerate(self.host):

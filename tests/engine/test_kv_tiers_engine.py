@@ -87,8 +87,9 @@ def test_a_corrupt_disk_block_is_dropped_and_the_output_is_unchanged(tiny_model_
     engine = make_engine(tiny_model_dir, host_bytes, tmp_path / "kv", 64 << 20)
     prompts = conversation(others=2)
     outputs = run(engine, prompts[:3])
-    engine.runner.kv_tiers.close()  # let every spill land, then damage every file on disk
-    engine.runner.kv_tiers._io = __import__("concurrent.futures").futures.ThreadPoolExecutor(1)
+    store = engine.runner.kv_tiers
+    assert store is not None
+    store.drain()  # let every spill land, then damage every file on disk
     for path in (tmp_path / "kv").glob("slot-*.kvb"):
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
