@@ -19,7 +19,7 @@ The host tier is exclusive of the device by default (``KVTierConfig.exclusive_ho
 loaded back to the device leaves the host tier once the batch is cut, so the two hold
 ``device + host`` blocks between them, not ``max(device, host)``; the device copies it down
 again when it evicts it. (On the Mooncake trace with a 1 TiB host tier the inclusive host
-found 0.865 of the unbounded bound and the exclusive one 0.93x, docs/kv-tiers.md.) The disk
+found 0.865 of the unbounded bound and the exclusive one 0.877, docs/kv-tiers.md.) The disk
 tier is inclusive: a block the host evicts is written only if the disk does not hold it yet.
 Each tier is an LRU; a block is touched when it is found.
 

@@ -84,8 +84,10 @@ def _kv_tier_row() -> list[Panel]:
                           f"[{RATE}]))", "{{tier}}"), width=6),
         timeseries("KV tier occupancy", "Share of each lower tier holding blocks, and blocks "
                    "a failing tier dropped (corrupt or unwritable disk blocks) per second.",
-                   Target(f"sum by (tier) ({names.KV_TIER_BLOCKS_USED.name}{SEL}) / sum by "
-                          f"(tier) ({names.KV_TIER_BLOCKS_CAPACITY.name}{SEL})", "{{tier}}"),
+                   # clamp_min: an agent without tiers reports a capacity of 0 (shown as 0).
+                   Target(f"sum by (tier) ({names.KV_TIER_BLOCKS_USED.name}{SEL}) / clamp_min("
+                          f"sum by (tier) ({names.KV_TIER_BLOCKS_CAPACITY.name}{SEL}), 1)",
+                          "{{tier}}"),
                    Target(f"sum (rate({names.KV_TIER_FAILED_BLOCKS.name}{SEL}[{RATE}]))",
                           "dropped/s"), width=6),
     ]
