@@ -126,8 +126,10 @@ class KVTierStore:
         self.block_shape = (num_layers, 2, *layer_shape[1:])
         pin = device.type == "cuda"
         shape = (host_blocks, *layer_shape[1:])
-        self.host: KVLayers = [(torch.zeros(shape, dtype=dtype, pin_memory=pin),
-                                torch.zeros(shape, dtype=dtype, pin_memory=pin))
+        # Uninitialised: a slot is always written (offload, fetch) before it is read, and a
+        # large pinned pool would take minutes to zero.
+        self.host: KVLayers = [(torch.empty(shape, dtype=dtype, pin_memory=pin),
+                                torch.empty(shape, dtype=dtype, pin_memory=pin))
                                for _ in range(num_layers)]
         self.disk = disk
         self._lock = threading.Lock()
