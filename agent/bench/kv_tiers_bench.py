@@ -7,7 +7,8 @@ the live CPU engine, with the host (and disk) tier on and off.
 Simulator (``sim_results.json``, ``sim_tables.md``, ``sim_hit_rate.png``): one instance of
 the H100 Llama-3-8B TP8 tables under LARS, the trace at its own arrival times, the KV pool
 sized from GPU memory; systems: no tier, a host tier sized like a real node (1 TiB per 8-GPU
-instance), the same plus a disk tier, and an unlimited device pool (the bound). All in one
+instance) and one twice that, the first plus a disk tier, and an unlimited device pool (the
+bound). All in one
 command, so every system gets the same requests.
 
 Live (``live_results.json``, ``live_ttft.png``): the in-process engine on the tiny model with
@@ -44,11 +45,12 @@ DOC_TOKENS = 16_384
 
 # -- simulator ----------------------------------------------------------------------------------
 
-def sim_systems(host_gib: float, disk_gib: float) -> list[tuple[str, float, float, bool]]:
-    """(label, host GiB, disk GiB, unlimited device pool)."""
+def sim_systems(host_gib: list[float], disk_gib: float) -> list[tuple[str, float, float, bool]]:
+    """(label, host GiB, disk GiB, unlimited device pool): no tier, each host size, the
+    first host size with the disk under it, and an unlimited device pool (the bound)."""
     return [("no tier", 0.0, 0.0, False),
-            (f"host {host_gib:g} GiB", host_gib, 0.0, False),
-            (f"host {host_gib:g} GiB + disk {disk_gib:g} GiB", host_gib, disk_gib, False),
+            *((f"host {size:g} GiB", size, 0.0, False) for size in host_gib),
+            (f"host {host_gib[0]:g} GiB + disk {disk_gib:g} GiB", host_gib[0], disk_gib, False),
             ("unlimited device pool", 0.0, 0.0, True)]
 
 
@@ -245,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=1800.0)
     parser.add_argument("--horizon-s", type=float, default=2400.0)
     parser.add_argument("--long-prompt-tokens", type=int, default=32_768)
-    parser.add_argument("--host-gib", type=float, default=1024.0)
+    parser.add_argument("--host-gib", type=float, nargs="+", default=[1024.0, 2048.0],
+                        help="host tier sizes per instance; the first is the node-sized one "
+                             "(1 TiB per 8-GPU instance) and gets the disk tier too")
     parser.add_argument("--disk-gib", type=float, default=4096.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)

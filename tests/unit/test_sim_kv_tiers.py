@@ -55,3 +55,27 @@ def test_a_disk_tier_below_a_small_host_tier_is_fetched_then_loaded():
     # A disk hit waits for its fetch: the second question's TTFT includes bytes / 5 GB/s.
     second = [r for r in result.records if r.arrival_s >= 20.0]
     assert all(r.first_token_s is not None for r in second)
+
+
+def test_simulate_flags_size_the_tiers_in_blocks_of_the_profiles_model(tmp_path, capsys):
+    import argparse
+    import json
+
+    from slipstream.agent.sim import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--trace", "mooncake", "--num-requests", "40", "--policies",
+                              "lars", "--no-progress", "--kv-host-memory-gib", "1024",
+                              "--kv-disk-gib", "2048", "--num-kv-blocks", "20000"])
+    _, meta = cli.load_model(args.profile)
+    config = cli.build_sim_config(args, meta, cli.policy_configs(args)[0][1])
+    assert config.instance.kv_bytes_per_block == 2 << 20  # Llama-3-8B: 128 KiB per token
+    assert config.instance.kv_host_blocks == 524_288 and config.instance.kv_disk_blocks == 1 << 20
+    assert config.instance.host_load_gb_per_s == 25.0 * 8  # eight GPUs' PCIe links
+    assert cli.run(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["prefix_cache"]["hit_tokens_by_tier"]) == {"device", "host", "disk"}
+    bad = parser.parse_args(["--trace", "mooncake", "--kv-disk-gib", "10"])
+    with pytest.raises(ValueError, match="kv-host-memory-gib"):
+        cli.build_sim_config(bad, meta, cli.policy_configs(bad)[0][1])
