@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING
 from slipstream.agent.engine import offline, parts
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.disagg_requests import DisaggRequests, require
-from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError
+from slipstream.agent.engine.errors import (
+    KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError, KVTierLoadError)
 from slipstream.agent.engine.grammar import GrammarCompiler, MaskJob, MaskWorkers
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.limits import RequestLimits
@@ -349,6 +350,13 @@ class LLMEngine:
         try:
             sampled = self._run(batch)
             failures: dict[str, str] = {}
+        except KVTierLoadError as error:
+            # Their KV did not arrive: recompute them, run the rest as it was.
+            dropped = set(self.scheduler.recompute_after_failed_load(error.device_blocks,
+                                                                     self.clock()))
+            log.warning("%s; recomputing %d requests instead", error, len(dropped))
+            rest = tuple(chunk for chunk in batch.chunks if chunk.request_id not in dropped)
+            return self._execute(Batch(chunks=rest)) if rest else ({}, {})
         except EngineDeadError:
             raise
         except Exception as error:  # noqa: BLE001 - find the culprit, spare the rest

@@ -6,8 +6,8 @@
                                                      disk by the I/O thread), offloads
                                                      (device -> host)
                               swap-ins
-                              store.after_swap_in:   loads (host -> device), then fetches
-                                                     handed to the I/O thread (disk -> host)
+                              store.after_swap_in:   fetches handed to the I/O thread
+                                                     (disk -> host), then loads (host -> device)
                               forward
         LLMEngine.step: store.poll() -> TierResults -> Scheduler.apply_tier_results
 
@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from slipstream.agent.engine.errors import KVTierLoadError
 from slipstream.agent.scheduler.kv_tiers import TierCopy, TierOps, TierResults
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class KVTierStore:
         self._fetched: list[bytes] = []
         self._fetch_failed: list[bytes] = []
         self._spill_failed: list[bytes] = []
+        self._offload_failed: list[bytes] = []
         # Cumulative counters (metrics): bytes each way, and seconds spent loading.
         self.bytes_offloaded = 0  # device -> host
         self.bytes_loaded = 0  # host -> device
@@ -165,34 +167,58 @@ class KVTierStore:
     # -- one batch's copies ---------------------------------------------------------------------
 
     def before_swap_in(self, ops: TierOps, device_kv: KVLayers) -> None:
+        """Spills, then offloads. A copy that fails is reported (``poll``), and the scheduler
+        forgets the block in that tier: nothing here fails the batch."""
         if ops.spill and self.disk is not None:
             for copy in ops.spill:
-                payload = self._payload(copy.src)  # read now: an offload may reuse the slot
+                try:
+                    payload = self._payload(copy.src)  # now: an offload may reuse the slot
+                except Exception as error:  # noqa: BLE001 - the block is just not kept
+                    log.warning("KV host tier: reading a block to spill failed (%s)", error)
+                    with self._lock:
+                        self._spill_failed.append(copy.block_hash)
+                    continue
                 self._submit(lambda: self._writes.append((copy, payload)), copy.dst, payload,
                              copy.block_hash)
         if ops.offload:
-            self._copy(device_kv, self.host, ops.offload)
+            try:
+                self._copy(device_kv, self.host, ops.offload)
+            except Exception as error:  # noqa: BLE001 - the blocks are just not kept
+                log.warning("KV host tier: offloading %d blocks failed (%s); they are not "
+                            "kept", len(ops.offload), error)
+                with self._lock:
+                    self._offload_failed.extend(copy.block_hash for copy in ops.offload)
+                return
             self.bytes_offloaded += len(ops.offload) * self.bytes_per_block
 
     def after_swap_in(self, ops: TierOps, device_kv: KVLayers) -> None:
-        if ops.load:
-            started = time.perf_counter()
-            self._copy(self.host, device_kv, ops.load)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.load_seconds += time.perf_counter() - started
-            self.bytes_loaded += len(ops.load) * self.bytes_per_block
+        """Fetches handed to the I/O thread (their slots are pinned, none is a load's), then
+        loads. A failed load raises ``KVTierLoadError`` naming the device blocks: the engine
+        recomputes their requests."""
         for fetch in ops.fetch:
             self._submit(lambda: self._reads.append(fetch))
+        if ops.load:
+            started = time.perf_counter()
+            try:
+                self._copy(self.host, device_kv, ops.load)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            except Exception as error:
+                raise KVTierLoadError(tuple(copy.dst for copy in ops.load), error) from error
+            finally:
+                self.load_seconds += time.perf_counter() - started
+            self.bytes_loaded += len(ops.load) * self.bytes_per_block
 
     def poll(self) -> TierResults:
         """Fetches that ended and spills that failed since the last poll."""
         with self._lock:
-            if not (self._fetched or self._fetch_failed or self._spill_failed):
+            if not (self._fetched or self._fetch_failed or self._spill_failed
+                    or self._offload_failed):
                 return TierResults()
             results = TierResults(tuple(self._fetched), tuple(self._fetch_failed),
-                                  tuple(self._spill_failed))
+                                  tuple(self._spill_failed), tuple(self._offload_failed))
             self._fetched, self._fetch_failed, self._spill_failed = [], [], []
+            self._offload_failed = []
         return results
 
     def drain(self) -> None:

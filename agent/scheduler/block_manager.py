@@ -145,6 +145,20 @@ class BlockPool:
         refs = self.ref_counts
         return sum(1 for block in block_ids if refs[block] == 0)
 
+    def unregister(self, block_ids: Sequence[int]) -> None:
+        """These blocks do not hold what their hashes say (a failed load): forget the
+        hashes, so that nobody finds them again; a free one holds nothing now."""
+        for block in block_ids:
+            block_hash = self.block_hash[block]
+            if block_hash is None:
+                continue
+            self.block_hash[block] = None
+            if self.by_hash.get(block_hash) == block:
+                del self.by_hash[block_hash]
+            if block in self._cached_free:
+                del self._cached_free[block]
+                self._free.append(block)
+
     def register(self, block: int, block_hash: bytes) -> None:
         """``block`` now holds the full, computed block ``block_hash``. A block that already
         has a hash, or a hash another block already holds, is left alone (a duplicate is

@@ -114,6 +114,7 @@ class TierResults:
     fetched: tuple[bytes, ...] = ()
     fetch_failed: tuple[bytes, ...] = ()
     spill_failed: tuple[bytes, ...] = ()
+    offload_failed: tuple[bytes, ...] = ()  # device -> host copies that did not land
 
 
 class TierIndex:
@@ -349,6 +350,9 @@ class KVTiers:
         for block_hash in results.spill_failed:
             if disk is not None and block_hash not in self._fetching:
                 disk.remove(block_hash)
+            self.failed_blocks += 1
+        for block_hash in results.offload_failed:
+            self.host.remove(block_hash)  # its slot holds something else
             self.failed_blocks += 1
         return ended
 

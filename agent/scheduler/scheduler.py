@@ -289,6 +289,17 @@ class Scheduler:
             lookup_prefix(self.block_manager, request)  # what is there now; no new fetch
             self.queue.add_waiting(request, now_s)
 
+    def recompute_after_failed_load(self, device_blocks: tuple[int, ...], now_s: float
+                                    ) -> list[str]:
+        """A load from a lower tier into these device blocks failed: forget their hashes
+        and recompute every running request that holds one; returns those requests' ids."""
+        self.block_manager.device.unregister(device_blocks)
+        failed = set(device_blocks)
+        victims = [r for r in self.running if failed.intersection(r.block_ids)]
+        for request in victims:
+            self._preempt(request, now_s, swap_out=None)
+        return [request.request_id for request in victims]
+
     # -- steps of schedule() ----------------------------------------------------------------
 
     def _displace(self, now_s: float) -> None:

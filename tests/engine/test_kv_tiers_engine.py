@@ -13,7 +13,7 @@ import pytest
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv_tier_settings import KVTierSettings
-from slipstream.agent.engine.kv_tier_store import DiskTier
+from slipstream.agent.engine.kv_tier_store import DiskTier, KVTierStore
 from slipstream.agent.engine.sampling_params import SamplingParams
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
@@ -134,3 +134,32 @@ def test_greedy_output_is_identical_with_tiers_under_pressure(tiny_model_dir, tm
     engine = make_engine(tiny_model_dir, host_bytes, tmp_path / "kv", 64 << 20)
     assert engine.generate(prompts, PARAMS) == plain
     assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("failing", ["load", "offload"])
+def test_a_failing_host_copy_falls_back_to_recompute(tiny_model_dir, monkeypatch, failing):
+    """A load onto the device that fails part-way leaves blocks that do not hold what their
+    hashes say: they are forgotten and their requests recomputed. An offload that fails is
+    forgotten by the host tier. Either way the outputs are those without tiers."""
+    plain = run(make_engine(tiny_model_dir), conversation())
+    original = KVTierStore._copy
+    failures = []
+
+    def copy(source, destination, copies):
+        # The device pool has DEVICE_BLOCKS slots, the host tier thousands.
+        loading = failing == "load" and destination[0][0].shape[0] == DEVICE_BLOCKS
+        offloading = failing == "offload" and source[0][0].shape[0] == DEVICE_BLOCKS
+        if (loading or offloading) and not failures:
+            failures.append(len(copies))
+            original(source, destination, copies[: len(copies) // 2])  # half, then it breaks
+            raise RuntimeError("injected failure")
+        return original(source, destination, copies)
+
+    monkeypatch.setattr(KVTierStore, "_copy", staticmethod(copy))
+    engine = make_engine(tiny_model_dir, host_bytes=64 << 20)
+    assert run(engine, conversation()) == plain
+    assert failures
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0
+    if failing == "offload":
+        assert stats.kv_tier_failed_blocks > 0
