@@ -200,6 +200,9 @@ bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed 
 bench-pd-overlap: setup transfer-engine-libs  ## streaming KV hand-off vs pull at end, live CPU, Mooncake TCP (docs/disaggregation.md)
 	$(BIN)/python -m slipstream.agent.bench.pd_overlap --out $(RESULTS)/pd-overlap
 
+bench-tenant-flood: setup  ## a tenant flooding slo.ttft_s 0.001 vs another's short-request p99 TTFT: no flood, tenants off, tenants on (live CPU, ~8 min; docs/tenancy.md)
+	$(BIN)/python -m slipstream.agent.bench.tenant_flood --out $(RESULTS)/tenant-flood
+
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
 	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live

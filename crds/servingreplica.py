@@ -214,6 +214,15 @@ class Slo(ApiModel):
         "self > 0.0 && self < 1.0", "spec.slo.attainmentTarget must be within (0, 1)")))
 
 
+class TenantsRef(ApiModel):
+    secret_name: str = Field(
+        min_length=1, max_length=253,
+        description="A Secret in the replica's namespace whose key `tenants.yaml` is the "
+        "tenants file (docs/tenancy.md): API keys as SHA-256 digests, fair-share weights, SLO "
+        "classes and limits. The agents and the router mount it and require API keys; a "
+        "changed Secret is picked up without a restart.")
+
+
 class PrefillRole(ApiModel):
     instances: int = Field(description="Prefill instances: they compute prompts and first "
                            "tokens (split into short/long pools by spec.pools, if set).",
@@ -367,6 +376,8 @@ class ServingReplicaSpec(ApiModel):
     kv_tiers: KVTiers | None = Field(
         None, description="Host-memory (and optionally disk) tiers under each agent's "
         "prefix cache; absent: the cache is the GPU's KV pool alone.")
+    tenants: TenantsRef | None = Field(
+        None, description="Tenants and API keys (docs/tenancy.md); absent: the API is open.")
 
     @property
     def initial_short_instances(self) -> int:

@@ -4,8 +4,10 @@
     handle_rebalance --notify_pool(instance, pool)--> gRPC SetPool (metrics label follows)
     handle_autoscale --read_load(instance)--> gRPC Stats --> InstanceLoad (+ requests in flight)
 
-Calls block for at most ``timeout_s``; the rebalancer runs them off the event loop. An agent
-that does not answer is left out of this step rather than guessed at.
+Each call carries the replica's control token when the operator has a master key
+(control_credentials.py). Calls block for at most ``timeout_s``; the rebalancer runs them
+off the event loop. An agent that does not answer is left out of this step rather than
+guessed at.
 """
 
 from __future__ import annotations
@@ -31,22 +33,23 @@ def control_target(instance: ObservedInstance) -> str | None:
     return f"{host}:{naming.CONTROL_PORT}"
 
 
-def _fetch_stats(instance: ObservedInstance, timeout_s: float):
+def _fetch_stats(instance: ObservedInstance, timeout_s: float, token: str | None):
     """The agent's stats over its control port; None when it has no address or does not
     answer (logged)."""
     target = control_target(instance)
     if target is None:
         return None
     try:
-        with ControlClient(target, timeout_s=timeout_s) as client:
+        with ControlClient(target, timeout_s=timeout_s, token=token) as client:
             return client.stats()
     except grpc.RpcError as error:
         log.warning("no stats from %s at %s: %s", instance.name, target, error.code())
         return None
 
 
-def read_signals(instance: ObservedInstance, timeout_s: float = 2.0) -> InstanceSignals | None:
-    stats = _fetch_stats(instance, timeout_s)
+def read_signals(instance: ObservedInstance, timeout_s: float = 2.0,
+                 token: str | None = None) -> InstanceSignals | None:
+    stats = _fetch_stats(instance, timeout_s, token)
     if stats is None:
         return None
     return InstanceSignals(instance=instance.name, pool=instance.pool,
@@ -54,11 +57,11 @@ def read_signals(instance: ObservedInstance, timeout_s: float = 2.0) -> Instance
                            slo_deviation=stats.slo_deviation, utilization=stats.utilization)
 
 
-def read_load(instance: ObservedInstance, timeout_s: float = 2.0
+def read_load(instance: ObservedInstance, timeout_s: float = 2.0, token: str | None = None
               ) -> tuple[InstanceLoad, int] | None:
     """The instance's load window for the autoscaler, and its requests in flight (waiting
     plus running); None when the agent does not answer."""
-    stats = _fetch_stats(instance, timeout_s)
+    stats = _fetch_stats(instance, timeout_s, token)
     if stats is None:
         return None
     load = InstanceLoad(
@@ -71,13 +74,14 @@ def read_load(instance: ObservedInstance, timeout_s: float = 2.0
     return load, stats.num_waiting + stats.num_running
 
 
-def notify_pool(instance: ObservedInstance, pool: str, timeout_s: float = 2.0) -> bool:
+def notify_pool(instance: ObservedInstance, pool: str, timeout_s: float = 2.0,
+                token: str | None = None) -> bool:
     """Tell the agent its new pool (best effort: the pod label is what routes traffic)."""
     target = control_target(instance)
     if target is None:
         return False
     try:
-        with ControlClient(target, timeout_s=timeout_s) as client:
+        with ControlClient(target, timeout_s=timeout_s, token=token) as client:
             client.set_pool(pool)
     except grpc.RpcError as error:
         log.warning("could not tell %s its new pool %s: %s", instance.name, pool, error.code())

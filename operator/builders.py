@@ -28,6 +28,46 @@ KV_DISK_VOLUME = "kv-disk"  # spec.kvTiers.diskPath: an emptyDir of diskSize
 # Our size units (crds KV_SIZE_PATTERN) as Kubernetes quantity suffixes.
 _QUANTITY_SUFFIXES = {"KiB": "Ki", "MiB": "Mi", "GiB": "Gi", "TiB": "Ti", "KB": "k", "MB": "M",
                       "GB": "G", "TB": "T", "B": ""}
+# The control port's token (control_credentials.py), mounted from the replica's Secret.
+CONTROL_TOKEN_VOLUME = "control-token"
+CONTROL_TOKEN_DIR = "/var/run/slipstream/control"
+CONTROL_TOKEN_KEY = "token"
+# The tenants file (spec.tenants), mounted from the user's Secret.
+TENANTS_VOLUME = "tenants"
+TENANTS_DIR = "/etc/slipstream/tenants"
+TENANTS_KEY = "tenants.yaml"
+# Pods run with a read-only root file system: what the agent writes (runtime profiles, GGUF
+# conversions, compiler caches, temporary files) goes to this emptyDir.
+SCRATCH_VOLUME = "scratch"
+SCRATCH_DIR = "/tmp"
+NON_ROOT_UID = 65532  # the images' user (Dockerfile.agent, Dockerfile.operator)
+
+
+def pod_security_context() -> dict:
+    """Every pod the operator creates: not root, the runtime's default seccomp profile."""
+    return {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
+            "fsGroup": NON_ROOT_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict:
+    """Every container: no privilege escalation, no capabilities, a read-only root. (RDMA
+    transports that register memory need IPC_LOCK back; docs/tenancy.md.)"""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def scratch_env() -> list[dict]:
+    """Caches and HOME on the scratch volume, since the root file system is read-only."""
+    return [{"name": "HOME", "value": f"{SCRATCH_DIR}/home"},
+            {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH_DIR}/cache"}]
+
+
+def scratch_volume() -> dict:
+    return {"name": SCRATCH_VOLUME, "emptyDir": {}}
+
+
+def scratch_mount() -> dict:
+    return {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}
 
 
 def model_path(spec: ServingReplicaSpec) -> str:
@@ -55,6 +95,8 @@ def template_hash(spec: ServingReplicaSpec) -> str:
     shaping = {"config": agent_config(spec).to_yaml(), "image": spec.image,
                "model": spec.model.model_dump(mode="json", by_alias=True),
                "placement": spec.placement.model_dump(mode="json", by_alias=True)}
+    if spec.tenants is not None:  # only when set: existing replicas keep their hash
+        shaping["tenants"] = spec.tenants.secret_name
     text = json.dumps(shaping, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
@@ -66,6 +108,35 @@ def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec
         "metadata": {"name": naming.config_map_name(replica), "namespace": namespace,
                      "labels": naming.common_labels(replica)},
         "data": {ENGINE_CONFIG_FILE: agent_config(spec).to_yaml()},
+    }
+
+
+def tenants_volume(spec: ServingReplicaSpec) -> list[dict]:
+    if spec.tenants is None:
+        return []
+    return [{"name": TENANTS_VOLUME, "secret": {"secretName": spec.tenants.secret_name,
+                                                "defaultMode": 0o440}}]
+
+
+def tenants_mount(spec: ServingReplicaSpec) -> list[dict]:
+    if spec.tenants is None:
+        return []
+    return [{"name": TENANTS_VOLUME, "mountPath": TENANTS_DIR, "readOnly": True}]
+
+
+def tenants_flag(spec: ServingReplicaSpec) -> list[str]:
+    return [] if spec.tenants is None else ["--tenants", f"{TENANTS_DIR}/{TENANTS_KEY}"]
+
+
+def build_control_secret_spec(replica: str, namespace: str, token: str) -> dict:
+    """The replica's control-port token, for its agents to check (never read back)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": naming.control_secret_name(replica), "namespace": namespace,
+                     "labels": naming.common_labels(replica)},
+        "stringData": {CONTROL_TOKEN_KEY: token},
     }
 
 
@@ -117,8 +188,11 @@ def build_client_service_spec(replica: str, namespace: str, pool: str | None = N
 
 def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec, *,
                          instance: str, index: int, incarnation: str, share: NodeShare,
-                         rank: int, num_ranks: int, pool: str) -> dict:
-    """Pod ``rank`` (0 = controller) of one instance: ``share.gpus`` GPUs on ``share.node``."""
+                         rank: int, num_ranks: int, pool: str,
+                         control_auth: bool = False) -> dict:
+    """Pod ``rank`` (0 = controller) of one instance: ``share.gpus`` GPUs on ``share.node``.
+    With ``control_auth`` the controller mounts the replica's control token and its control
+    port requires it."""
     is_controller = rank == 0
     role = naming.ROLE_CONTROLLER if is_controller else naming.ROLE_WORKER
     labels = {
@@ -147,9 +221,11 @@ def build_agent_pod_spec(replica: str, namespace: str, spec: ServingReplicaSpec,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchFields": [
                 {"key": "metadata.name", "operator": "In", "values": [share.node]}]}]}}},
+        "securityContext": pod_security_context(),
         "containers": [_agent_container(replica, namespace, spec, instance, share, rank,
-                                        num_ranks, pool)],
-        "volumes": _volumes(replica, spec),
+                                        num_ranks, pool, control_auth and rank == 0)],
+        "volumes": _volumes(replica, spec, control_auth and rank == 0) + (
+            tenants_volume(spec) if rank == 0 else []),
     }
     if spec.placement.node_selector:
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
@@ -176,7 +252,8 @@ def termination_grace_seconds(spec: ServingReplicaSpec) -> int:
     return PRE_STOP_SLEEP_SECONDS + spec.drain_timeout_seconds + DRAIN_MARGIN_SECONDS
 
 
-def agent_command(*, rank: int, role: str | None = None) -> list[str]:
+def agent_command(*, rank: int, role: str | None = None, control_auth: bool = False,
+                  tenants: list[str] | None = None) -> list[str]:
     """Pod 0 runs the controller (HTTP, scheduler) and its node's ranks; every further pod
     runs `slipstream worker` for its node's ranks. The rank layout comes from the
     SLIPSTREAM_* variables (see ``parallel_env``). Everything the spec says about the engine
@@ -194,6 +271,9 @@ def agent_command(*, rank: int, role: str | None = None) -> list[str]:
     command = ["slipstream", "serve", "--config", f"{CONFIG_MOUNT_DIR}/{ENGINE_CONFIG_FILE}",
                "--port", str(naming.HTTP_PORT), "--control-port", str(naming.CONTROL_PORT),
                "--no-profile"]
+    if control_auth:
+        command += ["--control-token-file", f"{CONTROL_TOKEN_DIR}/{CONTROL_TOKEN_KEY}"]
+    command += tenants or []
     if role is not None:
         command += ["--role", role]
     if role == PREFILL_ROLE:
@@ -222,7 +302,8 @@ def parallel_env(spec: ServingReplicaSpec, namespace: str, instance: str, share:
 
 
 def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, instance: str,
-                     share: NodeShare, rank: int, num_ranks: int, pool: str) -> dict:
+                     share: NodeShare, rank: int, num_ranks: int, pool: str,
+                     control_auth: bool) -> dict:
     gpu_resource = spec.placement.gpu_resource
     role = instance_role(spec, pool)
     ports = [{"name": "http", "containerPort": naming.HTTP_PORT},
@@ -234,7 +315,8 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
     container: dict[str, Any] = {
         "name": "agent",
         "image": spec.image,
-        "command": agent_command(rank=rank, role=role),
+        "command": agent_command(rank=rank, role=role, control_auth=control_auth,
+                                 tenants=tenants_flag(spec) if rank == 0 else []),
         "env": [
             _field_env("POD_IP", "status.podIP"),
             _field_env("POD_NAME", "metadata.name"),
@@ -246,11 +328,14 @@ def _agent_container(replica: str, namespace: str, spec: ServingReplicaSpec, ins
             {"name": "SLIPSTREAM_REPLICA", "value": replica},
             {"name": "SLIPSTREAM_INSTANCE", "value": instance},
             *parallel_env(spec, namespace, instance, share, num_ranks),
+            *scratch_env(),
         ],
         "ports": ports,
         "resources": {"requests": {gpu_resource: str(share.gpus)},
                       "limits": {gpu_resource: str(share.gpus)}},
-        "volumeMounts": _volume_mounts(spec),
+        "securityContext": container_security_context(),
+        "volumeMounts": _volume_mounts(spec, control_auth) + (
+            tenants_mount(spec) if rank == 0 else []),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
     }
     if rank == 0:
@@ -286,9 +371,13 @@ def model_volume_mount(spec: ServingReplicaSpec) -> dict:
     return {"name": MODEL_VOLUME, "mountPath": model_mount, "readOnly": True}
 
 
-def _volumes(replica: str, spec: ServingReplicaSpec) -> list[dict]:
+def _volumes(replica: str, spec: ServingReplicaSpec, control_auth: bool) -> list[dict]:
     volumes = [model_volume(spec),
-               {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(replica)}}]
+               {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(replica)}},
+               scratch_volume()]
+    if control_auth:
+        volumes.append({"name": CONTROL_TOKEN_VOLUME, "secret": {
+            "secretName": naming.control_secret_name(replica), "defaultMode": 0o440}})
     tiers = spec.kv_tiers
     if tiers is not None and tiers.disk_path is not None and tiers.disk_size is not None:
         volumes.append({"name": KV_DISK_VOLUME,
@@ -296,9 +385,13 @@ def _volumes(replica: str, spec: ServingReplicaSpec) -> list[dict]:
     return volumes
 
 
-def _volume_mounts(spec: ServingReplicaSpec) -> list[dict]:
+def _volume_mounts(spec: ServingReplicaSpec, control_auth: bool) -> list[dict]:
     mounts = [model_volume_mount(spec),
-              {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True}]
+              {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
+              scratch_mount()]
+    if control_auth:
+        mounts.append({"name": CONTROL_TOKEN_VOLUME, "mountPath": CONTROL_TOKEN_DIR,
+                       "readOnly": True})
     tiers = spec.kv_tiers
     if tiers is not None and tiers.disk_path is not None and tiers.disk_size is not None:
         mounts.append({"name": KV_DISK_VOLUME, "mountPath": tiers.disk_path})

@@ -11,6 +11,7 @@ import argparse
 import logging
 import random
 import warnings
+from pathlib import Path
 
 from slipstream.operator.naming import PREFIX
 
@@ -34,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the pod IP)")
     parser.add_argument("--workers", type=int, default=16,
                         help="threads for the synchronous handlers")
+    parser.add_argument("--control-master-key-file", type=Path, default=None, metavar="FILE",
+                        help="the key each ServingReplica's control-port token is derived "
+                             "from (the chart mounts it from a Secret): the operator writes "
+                             "each replica a token Secret, its agents require the token and "
+                             "the operator presents it; without it the control ports are open")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -60,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     import slipstream.operator.registration  # noqa: F401 - registers the handlers
     from slipstream.operator import metrics
+    from slipstream.operator.control_credentials import ControlCredentials
     from slipstream.operator.kube import Kube, load_client_config
 
     kopf.configure(verbose=args.verbose, log_prefix=True)  # root logging, object prefixes
@@ -76,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     peering = {"standalone": True} if args.peering is None else {
         "peering_name": args.peering,
         "priority": args.priority if args.priority is not None else random.randint(1, 2**31)}
-    kopf.run(settings=build_settings(args), memo=kopf.Memo(kube=Kube()),
+    control = ControlCredentials.from_file(args.control_master_key_file)
+    kopf.run(settings=build_settings(args), memo=kopf.Memo(kube=Kube(), control=control),
              namespaces=args.namespace, clusterwide=not args.namespace,
              liveness_endpoint=liveness, **peering)
     return 0

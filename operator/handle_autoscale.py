@@ -23,6 +23,7 @@ window: a new leader waits rather than guesses. A drain's start is on the pods t
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 
@@ -48,10 +49,14 @@ _histories: dict[tuple[str, str], ScaleHistory] = {}
 
 
 def autoscale_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
-                   read_load: LoadReader = agent_client.read_load,
-                   clock: Callable[[], float] = time.time) -> ScaleDecision | None:
+                   read_load: LoadReader | None = None,
+                   clock: Callable[[], float] = time.time,
+                   control_token: str | None = None) -> ScaleDecision | None:
     """One step: finish drains, then (with autoscaling on) decide and act. None when the
-    replica is gone or does not autoscale. Under the replica lock, like reconcile."""
+    replica is gone or does not autoscale. Under the replica lock, like reconcile. The
+    agents' control calls carry ``control_token`` (control_credentials.py)."""
+    if read_load is None:
+        read_load = functools.partial(agent_client.read_load, token=control_token)
     key = (namespace, name)
     with replica_lock(namespace, name):
         body = kube.get_replica(namespace, name)
@@ -180,11 +185,12 @@ def period_s(kube: Kube, namespace: str, name: str) -> float:
 
 
 async def run(kube: Kube, namespace: str, name: str, stopped: Stopped, *, event: EventSink,
-              reconcile: Reconcile, logger) -> None:
+              reconcile: Reconcile, logger, control_token: str | None = None) -> None:
     """The daemon body: step, sleep a period, until kopf stops it. A scale-up reconciles at
     once, so that the new gangs are placed now rather than at the next resync."""
     async def step() -> None:
-        decision = await asyncio.to_thread(autoscale_step, kube, namespace, name, event=event)
+        decision = await asyncio.to_thread(autoscale_step, kube, namespace, name, event=event,
+                                           control_token=control_token)
         if decision is None:
             return
         if decision.delta > 0:

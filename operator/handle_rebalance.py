@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -66,10 +67,14 @@ def parse_time_s(value: str | None) -> float | None:
 
 
 def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
-                   read_signals: SignalReader = agent_client.read_signals,
-                   clock: Callable[[], float] = time.time) -> RebalanceDecision | None:
+                   read_signals: SignalReader | None = None,
+                   clock: Callable[[], float] = time.time,
+                   control_token: str | None = None) -> RebalanceDecision | None:
     """One control step; None when the replica is gone or does not rebalance. Like
-    reconcile, it reads the replica under the lock, so the two never undo each other."""
+    reconcile, it reads the replica under the lock, so the two never undo each other. The
+    agents' control calls carry ``control_token`` (control_credentials.py)."""
+    if read_signals is None:
+        read_signals = functools.partial(agent_client.read_signals, token=control_token)
     with replica_lock(namespace, name):
         body = kube.get_replica(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -97,7 +102,7 @@ def rebalance_step(kube: Kube, namespace: str, name: str, *, event: EventSink,
         _export_gauges(namespace, name, decision, observed)
         if decision.move is not None:
             _move(kube, body, observed[decision.move.instance], decision.move, decision.reason,
-                  event)
+                  event, control_token)
         status = with_rebalance(previous, decision, now_rfc3339(),
                                 body["metadata"].get("generation", 0))
         if status != previous:
@@ -122,11 +127,11 @@ def scaling_in_progress(spec: ServingReplicaSpec, previous: ServingReplicaStatus
 
 
 def _move(kube: Kube, body: dict, instance: ObservedInstance, move: Move, reason: str,
-          event: EventSink) -> None:
+          event: EventSink, control_token: str | None) -> None:
     namespace = body["metadata"]["namespace"]
     for pod in instance.pods:
         kube.patch_pod_labels(namespace, pod.name, {naming.POOL_LABEL: move.to_pool})
-    agent_client.notify_pool(instance, move.to_pool)
+    agent_client.notify_pool(instance, move.to_pool, token=control_token)
     metrics.REBALANCE_MOVES.labels(move.from_pool, move.to_pool).inc()
     event(body, "Normal", "PoolRebalanced",
           f"moved {instance.name} from the {move.from_pool} pool to the {move.to_pool} "
@@ -156,10 +161,11 @@ def period_s(kube: Kube, namespace: str, name: str) -> float:
 
 
 async def run(kube: Kube, namespace: str, name: str, stopped: Stopped, *,
-              event: EventSink, logger) -> None:
+              event: EventSink, logger, control_token: str | None = None) -> None:
     """The daemon body: step, sleep a period, until kopf stops it (deletion, shutdown)."""
     async def step() -> None:
-        decision = await asyncio.to_thread(rebalance_step, kube, namespace, name, event=event)
+        decision = await asyncio.to_thread(rebalance_step, kube, namespace, name, event=event,
+                                           control_token=control_token)
         if decision is not None:
             logger.debug(f"rebalance: {decision.outcome}: {decision.reason}")
 

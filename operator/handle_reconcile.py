@@ -30,6 +30,7 @@ from slipstream.crds.replica_status import ServingReplicaStatus
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import builders, metrics, naming, router
 from slipstream.operator.capacity import gpu_nodes, toleration_rules
+from slipstream.operator.control_credentials import ControlCredentials
 from slipstream.operator.instances import (
     ObservedInstance, Rollout, observe_pods, plan_step)
 from slipstream.operator.kube import Kube
@@ -61,7 +62,8 @@ class Reconciled:
 
 
 def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
-              event: EventSink) -> Reconciled | None:
+              event: EventSink, control: ControlCredentials = ControlCredentials()
+              ) -> Reconciled | None:
     """Converge one replica and return its new status; None when it is gone or being
     deleted (garbage collection takes over). The replica is read afresh under the lock: a
     body handed over by a trigger may predate the last status write (a rebalance move), and
@@ -72,7 +74,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
             body = kube.get_replica(namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return None
-            result = _reconcile_locked(kube, body, adopt=adopt, event=event)
+            result = _reconcile_locked(kube, body, adopt=adopt, event=event, control=control)
     except Exception:
         metrics.RECONCILES.labels("error").inc()
         metrics.RECONCILE_ERRORS.inc()
@@ -83,14 +85,21 @@ def reconcile(kube: Kube, namespace: str, name: str, *, adopt: Adopt,
     return result
 
 
-def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
-                      ) -> Reconciled:
+def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink,
+                      control: ControlCredentials) -> Reconciled:
     metadata = body["metadata"]
     namespace, name = metadata["namespace"], metadata["name"]
     spec = ServingReplicaSpec.model_validate(body["spec"])
     previous = ServingReplicaStatus.model_validate(body.get("status") or {})
     _ensure_shared_children(kube, body, spec, adopt, previous_had_router=(
         previous.pools is not None or previous.disaggregation is not None))
+    token = control.token(namespace, name)
+    if token is not None:
+        # Create only: the operator may not read Secrets, and the token is derived, so an
+        # existing one is already right (docs/tenancy.md says how to rotate).
+        secret = builders.build_control_secret_spec(name, namespace, token)
+        adopt(secret, body)
+        kube.create(secret)
 
     resource = spec.placement.gpu_resource
     everything = observe_pods(kube.list_pods(namespace, naming.replica_selector(name)), resource)
@@ -124,7 +133,8 @@ def _reconcile_locked(kube: Kube, body: dict, *, adopt: Adopt, event: EventSink
                 failure = outcome
                 metrics.PLACEMENT_FAILURES.inc()
             else:
-                created.append(_create_instance(kube, body, spec, index, pool, outcome, adopt))
+                created.append(_create_instance(kube, body, spec, index, pool, outcome, adopt,
+                                                control.enabled))
     if failure is not None and not _already_reported(previous, failure):
         event(body, "Warning", failure.reason, f"cannot place instance(s): {failure.message}")
 
@@ -222,7 +232,8 @@ def _tear_down(kube: Kube, namespace: str, instance: ObservedInstance, *,
 
 
 def _create_instance(kube: Kube, body: dict, spec: ServingReplicaSpec, index: int, pool: str,
-                     placement: InstancePlacement, adopt: Adopt) -> CreatedInstance:
+                     placement: InstancePlacement, adopt: Adopt,
+                     control_auth: bool) -> CreatedInstance:
     namespace, replica = body["metadata"]["namespace"], body["metadata"]["name"]
     instance = naming.instance_name(replica, index)
     incarnation = naming.new_incarnation(instance, f"{time.time_ns()}")
@@ -233,7 +244,8 @@ def _create_instance(kube: Kube, body: dict, spec: ServingReplicaSpec, index: in
     for rank, share in enumerate(placement.shares):
         pod = builders.build_agent_pod_spec(
             replica, namespace, spec, instance=instance, index=index, incarnation=incarnation,
-            share=share, rank=rank, num_ranks=len(placement.shares), pool=pool)
+            share=share, rank=rank, num_ranks=len(placement.shares), pool=pool,
+            control_auth=control_auth)
         adopt(pod, body)
         kube.create(pod)
         pod_names.append(pod["metadata"]["name"])

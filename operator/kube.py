@@ -81,6 +81,7 @@ class Kube:
         create = {"Pod": self.core.create_namespaced_pod,
                   "Service": self.core.create_namespaced_service,
                   "ConfigMap": self.core.create_namespaced_config_map,
+                  "Secret": self.core.create_namespaced_secret,
                   "ServiceAccount": self.core.create_namespaced_service_account,
                   "RoleBinding": self.rbac.create_namespaced_role_binding,
                   "Deployment": self.apps.create_namespaced_deployment}[manifest["kind"]]

@@ -87,6 +87,11 @@ def pool_service_name(replica: str, pool: str) -> str:
     return _fit(f"{replica}-{pool}")
 
 
+def control_secret_name(replica: str) -> str:
+    """The replica's control-port token (operator/control_credentials.py)."""
+    return _fit(f"{replica}-control")
+
+
 def router_name(replica: str) -> str:
     return _fit(f"{replica}-router")
 

@@ -21,6 +21,7 @@ from typing import Any, cast
 import kopf
 
 from slipstream.crds.servingreplica import GROUP, PLURAL, VERSION
+from slipstream.operator.control_credentials import ControlCredentials
 from slipstream.operator.kube import Kube
 from slipstream.operator import (
     handle_autoscale, handle_rebalance, handle_reconcile, naming, retry)
@@ -42,13 +43,13 @@ def adopt(child: dict, owner: dict) -> None:
 @kopf.on.create(*RESOURCE)
 @kopf.on.update(*RESOURCE)
 def on_replica_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    result = reconcile(memo.kube, namespaced(namespace), name)
+    result = reconcile(memo.kube, namespaced(namespace), name, _control(memo))
     retry.raise_if_unplaceable(result.placement_failure if result else None)
 
 
 @kopf.timer(*RESOURCE, interval=RESYNC_INTERVAL_S, idle=RESYNC_INTERVAL_S / 3)
 def resync(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    reconcile(memo.kube, namespaced(namespace), name)
+    reconcile(memo.kube, namespaced(namespace), name, _control(memo))
 
 
 @kopf.on.event("", "v1", "pods", labels={naming.REPLICA_LABEL: kopf.PRESENT})
@@ -56,29 +57,41 @@ def on_agent_pod_event(type: str | None, body: kopf.Body, memo: kopf.Memo,  # no
                        **_: Any) -> None:
     owner = handle_reconcile.owner_of(type, dict(body))
     if owner is not None:
-        reconcile(memo.kube, *owner)
+        reconcile(memo.kube, *owner, _control(memo))
 
 
-def reconcile(kube: Kube, namespace: str, name: str) -> handle_reconcile.Reconciled | None:
+def reconcile(kube: Kube, namespace: str, name: str,
+              control: ControlCredentials = ControlCredentials()
+              ) -> handle_reconcile.Reconciled | None:
     with retry.temporary_api_errors(f"reconcile {namespace}/{name}"):
-        return handle_reconcile.reconcile(kube, namespace, name, adopt=adopt, event=post_event)
+        return handle_reconcile.reconcile(kube, namespace, name, adopt=adopt, event=post_event,
+                                          control=control)
 
 
 @kopf.daemon(*RESOURCE, id="rebalancer", cancellation_timeout=5.0)
 async def rebalancer(namespace: str | None, name: str, stopped: kopf.DaemonStopped,
                      memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter,
                      **_: Any) -> None:
-    await handle_rebalance.run(memo.kube, namespaced(namespace), name, stopped,
-                               event=post_event, logger=logger)
+    namespace = namespaced(namespace)
+    await handle_rebalance.run(memo.kube, namespace, name, stopped, event=post_event,
+                               logger=logger, control_token=_control(memo).token(namespace, name))
 
 
 @kopf.daemon(*RESOURCE, id="autoscaler", cancellation_timeout=5.0)
 async def autoscaler(namespace: str | None, name: str, stopped: kopf.DaemonStopped,
                      memo: kopf.Memo, logger: logging.Logger | logging.LoggerAdapter,
                      **_: Any) -> None:
-    kube = memo.kube
-    await handle_autoscale.run(kube, namespaced(namespace), name, stopped, event=post_event,
-                               reconcile=lambda ns, n: reconcile(kube, ns, n), logger=logger)
+    kube, control = memo.kube, _control(memo)
+    namespace = namespaced(namespace)
+    await handle_autoscale.run(kube, namespace, name, stopped, event=post_event,
+                               reconcile=lambda ns, n: reconcile(kube, ns, n, control),
+                               logger=logger, control_token=control.token(namespace, name))
+
+
+def _control(memo: kopf.Memo) -> ControlCredentials:
+    """The agents' control credentials (cli.py puts them in the memo; tests may not)."""
+    control = getattr(memo, "control", None)
+    return control if isinstance(control, ControlCredentials) else ControlCredentials()
 
 
 def namespaced(namespace: str | None) -> str:

@@ -61,8 +61,9 @@ def router_command(replica: str, namespace: str, spec: ServingReplicaSpec) -> li
     # The tokenizer makes the length classes match the agents' token counts. Decode
     # instances (pool label "decode") make the router chain each request through a prefill
     # and a decode instance.
-    return command + ["--model", builders.model_path(spec),
-                      "--host", "$(POD_IP)", "--port", str(naming.HTTP_PORT)]
+    return command + builders.tenants_flag(spec) + [
+        "--model", builders.model_path(spec), "--host", "$(POD_IP)",
+        "--port", str(naming.HTTP_PORT)]
 
 
 def build_router_service_account_spec(replica: str, namespace: str) -> dict:
@@ -91,8 +92,9 @@ def build_router_deployment_spec(replica: str, namespace: str, spec: ServingRepl
     pod_spec: dict[str, Any] = {
         "serviceAccountName": naming.router_name(replica),
         "terminationGracePeriodSeconds": 10,
+        "securityContext": builders.pod_security_context(),
         "containers": [_router_container(replica, namespace, spec)],
-        "volumes": [builders.model_volume(spec)],
+        "volumes": [builders.model_volume(spec), *builders.tenants_volume(spec)],
     }
     if spec.placement.node_selector:
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
@@ -117,6 +119,9 @@ def _router_container(replica: str, namespace: str, spec: ServingReplicaSpec) ->
         "image": spec.image,
         "command": router_command(replica, namespace, spec),
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        # The router writes nothing (the image sets PYTHONDONTWRITEBYTECODE): no scratch
+        # volume under its read-only root.
+        "securityContext": builders.container_security_context(),
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT}],
         # Ready once it sees at least one Ready agent pod: until then it could only answer 503.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
@@ -124,5 +129,5 @@ def _router_container(replica: str, namespace: str, spec: ServingReplicaSpec) ->
         "livenessProbe": {"tcpSocket": {"port": "http"}, "initialDelaySeconds": 30,
                           "periodSeconds": 10, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-        "volumeMounts": [builders.model_volume_mount(spec)],
+        "volumeMounts": [builders.model_volume_mount(spec), *builders.tenants_mount(spec)],
     }

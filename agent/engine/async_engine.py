@@ -125,6 +125,7 @@ class _Add:
     slo: RequestSLO | None
     kv_transfer: dict | None = None
     share_prompt_with: str | None = None
+    share_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,13 @@ class _Abort:
 
 class _CutInFlight:
     """Command: fail every request in flight (the drain period is over)."""
+
+
+@dataclass(frozen=True)
+class _DropKV:
+    """Command: free a KV hold no decode instance will read (prefill role)."""
+
+    transfer_id: str
 
 
 _CUT = _CutInFlight()
@@ -153,7 +161,8 @@ class AsyncEngine:
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.grammar = self.engine.grammar  # checks grammars for the API (thread-safe)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _CutInFlight | _DropKV | None] = \
+            queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -240,13 +249,14 @@ class AsyncEngine:
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None,
                  kv_transfer: dict | None = None,
-                 share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
+                 share_prompt_with: str | None = None,
+                 share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         check_admission(self, request_id, prompt_token_ids, params)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                                kv_transfer, share_prompt_with))
+                                kv_transfer, share_prompt_with, share_weight))
         if self.fatal_error is not None:  # the engine died after the check above: answer now
             self._deliver(dead_output(request_id))
         return stream_outputs(request_id, stream, self._streams,
@@ -254,6 +264,11 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def release_kv(self, transfer_id: str) -> None:
+        """Prefill role: free the KV held under ``transfer_id`` (a router whose decode leg
+        found no decode instance); unknown ids are ignored. Any thread."""
+        self._commands.put(_DropKV(transfer_id))
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -319,7 +334,8 @@ class AsyncEngine:
                                             command.request_id, app_id=command.app_id,
                                             priority=command.priority, slo=command.slo,
                                             kv_transfer=command.kv_transfer,
-                                            share_prompt_with=command.share_prompt_with)
+                                            share_prompt_with=command.share_prompt_with,
+                                            share_weight=command.share_weight)
                 except ValueError as error:
                     self._deliver(error_output(command.request_id, str(error),
                                                 INVALID_REQUEST))
@@ -330,6 +346,8 @@ class AsyncEngine:
             elif isinstance(command, _CutInFlight):
                 for failed in self._fail_all(DRAINED_MESSAGE, DRAINED):
                     self._deliver(failed)
+            elif isinstance(command, _DropKV):
+                self.engine.drop_kv(command.transfer_id)
             else:
                 output = self.engine.abort(command.request_id)
                 if output is not None:

@@ -163,7 +163,7 @@ class LLMEngine:
                     request_id: str | None = None, *, app_id: str = "default",
                     priority: int = 0, slo: RequestSLO | None = None,
                     kv_transfer: dict | None = None,
-                    share_prompt_with: str | None = None) -> str:
+                    share_prompt_with: str | None = None, share_weight: float = 1.0) -> str:
         """Queue a request. ``kv_transfer`` (disaggregation, see disagg.py) is
         ``{"do_remote_decode": true}`` on a prefill instance, or the handle a prefill instance
         returned (with ``"do_remote_prefill": true``) on a decode instance.
@@ -177,7 +177,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=list(prompt_token_ids),
             max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
             slo=slo or RequestSLO(), sampling=params.options(),
-            share_prompt_with=share_prompt_with)
+            share_prompt_with=share_prompt_with, share_weight=share_weight)
         if kv_transfer and kv_transfer.get("do_remote_prefill"):
             # Decode role: joins the scheduler once its KV has arrived (``_poll_disagg``).
             require(self._disagg, "do_remote_prefill", "decode").open_import(

@@ -57,7 +57,9 @@ class SampleResult:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, options: list[SamplingOptions],
@@ -79,10 +81,14 @@ class Sampler:
             return SampleResult([token for token, _ in rows], [None] * len(rows),
                                 {row: NON_FINITE_ERROR for row, (_, ok) in enumerate(rows)
                                  if not ok})
-        errors = {row: NON_FINITE_ERROR for row, ok in enumerate(finite.tolist()) if not ok}
+        # On a CPU the finite flags cost nothing to read now; on a GPU they come back with the
+        # tokens, in the step's one copy.
+        on_host = logits.device.type == "cpu"
+        errors = ({row: NON_FINITE_ERROR for row, ok in enumerate(finite.tolist()) if not ok}
+                  if on_host else {})
         # Bad rows are sampled from zeros, so nothing below sees a NaN; their tokens are
         # dropped by the caller.
-        if errors:
+        if errors or not on_host:
             logits = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(o.logprobs is not None for o in options) else None)
@@ -96,15 +102,33 @@ class Sampler:
         random_rows = [i for i, o in enumerate(options) if not o.greedy and i not in errors]
         if random_rows:
             probs = filtered_probs(logits[random_rows], [options[i] for i in random_rows])
-            cpu_probs = probs.cpu()
-            tokens = tokens.cpu()
             for row_index, row in enumerate(random_rows):
-                seed = options[row].seed
-                generator = (torch.Generator().manual_seed(_position_seed(seed, positions[row]))
-                             if seed is not None else self.generator)
-                tokens[row] = torch.multinomial(cpu_probs[row_index], 1, generator=generator)[0]
-        token_list = tokens.tolist()
+                # On a GPU the draw stays there: the distribution never crosses to the host.
+                generator = self._generator(options[row].seed, positions[row], probs.device)
+                tokens[row] = torch.multinomial(probs[row_index], 1, generator=generator)[0]
+        if on_host:
+            token_list = tokens.tolist()
+        else:
+            rows = torch.stack([tokens, finite.long()], dim=1).tolist()
+            token_list = [token for token, _ in rows]
+            for row, (_, ok) in enumerate(rows):
+                if not ok:
+                    errors[row] = NON_FINITE_ERROR
         return SampleResult(token_list, _logprobs(raw_logprobs, token_list, options), errors)
+
+    def _generator(self, seed: int | None, position: int,
+                   device: torch.device) -> torch.Generator:
+        """A seeded request's generator for this output position; else the sampler's own,
+        one per device."""
+        if seed is not None:
+            return torch.Generator(device=device).manual_seed(_position_seed(seed, position))
+        if device.type == "cpu":
+            return self.generator
+        generator = self._device_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._device_generators[device] = generator
+        return generator
 
 
 def plain_greedy(option: SamplingOptions) -> bool:

@@ -35,8 +35,12 @@ from slipstream.agent.router.metrics import RouterMetrics
 from slipstream.agent.router.pod_discovery import PodWatcher
 from slipstream.agent.router.proxy import BACKEND_HEADER, Proxy, forwarded_headers
 from slipstream.agent.router.stats_poller import StatsPoller
+from slipstream.agent.router.tenants import scoped_body, scoped_request
 from slipstream.agent.server.errors import APIError, add_openai_error_handlers
 from slipstream.agent.server.limits import parse_json, read_body
+from slipstream.agent.server.tenancy.gate import TenancyGate
+from slipstream.agent.server.tenancy.identity import caller_of
+from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 
 log = logging.getLogger(__name__)
 # Bodies larger than this are tokenized off the event loop (a 1M-token prompt takes ~1 s).
@@ -94,10 +98,17 @@ class Router:
         raw = await read_body(request, self.config.max_body_bytes,
                               self.config.request_read_timeout_s)
         body = parse_json(raw)  # bad JSON is refused here, in OpenAI's shape
+        caller = caller_of(request.scope)
+        if caller is not None and isinstance(body, dict):
+            scoped = scoped_body(caller, body)  # 403 for another tenant's app_id
+            if scoped is not None:
+                raw, body = scoped, json.loads(scoped)
         if len(raw) > INLINE_TOKENIZE_MAX_BYTES:
             routed = await asyncio.to_thread(self.classifier.classify, endpoint, body)
         else:
             routed = self.classifier.classify(endpoint, body)
+        if caller is not None:
+            routed = scoped_request(caller, routed)  # 429 past tokens per minute
         self.table.observe_prompt(routed.request_class, routed.prompt_tokens)
         if self.proxy is None or self.chain is None:
             raise RuntimeError("a request reached the router before its start-up")
@@ -132,6 +143,9 @@ def build_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -
                   lifespan=lifespan)
     app.state.router = router
     _add_error_handlers(app)
+    tenants = None if config.tenants_path is None else Tenants(config.tenants_path)
+    router.metrics.create_tenant_series(tenants.metric_labels() if tenants else [OPEN_LABEL])
+    app.add_middleware(TenancyGate, tenants=tenants, count=router.metrics.count_tenant_request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -38,6 +38,7 @@ class RoutedRequest:
     arrival_s: float
     # Chained keys of the prompt's blocks (prefix_affinity.py), for prefix-aware routing.
     prefix_keys: tuple[bytes, ...] = ()
+    share_weight: float = 1.0  # the tenant's fair share (tenants on); 1 otherwise
 
 
 class LengthClassifier:

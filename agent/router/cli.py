@@ -18,8 +18,8 @@ from pathlib import Path
 from slipstream.agent.router.config import (
     CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, INSTANCE_QUEUE_ORDERS, POOLS,
     ROLE_LABEL, FairnessConfig, KubernetesDiscovery, RouterConfig, StaticBackend)
-from slipstream.agent.server.config import (DEFAULT_HOST, add_request_limit_arguments,
-                                            bind_host)
+from slipstream.agent.server.config import (
+    DEFAULT_HOST, add_request_limit_arguments, add_tenants_argument, bind_host)
 
 EPILOG = """\
 examples:
@@ -105,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
     http.add_argument("--port", type=int, default=8080, help="TCP port")
     add_request_limit_arguments(http)
+    add_tenants_argument(http)
 
 
 def parse_backend(text: str) -> StaticBackend:
@@ -139,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         static_backends=static, kubernetes=kubernetes,
         fairness=FairnessConfig(prior_output_tokens=args.prior_output_tokens),
         log_level=args.log_level, max_body_bytes=args.max_body_bytes,
-        request_read_timeout_s=args.request_read_timeout_s)
+        request_read_timeout_s=args.request_read_timeout_s, tenants_path=args.tenants)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     from slipstream.agent.engine.tokenizer import Tokenizer
     from slipstream.agent.router.app import build_router_app
+    from slipstream.agent.server.tenancy.config import tenancy_line
     from slipstream.agent.server.limits import timed_protocol
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -154,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
     logger = logging.getLogger(__name__)
     try:
         config = config_from_args(args)
+        tenancy_line(config.tenants_path)  # a file that does not validate stops here
         tokenizer = Tokenizer.from_dir(args.model) if args.model is not None else None
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         logger.error("cannot start: %s", error)
         return 2
     if tokenizer is None:
@@ -166,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     source = (f"pods in {watched.namespace} ({watched.label_selector})" if watched is not None
               else f"{len(config.static_backends)} static backends")
     print(f"Slipstream router at http://{host}:{config.port}/v1 -> {source}; long prompts: "
-          f">= {config.long_prefill_threshold_tokens} tokens", file=sys.stderr, flush=True)
+          f">= {config.long_prefill_threshold_tokens} tokens\n  "
+          f"{tenancy_line(config.tenants_path)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                 access_log=config.log_level == "debug", timeout_graceful_shutdown=5,
                 http=timed_protocol(config.request_read_timeout_s))

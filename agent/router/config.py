@@ -9,6 +9,7 @@ container port named ``http`` serves the OpenAI API.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from slipstream.agent.server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S
 
@@ -106,6 +107,9 @@ class RouterConfig:
     # Limits on one request, as on the agent (server/limits.py): 413 and 408.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_read_timeout_s: float = DEFAULT_REQUEST_READ_TIMEOUT_S
+    # The tenants file (server/tenancy/): keys, fair-share weights, SLO classes, limits;
+    # None: open, as the agents are without one.
+    tenants_path: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

@@ -36,6 +36,14 @@ its handle only with its answer) is read to its end and the decode leg starts th
 complete handle; one that refuses a streamed prefill leg (an agent from before streamed
 hand-offs: a 400 on ``stream``) gets the request again with ``stream=false``, as before.
 
+No decode instance: while the table knows decode instances but none can take a leg (all
+cooling down after failures, refusing, or silent), a request is not chained: a prefill or
+mixed instance serves it whole, as a plain request (both roles serve those). A chain that
+fails its last attempt with a retryable error (a 503: the decode pool refused or is gone) is
+served whole the same way rather than refused. Every chain attempt that fails after the
+prefill instance opened a hold releases that hold at once (``kv_release.py``), so nothing
+waits for the hold timeout.
+
 Both legs go through the ``Proxy``, so each is retried on another instance when it never ran
 there (no connection, or a 503). After the first token, the client gets a clean error (an SSE
 error event once a stream has started). Requests that ask for logprobs or echo are served
@@ -55,20 +63,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from slipstream.agent.engine.errors import (
     DRAINED, INVALID_REQUEST, KV_TRANSFER_FAILED, SHUTTING_DOWN)
-from slipstream.agent.router.classify import CHAT, RoutedRequest
+from slipstream.agent.router.classify import RoutedRequest
 from slipstream.agent.router.config import DECODE_POOL
+from slipstream.agent.router.disagg_answers import (
+    PREFILL_BACKEND_HEADER, PrefillEnd, prefill_answer, whole_answer)
 from slipstream.agent.router.instances import InstanceTable
+from slipstream.agent.router.kv_release import release_hold
 from slipstream.agent.router.proxy import (
-    BACKEND_HEADER, SSE_HEADERS, EventStream, Proxy, discard)
+    BACKEND_HEADER, EventStream, Proxy, discard)
 from slipstream.agent.server.errors import APIError
 
 log = logging.getLogger(__name__)
-PREFILL_BACKEND_HEADER = "x-slipstream-prefill-backend"
+# On a response a prefill or mixed instance served whole although decode instances are
+# known: why the request was not chained.
+SERVED_WHOLE_HEADER = "x-slipstream-served-whole"
 CHAIN_ATTEMPTS = 2  # the first try, and one retry of the whole chain
 # Error codes in a prefill stream's error event that say the request never ran there.
 _RETRY_CODES = frozenset({DRAINED, SHUTTING_DOWN, KV_TRANSFER_FAILED, "engine_unavailable",
@@ -89,46 +102,23 @@ def chainable(body: Any) -> bool:
     return not body.get("kv_transfer_params")  # a client driving the legs itself
 
 
+@dataclass
+class _Holds:
+    """The KV holds one chain attempt opened: (prefill instance URL, transfer id)."""
+
+    opened: set[tuple[str, str]] = field(default_factory=set)
+
+    def saw(self, instance_url: str, handle: Any) -> None:
+        if isinstance(handle, dict) and isinstance(handle.get("transfer_id"), str):
+            self.opened.add((instance_url, handle["transfer_id"]))
+
+
 class _Retry(Exception):
     """This try of the chain failed before the client saw anything; a new one may succeed."""
 
     def __init__(self, error: APIError) -> None:
         super().__init__(error.message)
         self.error = error
-
-
-@dataclass
-class PrefillEnd:
-    """What a prefill leg's stream said, read to its end."""
-
-    events: list[dict[str, Any]] = field(default_factory=list)  # the answer's own events
-    handle: dict[str, Any] | None = None  # the complete KV handle of a hand-off
-    error: dict[str, Any] | None = None  # an error event's ``error`` object
-
-    def add(self, event: dict[str, Any]) -> None:
-        if "error" in event:
-            error = event["error"]
-            self.error = error if isinstance(error, dict) else {"message": str(error)}
-        elif "kv_transfer_params" in event:
-            if isinstance(event["kv_transfer_params"], dict):
-                self.handle = event["kv_transfer_params"]
-        else:
-            self.events.append(event)
-
-    @property
-    def finish_reason(self) -> str | None:
-        reason = None
-        for event in self.events:
-            for choice in event.get("choices") or []:
-                reason = choice.get("finish_reason") or reason
-        return reason
-
-    @property
-    def handed_off(self) -> bool:
-        """Whether a decode instance continues this request: a handle, and the first token
-        did not end it (an agent that finds a stop string only after handing the KV off
-        still ended the request there)."""
-        return self.handle is not None and self.finish_reason == "length"
 
 
 class DisaggChain:
@@ -150,37 +140,63 @@ class DisaggChain:
                        headers: dict[str, str], routed: RoutedRequest) -> Response:
         self._table.observe_prompt(DECODE_POOL, routed.prompt_tokens)
         for attempt in range(CHAIN_ATTEMPTS):
+            if not self._table.decode_available():
+                return await self._whole(path, body, headers, routed)
+            holds = _Holds()
             try:
-                return await self._try(path, endpoint, body, headers, routed)
+                return await self._try(path, endpoint, body, headers, routed, holds)
             except _Retry as retry:
+                await self._release(holds, headers)
                 if attempt + 1 == CHAIN_ATTEMPTS:
-                    raise retry.error from None
+                    log.warning("the chain failed before its first token (%s); serving the "
+                                "request whole", retry.error.message)
+                    return await self._whole(path, body, headers, routed)
                 log.warning("the chain failed before its first token (%s); retrying it from "
                             "a new prefill", retry.error.message)
+            except BaseException:
+                await self._release(holds, headers)
+                raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    async def _whole(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                     routed: RoutedRequest) -> Response:
+        """The request as a plain one on a prefill or mixed instance: no hand-off."""
+        response = await self._proxy.forward(path, json.dumps(body).encode(), headers, routed)
+        response.headers[SERVED_WHOLE_HEADER] = "no-decode-instance"
+        return response
+
+    async def _release(self, holds: _Holds, headers: dict[str, str]) -> None:
+        """Free what a failed attempt left held (after a hand-off that worked, the decode
+        instance acknowledges it instead)."""
+        with anyio.CancelScope(shield=True):
+            for instance_url, transfer_id in holds.opened:
+                await release_hold(self._proxy.client, instance_url, transfer_id, headers)
+
     async def _try(self, path: str, endpoint: str, body: dict[str, Any],
-                   headers: dict[str, str], routed: RoutedRequest) -> Response:
+                   headers: dict[str, str], routed: RoutedRequest, holds: _Holds) -> Response:
         prefill_body = {**body, "stream": True, "stream_options": {"include_usage": True},
                         "kv_transfer_params": {"do_remote_decode": True}}
         opened = await self._proxy.open_stream(path, json.dumps(prefill_body).encode(), headers,
                                                dataclasses.replace(routed, stream=True))
         if isinstance(opened, Response):
             if _refuses_streamed_prefill(opened):
-                return await self._try_unstreamed(path, endpoint, body, headers, routed)
+                return await self._try_unstreamed(path, endpoint, body, headers, routed,
+                                                  holds)
             return opened  # the client's error (a 400), as the prefill instance put it
         try:
             async with contextlib.aclosing(opened.events()) as events:
-                return await self._chain(path, endpoint, body, headers, routed, opened, events)
+                return await self._chain(path, endpoint, body, headers, routed, opened, events,
+                                         holds)
         finally:
             with anyio.CancelScope(shield=True):
                 await opened.aclose()
 
     async def _chain(self, path: str, endpoint: str, body: dict[str, Any],
                      headers: dict[str, str], routed: RoutedRequest, opened: EventStream,
-                     events: AsyncIterator[dict[str, Any]]) -> Response:
+                     events: AsyncIterator[dict[str, Any]], holds: _Holds) -> Response:
         first = await anext(events, None)
         early = first.get("kv_transfer_params") if first is not None else None
+        holds.saw(opened.instance_url, early)
         decode: asyncio.Task[Response] | None = None
         leading: list[dict[str, Any]] = []
         if isinstance(early, dict) and early.get("streaming"):
@@ -207,6 +223,7 @@ class DisaggChain:
             await _settle(drain, decode)
             raise
         await opened.aclose()  # read to its end: the prefill instance is done with it
+        holds.saw(opened.instance_url, end.handle)
         if end.error is not None:
             await _settle(decode)
             error = _prefill_error(end.error)
@@ -223,7 +240,7 @@ class DisaggChain:
                 503, "the decode instance gave up on the KV hand-off", code=KV_TRANSFER_FAILED))
         if not end.handed_off:
             await _settle(decode)
-            return _answer(end, endpoint, routed.stream, body, opened.instance_name)
+            return prefill_answer(end, endpoint, routed.stream, body, opened.instance_name)
         if decode is None:  # the handle came with the answer only
             assert end.handle is not None
             decode = asyncio.ensure_future(self._decode(path, body, end.handle, headers, routed))
@@ -242,7 +259,8 @@ class DisaggChain:
                                          dataclasses.replace(routed, request_class=DECODE_POOL))
 
     async def _try_unstreamed(self, path: str, endpoint: str, body: dict[str, Any],
-                              headers: dict[str, str], routed: RoutedRequest) -> Response:
+                              headers: dict[str, str], routed: RoutedRequest,
+                              holds: _Holds) -> Response:
         """The chain as it was before streamed prefill legs: the prefill instance answers
         whole, with the handle, and only then does the decode leg start."""
         prefill_body = {key: value for key, value in body.items() if key != "stream_options"}
@@ -255,7 +273,9 @@ class DisaggChain:
         answer = json.loads(bytes(prefill.body))
         handle = answer.pop("kv_transfer_params", None)
         if handle is None:  # finished at its first token
-            return _finished(answer, endpoint, routed.stream, body, prefill_backend)
+            return whole_answer(answer, endpoint, routed.stream, body, prefill_backend)
+        if (instance := self._table.get(prefill_backend)) is not None:
+            holds.saw(instance.spec.url, handle)
         try:
             response = await self._decode(path, body, handle, headers, routed)
         except APIError as error:
@@ -340,85 +360,3 @@ def _refuses_streamed_prefill(response: Response) -> bool:
         return False
     return isinstance(error, dict) and error.get("param") == "stream" and \
         "kv_transfer_params" in str(error.get("message"))
-
-
-def _answer(end: PrefillEnd, endpoint: str, stream: bool, body: dict[str, Any],
-            prefill_backend: str) -> Response:
-    """The prefill instance's own answer (the request ended at its first token), in the
-    shape the client asked for: its events as they came if it streamed, else one body."""
-    if not end.events:
-        raise APIError(502, "the prefill instance ended its stream without an answer",
-                       code="instance_failed")
-    headers = {BACKEND_HEADER: prefill_backend, PREFILL_BACKEND_HEADER: prefill_backend}
-    if stream:
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunks = [_event(event) for event in end.events
-                  if include_usage or event.get("choices") or not event.get("usage")]
-        return StreamingResponse(_replay([*chunks, b"data: [DONE]\n\n"]),
-                                 media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **headers})
-    head = end.events[0]
-    common = {"id": head.get("id"), "created": head.get("created"), "model": head.get("model")}
-    text: list[str] = []
-    usage = None
-    for event in end.events:
-        usage = event.get("usage") or usage
-        for item in event.get("choices") or []:
-            piece = (item.get("delta") or {}).get("content") if endpoint == CHAT \
-                else item.get("text")
-            text.append(piece or "")
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": end.finish_reason}
-    answer: dict[str, Any]
-    if endpoint == CHAT:
-        answer = {**common, "object": "chat.completion",
-                  "choices": [{**choice, "message": {"role": "assistant",
-                                                     "content": "".join(text)}}]}
-    else:
-        answer = {**common, "object": "text_completion",
-                  "choices": [{**choice, "text": "".join(text)}]}
-    answer["usage"] = usage
-    return Response(json.dumps(answer), media_type="application/json", headers=headers)
-
-
-async def _replay(chunks: list[bytes]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield chunk
-
-
-def _finished(answer: dict[str, Any], endpoint: str, stream: bool, body: dict[str, Any],
-              prefill_backend: str) -> Response:
-    """A whole prefill answer (the unstreamed fallback), in the shape the client asked for."""
-    headers = {BACKEND_HEADER: prefill_backend, PREFILL_BACKEND_HEADER: prefill_backend}
-    if not stream:
-        return Response(json.dumps(answer), media_type="application/json", headers=headers)
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return StreamingResponse(_as_stream(answer, endpoint, include_usage),
-                             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-
-
-async def _as_stream(answer: dict[str, Any], endpoint: str,
-                     include_usage: bool) -> AsyncIterator[bytes]:
-    common = {"id": answer.get("id"), "created": answer.get("created"),
-              "model": answer.get("model")}
-    choice = (answer.get("choices") or [{}])[0]
-    if endpoint == CHAT:
-        common["object"] = "chat.completion.chunk"
-        message = choice.get("message") or {}
-        yield _event({**common, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                             "finish_reason": None}]})
-        yield _event({**common, "choices": [{"index": 0,
-                                             "delta": {"content": message.get("content") or ""},
-                                             "finish_reason": choice.get("finish_reason")}]})
-    else:
-        common["object"] = "text_completion"
-        yield _event({**common, "choices": [{"index": 0, "text": choice.get("text") or "",
-                                             "logprobs": None,
-                                             "finish_reason": choice.get("finish_reason")}]})
-    if include_usage and answer.get("usage") is not None:
-        yield _event({**common, "choices": [], "usage": answer["usage"]})
-    yield b"data: [DONE]\n\n"
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data).encode() + b"\n\n"

@@ -16,7 +16,6 @@ tried in ``exclude`` and keeps its first fairness tag, so it does not lose its p
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,7 +79,11 @@ class Dispatcher:
         self._clock = clock
         self.queues: dict[str, FairQueue[_Waiter]] = {
             request_class: FairQueue(config.fairness) for request_class in DISPATCH_CLASSES}
-        self._rotation = itertools.count()  # spreads ties between idle instances
+        # Spreads ties between idle instances: one counter per dispatch class, advanced
+        # only when that class grants a lease. A counter shared by a chain's prefill and
+        # decode choices advanced twice per request, so with two idle decode instances
+        # every decode leg saw the same offset and went to the same one (issue 30).
+        self._rotation = {request_class: 0 for request_class in DISPATCH_CLASSES}
         self.affinity = PrefixAffinityIndex(config.prefix_block_tokens or 1)
         table.on_change(self.drain)
 
@@ -113,7 +116,7 @@ class Dispatcher:
     def tag(self, routed: RoutedRequest) -> float:
         """The request's fairness tag, taken once (a retry keeps it)."""
         return self.queues[routed.request_class].tag(routed.app_id, routed.prompt_tokens,
-                                                     routed.max_tokens)
+                                                     routed.max_tokens, routed.share_weight)
 
     async def acquire(self, routed: RoutedRequest, finish_tag: float,
                       exclude: frozenset[str] = frozenset()) -> Lease:
@@ -125,7 +128,7 @@ class Dispatcher:
             instance = self._pick(routed, exclude)
             if instance is not None:
                 queue.dispatched(finish_tag)
-                return Lease(self, instance, routed, finish_tag)
+                return self._grant(instance, routed, finish_tag)
         waiter = _Waiter(routed, finish_tag, exclude, asyncio.get_running_loop().create_future())
         queue.push(finish_tag, waiter)
         started_s = self._clock()
@@ -169,16 +172,20 @@ class Dispatcher:
                     continue
                 queue.pop()
                 queue.dispatched(waiter.finish_tag)
-                waiter.future.set_result(Lease(self, instance, waiter.routed, waiter.finish_tag))
+                waiter.future.set_result(self._grant(instance, waiter.routed, waiter.finish_tag))
             for waiter in skipped:
                 queue.push(waiter.finish_tag, waiter)
+
+    def _grant(self, instance: Instance, routed: RoutedRequest, finish_tag: float) -> Lease:
+        self._rotation[routed.request_class] += 1
+        return Lease(self, instance, routed, finish_tag)
 
     def _pick(self, routed: RoutedRequest, exclude: frozenset[str]) -> Instance | None:
         config = self._config
         mean_prompt = self._table.mean_prompt_tokens(routed.request_class)
         best, best_key = None, None
         candidates = self._table.candidates(routed.request_class)
-        offset = next(self._rotation)
+        offset = self._rotation[routed.request_class]
         decode_leg = routed.request_class == DECODE_POOL
         for position, instance in enumerate(candidates):
             if instance.name in exclude or instance.in_flight >= config.max_in_flight_per_instance:

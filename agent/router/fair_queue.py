@@ -61,10 +61,13 @@ class FairQueue(Generic[T]):
         self._heap: list[tuple[float, int, T]] = []
         self._sequence = itertools.count()
 
-    def tag(self, app_id: str, prompt_tokens: int, max_tokens: int | None) -> float:
-        """The virtual finish time of a new request (advances the application's last tag)."""
+    def tag(self, app_id: str, prompt_tokens: int, max_tokens: int | None,
+            weight: float = 1.0) -> float:
+        """The virtual finish time of a new request (advances the application's last tag);
+        a tenant of weight ``w`` advances its tags ``1/w`` as fast."""
         output_tokens = self.demand.predict_output_tokens(app_id, max_tokens)
-        return self.virtual_clock.tag(app_id, kv_token_time(prompt_tokens, output_tokens))
+        return self.virtual_clock.tag(app_id, kv_token_time(prompt_tokens, output_tokens),
+                                      weight)
 
     def dispatched(self, finish_tag: float) -> None:
         """A request with this tag went to an instance: virtual time catches up to it."""

@@ -265,6 +265,14 @@ class InstanceTable:
         is disaggregated, so requests are chained through one."""
         return any(instance.pool == DECODE_POOL for instance in self._instances.values())
 
+    def decode_available(self) -> bool:
+        """Whether a decode leg could be placed now: some decode instance is not cooling
+        down after a failure and was not last found refusing or silent. Without one a
+        request is served whole by a prefill or mixed instance instead of chained."""
+        now_s = self._clock()
+        return any(instance.health_state(now_s) not in (NOT_SERVING, UNRESPONSIVE)
+                   for instance in self.candidates(DECODE_POOL))
+
     def serving_count(self) -> int:
         """Instances that serve now by the last poll: answered 200, or answered late for
         less than UNRESPONSIVE_AFTER_S; not refused, down, cooling down or not polled yet."""

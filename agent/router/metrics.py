@@ -39,6 +39,9 @@ class RouterMetrics:
         self.queue_wait_s = Histogram(names.ROUTER_QUEUE_WAIT.name, names.ROUTER_QUEUE_WAIT.help,
                                       names.ROUTER_QUEUE_WAIT.labels, buckets=LATENCY_BUCKETS_S,
                                       registry=reg)
+        self.tenant_requests = Counter(names.ROUTER_TENANT_REQUESTS.constructor_name,
+                                       names.ROUTER_TENANT_REQUESTS.help,
+                                       names.ROUTER_TENANT_REQUESTS.labels, registry=reg)
         self._queue_depth = self._gauge(names.ROUTER_QUEUE_DEPTH)
         self._in_flight = self._gauge(names.ROUTER_IN_FLIGHT)
         self._pool_instances = self._gauge(names.ROUTER_POOL_INSTANCES)
@@ -53,6 +56,13 @@ class RouterMetrics:
                     self.requests.labels(request_class, pool, outcome)
         for pool in POOLS:
             self.retries.labels(pool)
+
+    def create_tenant_series(self, labels: list[str]) -> None:
+        for label in labels:
+            self.tenant_requests.labels(label, "ok")
+
+    def count_tenant_request(self, tenant_label: str, outcome: str) -> None:
+        self.tenant_requests.labels(tenant_label, outcome).inc()
 
     def _gauge(self, spec: names.MetricSpec) -> Gauge:
         return Gauge(spec.name, spec.help, spec.labels, registry=self.registry)

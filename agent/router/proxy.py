@@ -66,6 +66,11 @@ class Proxy:
         self._client = client
         self._metrics = metrics
 
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The one upstream client (the disaggregated chain's hold releases use it too)."""
+        return self._client
+
     async def forward(self, path: str, body: bytes, headers: dict[str, str],
                       routed: RoutedRequest) -> Response:
         return await self._placed(routed, lambda lease: self._attempt(
@@ -293,6 +298,7 @@ class EventStream:
         self.upstream = upstream
         self.lease = lease
         self.instance_name = lease.instance.name
+        self.instance_url = lease.instance.spec.url
         self._count = count
         self._outcome = "cancelled"
 

@@ -15,6 +15,9 @@ here, so each application is a flow in the fair-queuing sense: a request's tag i
 ``F``. An application stays active in GPS until ``V`` reaches its last tag; the clock walks
 those departures in order, so advancing it costs O(log N) per departure.
 
+With tenants (docs/tenancy.md) an application is a tenant and has a weight ``w``: weighted
+GPS gives it ``w / sum(w)`` of ``M``, so its tags grow by ``C / w``.
+
 Requests run in ascending ``F``, and running requests are never displaced by waiting ones
 (non-preemptive between applications); only KV exhaustion preempts, largest ``F`` first. A
 mouse stream from any number of applications cannot hold an elephant back forever: ``V``
@@ -43,15 +46,22 @@ class VirtualClock:
         self.capacity_tokens = capacity_tokens
         self.now = 0.0
         self._last_tag: dict[str, float] = {}  # active applications -> their last finish tag
+        self._weights: dict[str, float] = {}  # active applications -> their share weight
         self._departures: list[tuple[float, str]] = []  # may hold stale entries
 
     @property
     def num_active(self) -> int:
         return len(self._last_tag)
 
-    def tag(self, app_id: str, cost: float) -> float:
-        finish = max(self.now, self._last_tag.get(app_id, self.now)) + cost
+    def tag(self, app_id: str, cost: float, weight: float = 1.0) -> float:
+        """A new request's finish tag. Weighted GPS: an application of weight ``w`` is served
+        ``w`` times as fast as one of weight 1, so its cost counts ``1/w`` in virtual time
+        (the rate below divides by the active weights' sum)."""
+        if not weight > 0:
+            raise ValueError("weight must be positive")
+        finish = max(self.now, self._last_tag.get(app_id, self.now)) + cost / weight
         self._last_tag[app_id] = finish
+        self._weights[app_id] = weight
         heapq.heappush(self._departures, (finish, app_id))
         return finish
 
@@ -62,7 +72,7 @@ class VirtualClock:
             if self._last_tag.get(app) != finish:
                 heapq.heappop(self._departures)  # superseded by a later tag
                 continue
-            rate = self.capacity_tokens / len(self._last_tag)
+            rate = self.capacity_tokens / sum(self._weights[app] for app in self._last_tag)
             needed = (finish - self.now) / rate
             if needed > left:
                 self.now += rate * left
@@ -71,6 +81,7 @@ class VirtualClock:
             left -= needed
             heapq.heappop(self._departures)
             del self._last_tag[app]
+            self._weights.pop(app, None)
 
 
     def advance_to(self, virtual_time: float) -> None:
@@ -82,6 +93,7 @@ class VirtualClock:
             finish, app = heapq.heappop(self._departures)
             if self._last_tag.get(app) == finish:
                 del self._last_tag[app]
+                self._weights.pop(app, None)
 
 
 class JustitiaPolicy(SchedulingPolicy):
@@ -98,7 +110,7 @@ class JustitiaPolicy(SchedulingPolicy):
             return  # a requeued request keeps its place
         output_tokens = self.context.length_predictor.predict_output_tokens(request)
         cost = kv_token_time(request.prompt_len, output_tokens)
-        self._finish_tag[request] = self.clock.tag(request.app_id, cost)
+        self._finish_tag[request] = self.clock.tag(request.app_id, cost, request.share_weight)
 
     def on_finish(self, request, now_s):
         self._finish_tag.pop(request, None)

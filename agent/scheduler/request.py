@@ -53,6 +53,9 @@ class Request:
     app_id: str = "default"
     priority: int = 0
     slo: RequestSLO = field(default_factory=RequestSLO)
+    # The fair share of ``app_id`` (a tenant's weight from the tenants file): Justitia's
+    # virtual time charges this request's cost divided by it.
+    share_weight: float = 1.0
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     output_token_ids: list[int] = field(default_factory=list)

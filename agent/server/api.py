@@ -33,7 +33,9 @@ from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.prepare import ServingContext
 from slipstream.agent.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+    ChatCompletionRequest, CompletionRequest, KvReleaseRequest, ModelCard, ModelList)
+from slipstream.agent.server.tenancy.gate import TenancyGate
+from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 
 if TYPE_CHECKING:
     from slipstream.agent.server.engine_core import ServingEngine
@@ -72,6 +74,10 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
                   lifespan=lifespan)
     app.state.serving = ctx
     _add_error_handlers(app)
+    tenants = None if config.tenants_path is None else Tenants(config.tenants_path)
+    metrics.create_tenant_series(tenants.metric_labels() if tenants else [OPEN_LABEL])
+    app.add_middleware(TenancyGate, tenants=tenants, count=metrics.count_tenant_request,
+                       on_clamped=metrics.count_slo_clamped)
 
     @app.get("/health")
     async def health() -> Response:
@@ -103,8 +109,19 @@ def build_app(engine: ServingEngine, config: ServerConfig | None = None, *,
         _require_healthy(ctx)
         return await _answer(create_chat_completion(ctx, request, body))
 
+    @app.post("/v1/kv_transfer/release")
+    async def release_kv(request: Request) -> Response:
+        """Prefill role: free a KV hold that no decode instance will read, now rather than
+        at the hold timeout (the router, when a chain's decode leg found no decode
+        instance). The transfer id is the capability: random, known only to the router
+        and the decode instance it was handed to."""
+        body = await _parse_body(request, KvReleaseRequest, config)
+        engine.release_kv(body.transfer_id)
+        return JSONResponse({"transfer_id": body.transfer_id, "released": True})
+
     _describe_request_bodies(app, {"/v1/completions": CompletionRequest,
-                                   "/v1/chat/completions": ChatCompletionRequest})
+                                   "/v1/chat/completions": ChatCompletionRequest,
+                                   "/v1/kv_transfer/release": KvReleaseRequest})
     return app
 
 
@@ -163,7 +180,8 @@ async def _parse_body(request: Request, model_type: type[M], config: ServerConfi
 
 def _add_error_handlers(app: FastAPI) -> None:
     add_openai_error_handlers(app, "Unknown endpoint. Slipstream serves /v1/completions, "
-                              "/v1/chat/completions, /v1/models, /health and /metrics.")
+                              "/v1/chat/completions, /v1/models, /v1/kv_transfer/release, /health "
+                              "and /metrics.")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:

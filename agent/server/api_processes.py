@@ -64,7 +64,8 @@ class ClientAddress(NamedTuple):
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` with SO_REUSEPORT, as every API process's is."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP: asyncio disables Nagle on accepted sockets only then (drain.reserve_port)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

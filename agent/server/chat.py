@@ -34,6 +34,7 @@ from slipstream.agent.server.protocol import (
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, FunctionCallDelta,
     ToolCallDelta, TopLogprob, Usage, unix_time_s)
 from slipstream.agent.server.structured import checked_grammar, response_format_grammar
+from slipstream.agent.server.tenancy.identity import caller_of
 from slipstream.agent.server.tool_parsers import ToolParser, new_call_id, resolve_parser
 from slipstream.agent.server.tool_stream import ToolStream
 from slipstream.agent.server.tools import forced_tools, template_messages
@@ -76,7 +77,8 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request,
                        max_tokens=body.requested_max_tokens, logprobs=body.num_logprobs,
                        prompt_param="messages", grammar=grammar,
                        max_tokens_param="max_completion_tokens"
-                       if body.max_completion_tokens is not None else "max_tokens")
+                       if body.max_completion_tokens is not None else "max_tokens",
+                       caller=caller_of(http_request.scope))
     single_call = body.parallel_tool_calls is False
     choices = await start_choices(ctx, http_request, prepared)
     if body.stream:

@@ -43,6 +43,7 @@ from slipstream.agent.server.cli_configs import (
     check_api_processes, defaults_from_config, engine_config_from_args,
     scheduler_config_from_args, server_config_from_args, use_engine_process)
 from slipstream.agent.server.cli_flags import add_arguments
+from slipstream.agent.server.tenancy.config import tenancy_line
 from slipstream.agent.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_config = server_config_from_args(args)
         check_api_processes(args)
-    except ValueError as error:
+        tenancy_line(server_config.tenants_path)  # a file that does not validate stops here
+    except (ValueError, OSError) as error:
         log.error("cannot start: %s", error)
         return 2
     shared_dir = None
@@ -143,12 +145,15 @@ def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Pa
     control_server = None
     if server_config.control_port:
         from slipstream.agent.server.control import ControlService, start_control_server
+        from slipstream.agent.server.control_auth import ControlToken
 
         try:
+            token = None if server_config.control_token_file is None else \
+                ControlToken(server_config.control_token_file)
             control_server, _ = start_control_server(
                 ControlService(engine, pool_holder), server_config.host,
-                server_config.control_port)
-        except OSError as error:
+                server_config.control_port, token)
+        except (OSError, ValueError) as error:
             logging.getLogger(__name__).error("cannot start the control API: %s (pick another "
                                               "--control-port, or 0 to turn it off)", error)
             engine.close()
@@ -210,6 +215,14 @@ def _start_engine(args: argparse.Namespace, engine_config: EngineConfig) -> Serv
         engine_config, scheduler_config_from_args(args)))
 
 
+def _control_access(config: ServerConfig) -> str:
+    if not config.control_port:
+        return ""
+    if config.control_token_file is None:
+        return " (open: no --control-token-file)"
+    return " (bearer token required)"
+
+
 def _port_in_use(flag: str, host: str, port: int, error: OSError) -> int:
     hint = f"pick another {flag}" + (", or 0 to turn it off" if flag == "--control-port" else "")
     logging.getLogger(__name__).error("cannot start: %s %d on %s: %s (%s)", flag, port, host,
@@ -223,7 +236,9 @@ def _print_banner(config: ServerConfig, port: int, model_name: str, max_model_le
     url = f"http://{host}:{port}"
     print(f"Slipstream serving {model_name!r} (context {max_model_len} tokens) at {url}/v1\n"
           f"  metrics: {url}/metrics   health: {url}/health   "
-          f"control (gRPC): {host}:{config.control_port or 'off'}\n"
+          f"control (gRPC): {host}:{config.control_port or 'off'}"
+          f"{_control_access(config)}\n"
+          f"  {tenancy_line(config.tenants_path)}\n"
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"Hello\"}}], \"max_tokens\": 16}}'", flush=True)

@@ -110,6 +110,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         request_read_timeout_s=args.request_read_timeout_s,
         tool_call_parser=args.tool_call_parser,
+        tenants_path=args.tenants,
+        control_token_file=args.control_token_file,
     )
 
 

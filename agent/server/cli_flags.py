@@ -20,7 +20,8 @@ from slipstream.agent.scheduler.flags import add_short_prefill_arguments
 
 from slipstream.agent.server.config import (
     DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HOST, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS,
-    DEFAULT_MAX_TOKENS_CAP, TOOL_CALL_PARSERS, add_request_limit_arguments)
+    DEFAULT_MAX_TOKENS_CAP, TOOL_CALL_PARSERS, add_request_limit_arguments,
+    add_tenants_argument)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -167,6 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "[DONE], then exit 0. The pod's terminationGracePeriodSeconds must "
                            "be longer (the operator sets it)")
     add_request_limit_arguments(http)
+    add_tenants_argument(http)
     http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                       help="the model's tool-call syntax, turned into OpenAI tool_calls: "
                            "hermes (Qwen, Hermes, ChatML), llama3_json (Llama 3.1+), mistral; "
@@ -174,12 +176,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--control-port", type=int, default=50051,
                       help="gRPC control API port (health, stats, pool role; the operator's "
                            "rebalancer reads it); 0 turns it off")
+    http.add_argument("--control-token-file", type=Path, default=None, metavar="FILE",
+                      help="every control call must carry 'authorization: Bearer <the token "
+                           "in FILE>' (the operator mounts one per ServingReplica; re-read "
+                           "when it changes); without it the control port is open")
 
     disagg = parser.add_argument_group(
         "prefill/decode disaggregation",
         "A prefill instance computes prompts and their first token and keeps their KV for a "
         "decode instance, which fetches it and continues (docs/disaggregation.md). The router "
-        "(slipstream router --prefill/--decode) chains the two.")
+        "(slipstream router, given decode instances as --backend URL=decode or as pods in the "
+        "decode pool) chains the two.")
     disagg.add_argument("--role", choices=ROLES, default=None,
                         help="this instance's part; default: $SLIPSTREAM_ROLE if set, else "
                              "mixed (prefill and decode here, no KV transfer)")

@@ -21,6 +21,7 @@ from slipstream.agent.server.generation import Choices, collect_choices, start_c
 from slipstream.agent.server.prepare import ServingContext, check_model, prepare, tokenize
 from slipstream.agent.server.sse import (
     SSE_HEADERS, kv_handle_event, sse_event, stream_events, with_kv_transfer)
+from slipstream.agent.server.tenancy.identity import caller_of
 from slipstream.agent.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
     unix_time_s)
@@ -43,7 +44,8 @@ async def create_completion(ctx: ServingContext, http_request: Request,
         raise bad_request("echo with logprobs is not supported (prompt logprobs are not "
                           "computed); drop one of them", param="echo")
     prepared = prepare(ctx, f"cmpl-{uuid.uuid4().hex}", body, prompt_token_ids,
-                       max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt")
+                       max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt",
+                       caller=caller_of(http_request.scope))
     echo = _prompt_text(ctx, body.prompt) if body.echo else ""
     choices = await start_choices(ctx, http_request, prepared)
     if body.stream:

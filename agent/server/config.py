@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # Matches the CRD's default pools.longPrefillThresholdTokens, so dashboards and the router
 # agree on what "long" means.
@@ -47,6 +48,15 @@ def add_request_limit_arguments(http: argparse._ArgumentGroup) -> None:
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
+def add_tenants_argument(group: argparse._ArgumentGroup) -> None:
+    """``--tenants FILE``, which ``slipstream serve`` and ``slipstream router`` both take."""
+    group.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                       help="tenants YAML (docs/tenancy.md): API keys (as SHA-256 digests), "
+                            "fair-share weights, SLO classes and rate limits; every /v1 request "
+                            "then needs 'Authorization: Bearer KEY'. Without it the API is "
+                            "open to any caller, as the start-up line says")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = DEFAULT_HOST
@@ -68,6 +78,10 @@ class ServerConfig:
     # The model's tool-call syntax (server/tool_parsers.py): auto (from the chat template),
     # hermes, llama3_json or mistral.
     tool_call_parser: str = "auto"
+    # The tenants file (tenancy/config.py); None: open, no API keys.
+    tenants_path: Path | None = None
+    # The control port's bearer token (control_auth.py); None: the port is open.
+    control_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import Message
 
 from slipstream.agent.server import control_pb2 as pb
+from slipstream.agent.server.control_auth import ControlToken, ControlTokenCheck, bearer_metadata
 
 SERVICE_NAME = "slipstream.control.v1.Control"
 POOLS = ("short", "long", "unified")
@@ -145,10 +146,15 @@ def generic_handler(service: ControlService) -> grpc.GenericRpcHandler:
         for method, (request_type, response_type, attribute) in _METHODS.items()})
 
 
-def start_control_server(service: ControlService, host: str, port: int) -> tuple[grpc.Server, int]:
-    """Serve on ``host:port`` (port 0: any free port); returns the server and its port."""
+def start_control_server(service: ControlService, host: str, port: int,
+                         token: ControlToken | None = None) -> tuple[grpc.Server, int]:
+    """Serve on ``host:port`` (port 0: any free port); returns the server and its port. With
+    ``token``, every call must present it (control_auth.py); without, the port is open."""
+    interceptors: list[grpc.ServerInterceptor] = \
+        [ControlTokenCheck(token)] if token is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2,
-                                                    thread_name_prefix="slipstream-control"))
+                                                    thread_name_prefix="slipstream-control"),
+                         interceptors=interceptors)
     server.add_generic_rpc_handlers((generic_handler(service),))
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     bound_port = server.add_insecure_port(address)
@@ -161,9 +167,10 @@ def start_control_server(service: ControlService, host: str, port: int) -> tuple
 class ControlClient:
     """Blocking client of one agent's control API (the operator calls it from a thread)."""
 
-    def __init__(self, target: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, target: str, timeout_s: float = 2.0, token: str | None = None) -> None:
         self._channel = grpc.insecure_channel(target)
         self._timeout_s = timeout_s
+        self._metadata = bearer_metadata(token)
         self._calls = {
             method: self._channel.unary_unary(
                 f"/{SERVICE_NAME}/{method}", request_serializer=request_type.SerializeToString,
@@ -171,13 +178,16 @@ class ControlClient:
             for method, (request_type, response_type, _) in _METHODS.items()}
 
     def health(self) -> pb.HealthResponse:
-        return self._calls["Health"](pb.HealthRequest(), timeout=self._timeout_s)
+        return self._calls["Health"](pb.HealthRequest(), timeout=self._timeout_s,
+                                     metadata=self._metadata)
 
     def stats(self) -> pb.StatsResponse:
-        return self._calls["Stats"](pb.StatsRequest(), timeout=self._timeout_s)
+        return self._calls["Stats"](pb.StatsRequest(), timeout=self._timeout_s,
+                                    metadata=self._metadata)
 
     def set_pool(self, pool: str) -> pb.SetPoolResponse:
-        return self._calls["SetPool"](pb.SetPoolRequest(pool=pool), timeout=self._timeout_s)
+        return self._calls["SetPool"](pb.SetPoolRequest(pool=pool), timeout=self._timeout_s,
+                                      metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()

@@ -25,6 +25,7 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     kv_transfer: dict | None = None
     share_prompt_with: str | None = None
     client: int = 0  # the API process that sent it (--api-processes); its outputs go there
+    share_weight: float = 1.0  # the tenant's fair share (Request.share_weight)
 
 
 class Attach(msgspec.Struct, tag="attach", array_like=True):

@@ -231,7 +231,8 @@ class _CoreLoop:
                                        command.request_id, app_id=command.app_id,
                                        priority=command.priority, slo=command.slo,
                                        kv_transfer=command.kv_transfer,
-                                       share_prompt_with=command.share_prompt_with)
+                                       share_prompt_with=command.share_prompt_with,
+                                       share_weight=command.share_weight)
                 except ValueError as error:
                     refusal = error_output(command.request_id, str(error), INVALID_REQUEST)
                     if command.client == 0:

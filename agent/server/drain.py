@@ -108,7 +108,10 @@ def reserve_port(host: str, port: int, *, shared: bool = False) -> socket.socket
     not left waiting, so nobody mistakes a loading server for a ready one. ``shared``: with
     SO_REUSEPORT, for the other API processes of ``--api-processes`` to bind it too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on accepted sockets
+    # whose proto says TCP. With proto 0 every streamed event after the response headers on
+    # a reused keep-alive connection waited for the client's delayed ACK: ~40 ms more TTFT.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if shared:

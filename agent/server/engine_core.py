@@ -303,7 +303,8 @@ class EngineCoreClient:
                  app_id: str = "default", priority: int = 0,
                  slo: RequestSLO | None = None,
                  kv_transfer: dict | None = None,
-                 share_prompt_with: str | None = None) -> AsyncIterator[RequestOutput]:
+                 share_prompt_with: str | None = None,
+                 share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Validate now (ValueError for bad input), then stream outputs as they are produced."""
         check_admission(self, request_id, prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -311,7 +312,7 @@ class EngineCoreClient:
                                             TextStream(self.tokenizer, prompt_token_ids,
                                                        params.stop))
         self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                       kv_transfer, share_prompt_with, self.client))
+                       kv_transfer, share_prompt_with, self.client, share_weight))
         if self.fatal_error is not None:  # died after the check above: answer now
             queue.put_nowait(dead_output(request_id))
         return stream_outputs(request_id, queue, self._streams,
@@ -319,6 +320,11 @@ class EngineCoreClient:
 
     async def abort(self, request_id: str) -> None:
         self._send(Abort([request_id]))
+
+    def release_kv(self, transfer_id: str) -> None:
+        """Prefill role: free the KV held under ``transfer_id`` (a router whose decode leg
+        found no decode instance); unknown ids are ignored."""
+        self._send(DropKV([transfer_id]))
 
     def _send(self, command: Command) -> None:
         raw = encoder.encode(command)

@@ -201,7 +201,8 @@ async def start_generation(ctx: ServingContext, http_request: Request,
                                       prepared.params, app_id=prepared.app_id,
                                       priority=prepared.priority, slo=prepared.slo,
                                       kv_transfer=prepared.kv_transfer,
-                                      share_prompt_with=prepared.share_prompt_with)
+                                      share_prompt_with=prepared.share_prompt_with,
+                                      share_weight=prepared.share_weight)
     except ValueError as error:
         raise bad_request(str(error)) from None
     except EngineUnavailable as error:

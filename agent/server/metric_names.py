@@ -143,6 +143,16 @@ SLO_TPOT_TARGET = _spec("slipstream_slo_tpot_target_seconds", "gauge", (),
 SLO_ATTAINMENT_TARGET = _spec("slipstream_slo_attainment_target_ratio", "gauge", (),
                               "Share of requests that should meet their SLO (alert threshold).")
 
+# -- agent and router: tenants (--tenants FILE; tenancy/). ``tenant`` is a name from the tenants
+# file (the first 100; later ones share "other") or "none" before a key was accepted, so its
+# values are bounded by the file, never by what clients send.
+TENANT_OUTCOMES = "ok, unauthenticated, forbidden, rate_limited, rejected (other 4xx), error"
+TENANT_REQUESTS = _spec("slipstream_tenant_requests_total", "counter", ("tenant", "outcome"),
+                        f"API requests by tenant and outcome ({TENANT_OUTCOMES}).")
+TENANT_SLO_CLAMPED = _spec("slipstream_tenant_slo_clamped_total", "counter", ("tenant",),
+                           "Requests whose SLO asked for more than the tenant's tightest class "
+                           "and was raised to it.")
+
 AGENT_METRICS: tuple[MetricSpec, ...] = (
     TTFT, TPOT, ITL, E2E, REQUESTS, PROMPT_TOKENS, GENERATION_TOKENS, SLO_REQUESTS,
     REQUESTS_IN_FLIGHT, QUEUE_DEPTH, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, PREEMPTIONS,
@@ -151,7 +161,7 @@ AGENT_METRICS: tuple[MetricSpec, ...] = (
     KV_TRANSFER_OVERLAPPED_BLOCKS, KV_TIER_HITS, KV_TIER_BYTES, KV_TIER_LOAD_SECONDS,
     KV_TIER_BLOCKS_USED, KV_TIER_BLOCKS_CAPACITY, KV_TIER_FAILED_BLOCKS, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
     BATCH_TIME_PREDICTED, SCHEDULE_TIME, SCHEDULED_TOKENS, POOL_ROLE, SLO_TTFT_TARGET,
-    SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET)
+    SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET, TENANT_REQUESTS, TENANT_SLO_CLAMPED)
 
 # -- operator ----------------------------------------------------------------------------------
 OPERATOR_RECONCILES = _spec("slipstream_operator_reconciles_total", "counter", ("result",),
@@ -226,9 +236,14 @@ ROUTER_BACKLOG_TOKENS = _spec("slipstream_router_backlog_tokens", "gauge", ("poo
                               "Predicted backlog (prefill tokens, decodes weighted) summed over "
                               "each pool's instances.")
 
+ROUTER_TENANT_REQUESTS = _spec("slipstream_router_tenant_requests_total", "counter",
+                               ("tenant", "outcome"),
+                               f"Requests at the router by tenant and outcome "
+                               f"({TENANT_OUTCOMES}).")
+
 ROUTER_METRICS: tuple[MetricSpec, ...] = (
     ROUTER_REQUESTS, ROUTER_RETRIES, ROUTER_TTFT, ROUTER_QUEUE_WAIT, ROUTER_QUEUE_DEPTH,
-    ROUTER_IN_FLIGHT, ROUTER_POOL_INSTANCES, ROUTER_BACKLOG_TOKENS)
+    ROUTER_IN_FLIGHT, ROUTER_POOL_INSTANCES, ROUTER_BACKLOG_TOKENS, ROUTER_TENANT_REQUESTS)
 
 ALL_METRICS: dict[str, MetricSpec] = {
     spec.name: spec for spec in AGENT_METRICS + OPERATOR_METRICS + ROUTER_METRICS}

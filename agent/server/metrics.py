@@ -101,6 +101,8 @@ class ServingMetrics:
         self.generation_tokens = _counter(names.GENERATION_TOKENS, reg)
         self.slo_outcomes = _counter(names.SLO_REQUESTS, reg)
         self.in_flight = _summed_gauge(names.REQUESTS_IN_FLIGHT, reg)
+        self.tenant_requests = _counter(names.TENANT_REQUESTS, reg)
+        self.tenant_slo_clamped = _counter(names.TENANT_SLO_CLAMPED, reg)
         self._create_children()
         self.step_metrics = StepMetrics()
         local: list[Collector] = [InstanceCollector(self, attainment_target), self.step_metrics,
@@ -114,6 +116,18 @@ class ServingMetrics:
             MultiProcessCollector(self._exported, path=multiprocess_dir)
             for collector in local:
                 self._exported.register(collector)
+
+    def create_tenant_series(self, labels: list[str]) -> None:
+        """Every tenant's series as zeros from the start, so dashboards have data at once."""
+        for label in labels:
+            self.tenant_requests.labels(label, "ok")
+            self.tenant_slo_clamped.labels(label)
+
+    def count_tenant_request(self, tenant_label: str, outcome: str) -> None:
+        self.tenant_requests.labels(tenant_label, outcome).inc()
+
+    def count_slo_clamped(self, tenant_label: str) -> None:
+        self.tenant_slo_clamped.labels(tenant_label).inc()
 
     def _create_children(self) -> None:
         """Export every label combination from the start (as zeros), so rates and ratios in

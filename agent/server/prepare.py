@@ -23,6 +23,8 @@ from slipstream.agent.server.config import ServerConfig
 from slipstream.agent.server.errors import APIError, bad_request, model_not_found
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.protocol import SloSpec, _GenerationRequest
+from slipstream.agent.server.tenancy.identity import Caller
+from slipstream.agent.server.tenancy.slo_policy import RequestedSlo
 
 if TYPE_CHECKING:
     from slipstream.agent.server.engine_core import ServingEngine
@@ -55,6 +57,7 @@ class PreparedRequest:
     kv_transfer: dict | None = None  # disaggregation (engine/disagg.py)
     num_choices: int = 1
     share_prompt_with: str | None = None  # choices 1.. of n > 1: choice 0's request id
+    share_weight: float = 1.0  # the tenant's fair share (1 with tenants off)
 
     def choices(self) -> list[PreparedRequest]:
         """One engine request per choice. Choice 0 is this request itself (so ``n=1`` is
@@ -127,21 +130,43 @@ def release_free_memory() -> None:
 def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
             prompt_token_ids: list[int], *, max_tokens: int | None, logprobs: int | None,
             prompt_param: str, max_tokens_param: str = "max_tokens",
-            grammar: str | None = None) -> PreparedRequest:
+            grammar: str | None = None, caller: Caller | None = None) -> PreparedRequest:
     """Check the request against the model's limits and build what the engine takes;
-    ``grammar`` (llguidance, already checked) constrains every output."""
+    ``grammar`` (llguidance, already checked) constrains every output. ``caller`` (tenants
+    on): the fair queue's tenant, the permitted SLO and the tokens charged come from it."""
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
     kv_transfer = body.kv_transfer_params
     if kv_transfer and body.num_choices > 1:
         raise bad_request("kv_transfer_params needs n=1", param="n")
     params = build_sampling_params(body, resolved_max_tokens, logprobs, grammar)
+    if caller is None:
+        if body.slo is not None and body.slo.class_name is not None:
+            raise bad_request("slo.class: SLO classes belong to tenants, and this server has "
+                              "no tenants file", param="slo.class")
+        app_id, weight = body.app_id or (body.user or "")[:256] or "default", 1.0
+        slo = build_slo(body.slo, ctx.config)
+    else:
+        app_id, weight, slo = _tenant_side(ctx, caller, body)
+        caller.charge_tokens(len(prompt_token_ids) + resolved_max_tokens * body.num_choices)
     return PreparedRequest(
         request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-        app_id=body.app_id or (body.user or "")[:256] or "default", priority=body.priority,
-        slo=build_slo(body.slo, ctx.config),
+        app_id=app_id, priority=body.priority, slo=slo,
         include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices,
-        kv_transfer=kv_transfer)
+        kv_transfer=kv_transfer, share_weight=weight)
+
+
+def _tenant_side(ctx: ServingContext, caller: Caller, body: _GenerationRequest
+                 ) -> tuple[str, float, RequestSLO | None]:
+    """The fair queue's tenant, its weight and the SLO the tenant permits (403 for an
+    app_id of another tenant, 400 for an SLO class it does not have)."""
+    caller.application(body.app_id)
+    spec = body.slo
+    resolved = caller.resolve_slo(None if spec is None else RequestedSlo(
+        spec.class_name, spec.ttft_s, spec.tpot_ms))
+    slo = build_slo(SloSpec.model_validate({"ttft_s": resolved.ttft_s,
+                                            "tpot_ms": resolved.tpot_ms}), ctx.config)
+    return caller.fair_queue_id, caller.weight, slo
 
 
 def resolve_max_tokens(ctx: ServingContext, num_prompt_tokens: int, requested: int | None,

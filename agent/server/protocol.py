@@ -10,9 +10,10 @@ client sends through ``extra_body``:
     {"top_k": 20, "repetition_penalty": 1.1, "ignore_eos": true, "priority": 1,
      "app_id": "search", "slo": {"ttft_s": 2.0, "tpot_ms": 50}}
 
-``slo`` is a nested object (the one scheme; no flat aliases). ``app_id`` names the tenant
-for application-level fairness; without it, OpenAI's ``user`` field names it, and without
-either it is ``"default"``. Unknown fields are rejected
+``slo`` is a nested object (the one scheme; no flat aliases). Without a tenants file,
+``app_id`` names the application for fair queuing (else OpenAI's ``user``, else
+``"default"``); with one, the API key names the tenant and ``app_id`` only a
+sub-application inside it (tenancy/identity.py). Unknown fields are rejected
 with a 400 naming them, as OpenAI does, so that a misspelt SLO is never silently ignored.
 """
 
@@ -38,10 +39,18 @@ class _StrictModel(BaseModel):
 
 
 class SloSpec(_StrictModel):
-    """Per-request service-level objectives; absent fields use the engine's defaults."""
+    """Per-request objectives (absent: the engine's defaults); with tenants, ``class`` names a
+    tenant's SLO class, never tighter than its tightest (tenancy/slo_policy.py)."""
 
+    class_name: str | None = Field(default=None, alias="class", min_length=1, max_length=63)
     ttft_s: float | None = Field(default=None, gt=0, le=86_400)
     tpot_ms: float | None = Field(default=None, gt=0, le=600_000)
+
+
+class KvReleaseRequest(_StrictModel):
+    """``POST /v1/kv_transfer/release``: free a prefill instance's KV hold now."""
+
+    transfer_id: str = Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")
 
 
 class StreamOptions(_StrictModel):

@@ -80,6 +80,12 @@ def _router_row() -> list[Panel]:
                    "prefill tokens plus weighted decodes, summed over each pool.",
                    Target(f"sum by (pool) ({names.ROUTER_BACKLOG_TOKENS.name}{{{pool}}})",
                           "{{pool}}"), width=8),
+        timeseries("Router requests by tenant", "Requests per second at the router by the API "
+                   "key's tenant and outcome (refused keys, other tenants' app_ids, rate "
+                   "limits); the agents check the same key again.",
+                   Target(f"sum by (tenant, outcome) "
+                          f"(rate({names.ROUTER_TENANT_REQUESTS.name}[{RATE}]))",
+                          "{{tenant}} {{outcome}}"), unit="reqps", width=24),
     ]
 
 

@@ -108,6 +108,25 @@ def _throughput_row() -> list[Panel]:
     ]
 
 
+def _tenant_row() -> list[Panel]:
+    request_filter = '{job=~"$job"}'
+    return [
+        timeseries("Requests by tenant and outcome", "API requests per second at the agents, "
+                   "by the API key's tenant (\"open\" without a tenants file, \"none\" before a "
+                   "key was accepted) and outcome: refused keys, other tenants' app_ids and "
+                   "rate limits show here.",
+                   Target(f"sum by (tenant, outcome) (rate({names.TENANT_REQUESTS.name}"
+                          f"{request_filter}[{RATE}]))", "{{tenant}} {{outcome}}"),
+                   unit="reqps", width=12),
+        timeseries("SLOs clamped to the tenant's tightest class", "Requests per second whose "
+                   "slo asked for more than their tenant may have (a forged ttft_s, say), "
+                   "scheduled at the tenant's tightest class instead.",
+                   Target(f"sum by (tenant) (rate({names.TENANT_SLO_CLAMPED.name}"
+                          f"{request_filter}[{RATE}]))", "{{tenant}}"),
+                   unit="reqps", width=12),
+    ]
+
+
 def build() -> dict:
     role = names.POOL_ROLE.name
     variables = [
@@ -115,6 +134,7 @@ def build() -> dict:
         query_variable("pool", "Pool", f'label_values({role}{{job=~"$job"}}, pool)'),
     ]
     rows = [("Objectives", _objective_row()), ("Latency against the objectives", _latency_row()),
-            ("Convoy indicators", _convoy_row()), ("Throughput", _throughput_row())]
+            ("Convoy indicators", _convoy_row()), ("Throughput", _throughput_row()),
+            ("Tenants", _tenant_row())]
     return dashboard(UID, "Slipstream / SLO overview", "TTFT and TPOT against their objectives, "
                      "goodput, attainment and convoy indicators.", rows, variables)

@@ -124,17 +124,25 @@ def resource_value(container: JSON, ref: JSON) -> str:
 
 def project_config_maps(api: KubeApi, pod: JSON, container: JSON,
                         volume_dir: Path) -> dict[str, str]:
-    """Write the container's ConfigMap volumes under ``volume_dir/<volume>/<key>``; returns
-    {mountPath: that directory}."""
-    config_maps = {volume["name"]: volume["configMap"]
-                   for volume in pod["spec"].get("volumes") or [] if "configMap" in volume}
+    """Write the container's ConfigMap and Secret volumes under
+    ``volume_dir/<volume>/<key>``; returns {mountPath: that directory}."""
+    sources: dict[str, tuple[str, str, bool]] = {}
+    for volume in pod["spec"].get("volumes") or []:
+        if "configMap" in volume:
+            config_map = volume["configMap"]
+            sources[volume["name"]] = ("ConfigMap", config_map["name"],
+                                       config_map.get("optional", False))
+        elif "secret" in volume:
+            secret = volume["secret"]
+            sources[volume["name"]] = ("Secret", secret["secretName"],
+                                       secret.get("optional", False))
     mounts: dict[str, str] = {}
     for mount in container.get("volumeMounts") or []:
-        source = config_maps.get(mount["name"])
+        source = sources.get(mount["name"])
         if source is None:
             continue
-        data = _object_data(api, pod["metadata"]["namespace"], "ConfigMap", source["name"],
-                            source.get("optional", False))
+        kind, name, optional = source
+        data = _object_data(api, pod["metadata"]["namespace"], kind, name, optional)
         directory = volume_dir / mount["name"]
         directory.mkdir(parents=True, exist_ok=True)
         for key, text in data.items():
@@ -157,7 +165,7 @@ def build_launch(api: KubeApi, pod: JSON, pod_ip: str, base_env: dict[str, str],
 
     `base_env` is the harness's own environment (so PATH and PYTHONPATH reach the process);
     `runtime_env` is what the runtime adds (service-account KUBECONFIG); the pod's env wins.
-    ConfigMap volumes are written under `volume_dir`.
+    ConfigMap and Secret volumes are written under `volume_dir`.
     """
     containers = pod["spec"].get("containers") or []
     if not containers:

@@ -30,6 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "Replay a workload through the real scheduler on a performance model."),
     "bench": ("slipstream.agent.bench.cli",
               "Benchmarks; `bench serve` loads any OpenAI-compatible endpoint."),
+    "tenants": ("slipstream.agent.server.tenancy.cli",
+                "API keys and tenants files: new-key, hash-key, check (docs/tenancy.md)."),
     "operator": ("slipstream.operator.cli",
                  "Run the ServingReplica Kubernetes operator (kopf) in this process."),
 }
@@ -52,8 +54,11 @@ def parse_subcommand(argv: list[str]) -> tuple[ModuleType, argparse.Namespace]:
     """The subcommand's module and its parsed arguments (``argv[0]`` names the subcommand)."""
     module_name, help_text = SUBCOMMANDS[argv[0]]
     module = importlib.import_module(module_name)
+    # No abbreviated flags: `slipstream router --decode X` was silently read as
+    # --decode-weight-tokens X. A flag is spelt out or refused.
     sub_parser = argparse.ArgumentParser(prog=f"slipstream {argv[0]}", description=help_text,
-                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                         allow_abbrev=False)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(argv[1:])
     config_path = getattr(args, "config", None)

@@ -117,3 +117,26 @@ def test_invalid_requests_are_rejected_before_queueing(engine):
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     assert not engine.has_unfinished()
+
+
+@pytest.mark.gpu
+def test_sampling_on_cuda_keeps_the_draw_on_the_device_and_reads_back_once():
+    import torch
+
+    from slipstream.agent.engine.sampler import NON_FINITE_ERROR, Sampler
+    from slipstream.agent.scheduler.batch import SamplingOptions
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50_000, generator=generator).cuda()
+    logits[2, 7] = float("nan")
+    seeded = SamplingOptions(temperature=0.8, seed=5)
+    options = [seeded, SamplingOptions(temperature=0.0), SamplingOptions(temperature=1.0),
+               SamplingOptions(temperature=1.0, top_p=0.5)]
+    sampler = Sampler(0)
+    first = sampler(logits, options, [3, 3, 3, 3])
+    assert first.errors == {2: NON_FINITE_ERROR}
+    assert first.tokens[1] == int(logits[1].argmax())
+    assert all(0 <= token < 50_000 for token in first.tokens)
+    # A seeded row draws the same token at the same position, whatever shares the batch.
+    alone = Sampler(1)(logits[:1], [seeded], [3])
+    assert alone.tokens[0] == first.tokens[0]

@@ -49,3 +49,34 @@ def test_run_exits_2_without_backends(monkeypatch, caplog):
     monkeypatch.delenv("POD_NAMESPACE", raising=False)
     assert cli.run(parse()) == 2
     assert "no backends" in caplog.text
+
+
+def test_serve_help_names_router_flags_that_exist(capsys):
+    """Issue 30: `slipstream serve --help` named `slipstream router --prefill/--decode`,
+    which do not exist. Every `slipstream router --flag` it names must be a router flag."""
+    import re
+
+    from slipstream.cli import parse_subcommand
+
+    with pytest.raises(SystemExit):
+        parse_subcommand(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    named = re.findall(r"slipstream router[^)]*?(--[a-z-]+)", text)
+    assert named, "the help should say how the router chains prefill and decode"
+    router_parser = argparse.ArgumentParser()
+    cli.add_arguments(router_parser)
+    flags = {option for action in router_parser._actions for option in action.option_strings}
+    assert set(named) <= flags
+    assert "--prefill/--decode" not in text
+
+
+@pytest.mark.parametrize("argv", [["router", "--decode", "7", "--backend", "http://a:1=short"],
+                                  ["serve", "--kv-hold", "5"]])
+def test_abbreviated_flags_are_refused_not_guessed(argv, capsys):
+    """`--decode 7` used to be read as `--decode-weight-tokens 7` without a word."""
+    from slipstream.cli import parse_subcommand
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_subcommand(argv)
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err

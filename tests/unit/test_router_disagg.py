@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from slipstream.agent.router.classify import COMPLETIONS, RoutedRequest
 from slipstream.agent.router.disagg import DisaggChain, chainable
@@ -104,10 +105,11 @@ def _chunk(text: str, finish_reason: str | None = None) -> dict:
             "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
 
 
-def _chain(agent) -> DisaggChain:
-    table = InstanceTable(clock=ManualClock())
-    table.upsert(PREFILL)
-    table.upsert(DECODE)
+def _chain(agent, table: InstanceTable | None = None) -> DisaggChain:
+    if table is None:
+        table = InstanceTable(clock=ManualClock())
+        table.upsert(PREFILL)
+        table.upsert(DECODE)
     proxy = Proxy(make_config(), make_dispatcher(table),
                   httpx.AsyncClient(transport=httpx.MockTransport(agent)), RouterMetrics())
     return DisaggChain(proxy, table)
@@ -258,3 +260,104 @@ def test_a_decode_leg_refused_because_the_prefill_ended_at_its_first_token():
         assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == \
             (" end", "stop")
     assert len(decode_calls) == 2
+
+
+def test_sequential_chains_spread_decode_legs_over_idle_decode_instances():
+    """Issue 30: each chain places a prefill and then a decode leg. With one tie-break
+    counter for both choices, the decode choice always saw the same rotation parity, and six
+    sequential requests all went to one of two idle decode instances."""
+    table = _table(spec("p1", "short"), spec("d1", "decode"), spec("d22", "decode"))
+    dispatcher = make_dispatcher(table)
+
+    async def one_request() -> str:
+        prefill = await dispatcher.acquire(_routed("short", 10), 0.0)
+        decode = await dispatcher.acquire(_routed("decode", 10), 0.0)
+        prefill.first_token()
+        prefill.finish(1)
+        decode.first_token()
+        decode.finish(4)
+        return decode.instance.name
+
+    used = [asyncio.run(one_request()) for _ in range(6)]
+    assert sorted(set(used)) == ["d1", "d22"]
+    assert used.count("d1") == used.count("d22") == 3
+
+
+def test_sequential_prefills_spread_over_idle_prefill_instances_too():
+    table = _table(spec("p1", "short"), spec("p22", "short"), spec("d1", "decode"))
+    dispatcher = make_dispatcher(table)
+
+    async def one_request() -> str:
+        prefill = await dispatcher.acquire(_routed("short", 10), 0.0)
+        decode = await dispatcher.acquire(_routed("decode", 10), 0.0)
+        for lease in (prefill, decode):
+            lease.first_token()
+            lease.finish(1)
+        return prefill.instance.name
+
+    used = [asyncio.run(one_request()) for _ in range(4)]
+    assert used.count("p1") == used.count("p22") == 2
+
+
+def _recording_agent(calls: list, decode_status: int | None):
+    """A prefill agent that hands off at once (the prompt is done before the decode leg
+    could start) and serves plain requests whole; a decode agent that answers
+    ``decode_status`` (None: refuses the connection)."""
+    def agent(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        calls.append((request.url.port, request.url.path, body))
+        if request.url.port != httpx.URL(PREFILL.url).port:
+            if decode_status is None:
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(decode_status, json={"error": {
+                "message": "no room", "type": "server_error", "param": None,
+                "code": "no_instance_available"}})
+        if request.url.path.endswith("/kv_transfer/release"):
+            return httpx.Response(200, json={"released": True})
+        if body.get("kv_transfer_params"):
+            return httpx.Response(200, content=b"".join(_sse(
+                {"object": "slipstream.kv_transfer", "kv_transfer_params": STREAMING_HANDLE},
+                _chunk(" a", "length"),
+                {"object": "slipstream.kv_transfer", "kv_transfer_params": COMPLETE_HANDLE})),
+                headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={**_chunk(" whole answer", "length"), "usage": None})
+    return agent
+
+
+@pytest.mark.parametrize("decode_status", [None, 503])
+def test_a_chain_whose_decode_leg_finds_no_instance_is_served_whole_and_frees_the_hold(
+        decode_status):
+    """Issue 30: with no decode instance to take the leg, the router ran the prefill twice,
+    answered 503 and left the KV held until the hold timeout. Now the hold is released at
+    once and a prefill instance serves the request whole."""
+    calls: list = []
+    table = InstanceTable()  # the proxy marks failures on the real clock
+    table.upsert(PREFILL)
+    table.upsert(DECODE)
+    status, content = asyncio.run(_forward(_chain(_recording_agent(calls, decode_status), table),
+                                           {"prompt": "x"}))
+    assert status == 200, content
+    assert json.loads(content)["choices"][0]["text"] == " whole answer"
+    prefill_port = httpx.URL(PREFILL.url).port
+    to_prefill = [(path, body) for port, path, body in calls if port == prefill_port]
+    chained = [body for path, body in to_prefill if body.get("kv_transfer_params")]
+    released = [body for path, body in to_prefill if path.endswith("/kv_transfer/release")]
+    whole = [body for path, body in to_prefill
+             if path == "/v1/completions" and not body.get("kv_transfer_params")]
+    assert len(chained) == 1  # one prefill leg, not two
+    assert released == [{"transfer_id": STREAMING_HANDLE["transfer_id"]}]
+    assert whole == [{"prompt": "x"}]
+
+
+def test_with_no_decode_instance_serving_requests_are_not_chained():
+    calls: list = []
+    table = _table(PREFILL, DECODE)
+    decode = table.get(DECODE.name)
+    assert decode is not None
+    decode.polled("not_serving", 0.0, "connection refused")  # as the stats poller finds it
+    assert table.has_decode_instances() and not table.decode_available()
+    status, content = asyncio.run(_forward(_chain(_recording_agent(calls, 200), table),
+                                           {"prompt": "x", "max_tokens": 4}))
+    assert status == 200 and json.loads(content)["choices"][0]["text"] == " whole answer"
+    assert [(path, body) for _, path, body in calls] == [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4})]

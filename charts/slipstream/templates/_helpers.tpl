@@ -35,3 +35,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "slipstream.clusterwide" -}}
 {{- if .Values.watchNamespaces -}}false{{- else -}}true{{- end -}}
 {{- end -}}
+
+{{- define "slipstream.controlMasterSecret" -}}
+{{- if .Values.controlPlane.masterKeySecret -}}
+{{- .Values.controlPlane.masterKeySecret -}}
+{{- else -}}
+{{- printf "%s-control-master" (include "slipstream.operatorName" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "slipstream.policyNamespaces" -}}
+{{- if .Values.watchNamespaces -}}
+{{- toYaml .Values.watchNamespaces -}}
+{{- else -}}
+{{- toYaml (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
