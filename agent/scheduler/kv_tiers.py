@@ -3,17 +3,18 @@
     device pool (BlockPool, LRU of cached free blocks)
         --evicts block b holding hash h--> host tier (LRU)  --evicts h'--> disk tier (LRU)
     a new request's prefix, past what the device holds:
-        host hit  -> load: host slot -> a new device block, before the forward (Batch.kv_load)
-        disk hit  -> fetch: disk slot -> host slot, in the background (Batch.kv_fetch); the
+        host hit  -> load: host slot -> a new device block, before the forward (Batch.tier_ops.load)
+        disk hit  -> fetch: disk slot -> host slot, in the background (Batch.tier_ops.fetch); the
                      request is held until its fetches report back, then loads from the host
 
 Pure Python, like the block manager: this is the index of the lower tiers, keyed by the same
 chained block hashes; the engine's ``KVTierStore`` (agent/engine/kv_tier_store.py) owns the
-bytes and executes the copies a batch lists, in this order: ``kv_spill`` (host -> disk, the
-host slot is read at once), ``kv_offload`` (device -> host), then the batch's swap-ins, then
-``kv_load`` (host -> device), then ``kv_fetch`` starts (disk -> host, asynchronous). Within a
-batch, the slots a load reads are pinned while the batch is planned, so no offload of the same
-batch overwrites them; the host slot a fetch writes is pinned until the fetch reports.
+bytes and executes the copies a batch lists (``TierOps``), in this order: ``spill`` (host ->
+disk, the host slot is read at once), ``offload`` (device -> host), then the batch's
+swap-ins, then ``fetch`` starts (disk -> host, asynchronous), then ``load`` (host -> device).
+Within a batch, the slots a load reads are pinned while the batch is planned, so no offload
+of the same batch overwrites them; the host slot a fetch writes is pinned until the fetch
+reports, so it is never a load's.
 
 The host tier is exclusive of the device by default (``KVTierConfig.exclusive_host``): a block
 loaded back to the device leaves the host tier once the batch is cut, so the two hold
