@@ -3,9 +3,11 @@
     device pool (BlockPool, LRU of cached free blocks)
         --evicts block b holding hash h--> host tier (LRU)  --evicts h'--> disk tier (LRU)
     a new request's prefix, past what the device holds:
-        host hit  -> load: host slot -> a new device block, before the forward (Batch.tier_ops.load)
-        disk hit  -> fetch: disk slot -> host slot, in the background (Batch.tier_ops.fetch); the
-                     request is held until its fetches report back, then loads from the host
+        host hit  -> load: host slot -> a new device block, before the forward
+                     (Batch.tier_ops.load)
+        disk hit  -> fetch: disk slot -> host slot, in the background (Batch.tier_ops.fetch);
+                     the request is held until its fetches report back, then loads from the
+                     host
 
 Pure Python, like the block manager: this is the index of the lower tiers, keyed by the same
 chained block hashes; the engine's ``KVTierStore`` (agent/engine/kv_tier_store.py) owns the
