@@ -137,17 +137,18 @@ def first_token(engine, prompt: list[int], params) -> tuple[float, list[int]]:
 
 
 def run_live(args: argparse.Namespace) -> dict:
-    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.bench.sim_vs_live import model_dir_for
+    from slipstream.agent.engine.config import EngineConfig, ModelConfig
     from slipstream.agent.engine.engine import LLMEngine
     from slipstream.agent.engine.kv_tier_settings import KVTierSettings
     from slipstream.agent.engine.sampling_params import SamplingParams
-    from slipstream.agent.engine.tiny_model import ensure_default_model
 
-    model_dir = ensure_default_model()
+    model_dir = model_dir_for(args.model_preset)
+    model = ModelConfig.from_dir(model_dir)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     device_blocks = DOC_TOKENS // 16 + 128  # one document and change: never two
     doc_blocks = DOC_TOKENS // 16 + 1
-    block_bytes = 2 * 4 * 16 * 2 * 16 * 4  # the tiny preset: 4 layers, 2 KV heads of 16, fp32
+    block_bytes = 16 * model.kv_bytes_per_token  # float32 KV on the CPU
     disk_dir = Path(tempfile.mkdtemp(prefix="kv-tiers-bench-"))
     modes = {
         "no tier": (KVTierSettings(), 1),
@@ -156,8 +157,10 @@ def run_live(args: argparse.Namespace) -> dict:
         "disk tier": (KVTierSettings(host_memory_bytes=(doc_blocks + 64) * block_bytes,
                                      disk_path=disk_dir, disk_size_bytes=1 << 30), 2),
     }
-    results: dict = {"model": "tiny", "doc_tokens": DOC_TOKENS, "device_blocks": device_blocks,
-                     "repeats": args.repeats, "runs": {}}
+    modes = {mode: modes[mode] for mode in args.modes}
+    results: dict = {"model": args.model_preset, "doc_tokens": DOC_TOKENS,
+                     "device_blocks": device_blocks, "kv_bytes_per_token":
+                     model.kv_bytes_per_token, "repeats": args.repeats, "runs": {}}
     for mode, (tiers, evictors) in modes.items():
         runs = []
         for repeat in range(args.repeats):
@@ -230,7 +233,7 @@ def plot(sim: dict | None, live: dict | None, out: Path) -> None:
                      label="0.3x recompute")
         axis.set_ylabel("follow-up TTFT (s), median")
         axis.set_title(f"Follow-up over an evicted {DOC_TOKENS // 1024}K-token document "
-                       "(tiny model, CPU)")
+                       f"({live['model']} model, CPU)")
         axis.legend()
         fig.tight_layout()
         fig.savefig(out / "live_ttft.png", dpi=120)
@@ -253,7 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-gib", type=float, default=4096.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model-preset", choices=("tiny", "100m"), default="tiny",
+                        help="live part: the tiny model, or the 110M-parameter preset (its "
+                             "16K-token prefill takes minutes on a CPU)")
+    parser.add_argument("--modes", nargs="+", default=["no tier", "host tier", "disk tier"],
+                        choices=["no tier", "host tier", "disk tier"],
+                        help="live part: which runs ('no tier' is the recompute baseline)")
     args = parser.parse_args(argv)
+    if "no tier" not in args.modes:
+        parser.error("--modes needs 'no tier': it is the recompute every other run is measured "
+                     "against")
     args.out.mkdir(parents=True, exist_ok=True)
     sim = live = None
     if args.only in (None, "sim"):
