@@ -163,3 +163,34 @@ def test_a_failing_host_copy_falls_back_to_recompute(tiny_model_dir, monkeypatch
     assert stats.kv_blocks_used == 0
     if failing == "offload":
         assert stats.kv_tier_failed_blocks > 0
+
+
+def test_the_disk_format_is_checked_field_by_field(tmp_path):
+    """The documented layout: a 48-byte header (magic, version, reserved, payload length,
+    block hash, BLAKE2b-128 of the payload), then the payload; any mismatch is refused."""
+    import struct
+
+    from slipstream.agent.engine.kv_tier_store import HEADER, CorruptBlock, checksum
+
+    disk = DiskTier(tmp_path, num_blocks=4, payload_bytes=64)
+    payload = bytes(range(64))
+    disk.write(2, b"h" * 16, payload)
+    raw = disk.file(2).read_bytes()
+    assert HEADER.size == 48 and len(raw) == 48 + 64
+    assert struct.unpack_from("<4sHHQ16s16s", raw) == (b"SKV1", 1, 0, 64, b"h" * 16,
+                                                         checksum(payload))
+    assert disk.read(2, b"h" * 16) == payload
+    with pytest.raises(CorruptBlock, match="another block"):
+        disk.read(2, b"g" * 16)
+    for offset, what in ((0, "version"), (48 + 10, "checksum")):
+        damaged = bytearray(raw)
+        damaged[offset] ^= 0xFF
+        disk.file(2).write_bytes(bytes(damaged))
+        with pytest.raises(CorruptBlock, match=what):
+            disk.read(2, b"h" * 16)
+    disk.file(2).write_bytes(raw[:40])
+    with pytest.raises(CorruptBlock, match="shorter than a header"):
+        disk.read(2, b"h" * 16)
+    disk.file(2).write_bytes(raw[:-1])
+    with pytest.raises(CorruptBlock, match="payload bytes"):
+        disk.read(2, b"h" * 16)
