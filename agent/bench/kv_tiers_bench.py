@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -184,6 +185,7 @@ def run_live(args: argparse.Namespace) -> dict:
             print(mode, json.dumps({k: v for k, v in runs[-1].items() if k != "outputs"}),
                   flush=True)
         results["runs"][mode] = runs
+    shutil.rmtree(disk_dir, ignore_errors=True)
     recompute = statistics.median(r["follow_up_ttft_s"] for r in results["runs"]["no tier"])
     outputs_plain = [r["outputs"] for r in results["runs"]["no tier"]]
     summary = {}
