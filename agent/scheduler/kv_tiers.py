@@ -14,9 +14,10 @@ chained block hashes; the engine's ``KVTierStore`` (agent/engine/kv_tier_store.p
 bytes and executes the copies a batch lists (``TierOps``), in this order: ``spill`` (host ->
 disk, the host slot is read at once), ``offload`` (device -> host), then the batch's
 swap-ins, then ``fetch`` starts (disk -> host, asynchronous), then ``load`` (host -> device).
-Within a batch, the slots a load reads are pinned while the batch is planned, so no offload
-of the same batch overwrites them; the host slot a fetch writes is pinned until the fetch
-reports, so it is never a load's.
+Within a batch, the slots a load reads and the slots an offload fills are pinned while the
+batch is planned, so no offload of the same batch overwrites the first, and no spill of the
+same batch (which runs before the offloads) reads the second; the host slot a fetch writes
+is pinned until the fetch reports, so it is never a load's.
 
 The host tier is exclusive of the device by default (``KVTierConfig.exclusive_host``): a block
 loaded back to the device leaves the host tier once the batch is cut, so the two hold
@@ -219,6 +220,10 @@ class KVTiers:
             self._spill(slot, evicted)
         self.ops.offload.append(TierCopy(block, slot, block_hash))
         self.offloaded_blocks += 1
+        # Until the batch is cut: a later eviction of the same batch must not pick this slot,
+        # whose spill would run before this offload fills it.
+        self.host.pin(block_hash)
+        self._planning_pins.append(block_hash)
 
     def _spill(self, host_slot: int, block_hash: bytes) -> None:
         """The host evicts ``block_hash`` from ``host_slot``: keep it on disk, if any."""
@@ -268,15 +273,18 @@ class KVTiers:
             disk_slot = disk.slot(block_hash)
             if disk_slot is None or block_hash in self.host:
                 continue
+            # Pinned first: its file must not be overwritten while it is read, and the spill
+            # that making room in the host may cause must not evict it from the disk.
+            disk.touch(block_hash)
+            disk.pin(block_hash)
             placed = self.host.insert(block_hash)
             if placed is None:
+                disk.unpin(block_hash)
                 self.dropped_blocks += 1
                 break
             slot, evicted = placed
             if evicted is not None:
                 self._spill(slot, evicted)
-            disk.touch(block_hash)
-            disk.pin(block_hash)  # its file must not be overwritten while it is read
             self.host.pin(block_hash)
             self._fetching.add(block_hash)
             self.ops.fetch.append(TierCopy(disk_slot, slot, block_hash))
