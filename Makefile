@@ -182,6 +182,9 @@ bench-sim-azure: setup  ## bench-sim's third part: an hour of the Azure conversa
 bench-prefix: setup  ## prefix caching: Mooncake sim (4 systems, 4 instances) and the live CPU engine (docs/prefix-caching.md)
 	$(BIN)/python -m slipstream.agent.bench.prefix_bench --out $(RESULTS)/prefix
 
+bench-kv-tiers: setup  ## KV tiers: Mooncake sim (no tier, 1 TiB host, + disk, unlimited) and a follow-up over an evicted 16K document on the CPU engine (docs/kv-tiers.md)
+	$(BIN)/python -m slipstream.agent.bench.kv_tiers_bench --out $(RESULTS)/kv-tiers
+
 bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
 	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools

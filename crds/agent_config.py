@@ -20,7 +20,7 @@ from pydantic import Field
 
 from slipstream.crds.base import ApiModel
 from slipstream.crds.servingreplica import (
-    DEFAULT_DRAIN_TIMEOUT_SECONDS, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
+    DEFAULT_DRAIN_TIMEOUT_SECONDS, KVTiers, Parallelism, SchedulerSpec, ServingReplicaSpec, Slo)
 
 T = TypeVar("T")
 
@@ -65,6 +65,7 @@ class AgentConfig(ApiModel):
     pools: AgentPools | None = None
     server: AgentServer = Field(default_factory=AgentServer)
     disaggregation: AgentDisaggregation | None = None
+    kv_tiers: KVTiers | None = None
 
     @classmethod
     def from_spec(cls, spec: ServingReplicaSpec, model_path: str) -> AgentConfig:
@@ -82,7 +83,7 @@ class AgentConfig(ApiModel):
                    pools=pools,
                    server=AgentServer(drain_timeout_seconds=spec.drain_timeout_seconds,
                                       single_process=spec.single_process or None),
-                   disaggregation=_disaggregation(spec))
+                   disaggregation=_disaggregation(spec), kv_tiers=spec.kv_tiers)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_api(), sort_keys=True)

@@ -45,6 +45,9 @@ PREFILL_ROLE, DECODE_ROLE = "prefill", "decode"
 # `slipstream serve --kv-transport` (agent/engine/disagg_config.py; the operator may not import
 # the engine, a unit test keeps the two lists equal).
 KV_TRANSPORTS = ("mooncake", "zmq")
+# `--kv-host-memory` / `--kv-disk-size` (agent/engine/kv_tier_settings.py SIZE_PATTERN; a unit
+# test keeps the two equal), escaped for a CEL string literal.
+KV_SIZE_PATTERN = r"^[0-9]+(\\.[0-9]+)?(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
 
 
 # -- spec ---------------------------------------------------------------------------------------
@@ -270,6 +273,28 @@ class Disaggregation(ApiModel):
         return self.prefill.instances + self.decode.instances
 
 
+class KVTiers(ApiModel):
+    """Host-memory and disk tiers under each agent's prefix cache (docs/kv-tiers.md): KV
+    evicted from the GPU is kept there and loaded back for a later prompt with its prefix."""
+
+    host_memory: str = Field(
+        description="Host memory per instance for KV blocks evicted from the GPU (pinned), "
+        "e.g. 1TiB; `slipstream serve --kv-host-memory`.", max_length=32,
+        json_schema_extra=rules(Rule(f"self.matches('{KV_SIZE_PATTERN}')",
+                                     "spec.kvTiers.hostMemory must be a size with a unit "
+                                     "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512GiB")))
+    disk_path: str | None = Field(
+        None, max_length=256, description="Directory of the disk tier inside the agent pod "
+        "(an emptyDir of diskSize is mounted there); needs diskSize.",
+        json_schema_extra=rules(Rule("self.startsWith('/')",
+                                     "spec.kvTiers.diskPath must be an absolute path")))
+    disk_size: str | None = Field(
+        None, max_length=32, description="Most the disk tier may hold, e.g. 2TiB.",
+        json_schema_extra=rules(Rule(f"self.matches('{KV_SIZE_PATTERN}')",
+                                     "spec.kvTiers.diskSize must be a size with a unit "
+                                     "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 2TiB")))
+
+
 # spec.instances is ignored while autoscaling (the rules on it hold against minInstances).
 _AUTOSCALED = "(has(self.autoscaling) && self.autoscaling.enabled)"
 # The instances that prefill pools split: with disaggregation the prefill role's, else all.
@@ -315,6 +340,14 @@ _SPEC_RULES = rules(
          "spec.disaggregation.prefill.instances and spec.disaggregation.decode.instances",
          field_path=".autoscaling"),
     # The agent's prefill and decode roles keep the KV in the controller process.
+    Rule("!has(self.kvTiers) || (has(self.kvTiers.diskPath) == has(self.kvTiers.diskSize))",
+         "spec.kvTiers.diskPath and spec.kvTiers.diskSize go together",
+         field_path=".kvTiers"),
+    Rule("!has(self.kvTiers) || (!has(self.disaggregation) && self.parallelism.tp == 1 && "
+         "self.parallelism.spp == 1 && self.parallelism.kvp == 1)",
+         "spec.kvTiers needs spec.parallelism.tp, spp and kvp of 1 and no "
+         "spec.disaggregation (KV tiers run in single-process agents for now)",
+         field_path=".kvTiers"),
     Rule("!has(self.disaggregation) || "
          "(self.parallelism.tp == 1 && self.parallelism.spp == 1 && self.parallelism.kvp == 1)",
          "spec.disaggregation needs spec.parallelism.tp, spp and kvp of 1 (prefill and decode "
@@ -353,6 +386,9 @@ class ServingReplicaSpec(ApiModel):
         "instances with the KV moved between them. While set, the instance count is "
         "prefill.instances + decode.instances and spec.instances is ignored; spec.pools "
         "splits the prefill instances.")
+    kv_tiers: KVTiers | None = Field(
+        None, description="Host-memory (and optionally disk) tiers under each agent's "
+        "prefix cache; absent: the cache is the GPU's KV pool alone.")
     tenants: TenantsRef | None = Field(
         None, description="Tenants and API keys (docs/tenancy.md); absent: the API is open.")
 

@@ -24,6 +24,10 @@ ENGINE_CONFIG_FILE = "engine.yaml"
 PVC_MOUNT_DIR = "/models"
 MODEL_VOLUME = "model"
 CONFIG_VOLUME = "engine-config"
+KV_DISK_VOLUME = "kv-disk"  # spec.kvTiers.diskPath: an emptyDir of diskSize
+# Our size units (crds KV_SIZE_PATTERN) as Kubernetes quantity suffixes.
+_QUANTITY_SUFFIXES = {"KiB": "Ki", "MiB": "Mi", "GiB": "Gi", "TiB": "Ti", "KB": "k", "MB": "M",
+                      "GB": "G", "TB": "T", "B": ""}
 # The control port's token (control_credentials.py), mounted from the replica's Secret.
 CONTROL_TOKEN_VOLUME = "control-token"
 CONTROL_TOKEN_DIR = "/var/run/slipstream/control"
@@ -374,6 +378,10 @@ def _volumes(replica: str, spec: ServingReplicaSpec, control_auth: bool) -> list
     if control_auth:
         volumes.append({"name": CONTROL_TOKEN_VOLUME, "secret": {
             "secretName": naming.control_secret_name(replica), "defaultMode": 0o440}})
+    tiers = spec.kv_tiers
+    if tiers is not None and tiers.disk_path is not None and tiers.disk_size is not None:
+        volumes.append({"name": KV_DISK_VOLUME,
+                        "emptyDir": {"sizeLimit": kubernetes_quantity(tiers.disk_size)}})
     return volumes
 
 
@@ -384,4 +392,16 @@ def _volume_mounts(spec: ServingReplicaSpec, control_auth: bool) -> list[dict]:
     if control_auth:
         mounts.append({"name": CONTROL_TOKEN_VOLUME, "mountPath": CONTROL_TOKEN_DIR,
                        "readOnly": True})
+    tiers = spec.kv_tiers
+    if tiers is not None and tiers.disk_path is not None and tiers.disk_size is not None:
+        mounts.append({"name": KV_DISK_VOLUME, "mountPath": tiers.disk_path})
     return mounts
+
+
+def kubernetes_quantity(size: str) -> str:
+    """A size as ``--kv-disk-size`` takes it (``2TiB``, ``500GB``) as a Kubernetes quantity
+    (``2Ti``, ``500G``)."""
+    for unit in sorted(_QUANTITY_SUFFIXES, key=len, reverse=True):
+        if size.endswith(unit):
+            return size[:-len(unit)] + _QUANTITY_SUFFIXES[unit]
+    raise ValueError(f"{size!r} has no size unit")

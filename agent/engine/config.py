@@ -12,6 +12,7 @@ from typing import Any
 
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
+from slipstream.agent.engine.kv_tier_settings import KVTierSettings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -222,6 +223,8 @@ class EngineConfig:
     short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
     # Prefill/decode disaggregation: the role and the KV transfer (engine/disagg.py).
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    # Host-memory and disk tiers under the device KV pool (kv_tier_store.py).
+    kv_tiers: KVTierSettings = field(default_factory=KVTierSettings)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -254,6 +257,12 @@ class EngineConfig:
         if self.cuda_graphs and not self.parallel.is_single_process:
             raise ValueError("cuda_graphs (decode steps from CUDA graphs) runs in a single "
                              "process only; it is not wired into tp/spp/kvp workers yet")
+        if self.kv_tiers.enabled and not self.parallel.is_single_process:
+            raise ValueError("KV tiers (--kv-host-memory) run in a single process only; they "
+                             "are not wired into tp/spp/kvp workers yet")
+        if self.kv_tiers.enabled and self.disagg.enabled:
+            raise ValueError(f"KV tiers (--kv-host-memory) are not supported with --role "
+                             f"{self.disagg.role} yet")
         if self.disagg.enabled and not self.parallel.is_single_process:
             raise ValueError(f"--role {self.disagg.role} runs in a single process only; KV "
                              "transfer is not wired into tp/spp/kvp workers yet")

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING
 from slipstream.agent.engine import offline, parts
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.disagg_requests import DisaggRequests, require
-from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError
+from slipstream.agent.engine.errors import (
+    KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError, KVTierLoadError)
 from slipstream.agent.engine.grammar import GrammarCompiler, MaskJob, MaskWorkers
 from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.limits import RequestLimits
@@ -94,9 +95,17 @@ class LLMEngine:
             except ValueError:
                 self.close()
                 raise
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
-                                          prefix_caching=scheduler_config.prefix_caching)
         scheduler_config, predictor = parts.fit_packer(config, scheduler_config)
+        tier_config = None
+        if config.kv_tiers.enabled and scheduler_config.prefix_caching:
+            try:
+                tier_config = parts.enable_kv_tiers(self.runner, config, predictor)
+            except ValueError:
+                self.runner.close()
+                raise
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, num_host_blocks,
+                                          prefix_caching=scheduler_config.prefix_caching,
+                                          tiers=tier_config)
         self.scheduler = Scheduler(scheduler_config, self.block_manager, predictor=predictor)
         if config.profile_dir is None:
             log.info("packer: a fixed budget of %d tokens per iteration (no runtime profile)",
@@ -261,9 +270,14 @@ class LLMEngine:
             self.disagg is not None and self.disagg.num_pending > 0)
 
     def stats(self) -> EngineStats:
+        transfers: dict[str, float] = {}
+        if self._disagg is not None:
+            transfers.update(self._disagg.transfer_stats())
+        if self.block_manager.tiers is not None:
+            transfers.update(self.runner.kv_tier_counters())
         return EngineStats.of(
             self.scheduler, self.load.snapshot(self.clock()), self._kvp_active_degree(),
-            self._disagg.transfer_stats() if self._disagg is not None else {})
+            transfers)
 
     def _kvp_active_degree(self) -> int:
         """KVP groups the widest running request's KV spans (progressive KVP)."""
@@ -312,6 +326,8 @@ class LLMEngine:
         return self._poll_disagg()
 
     def _step(self) -> list[RequestOutput]:
+        if self.block_manager.tiers is not None:  # fetches from disk that ended
+            self.scheduler.apply_tier_results(self.runner.poll_kv_tiers(), self.clock())
         if self.pipeline_depth > 1:
             return self._step_pipelined()
         schedule_start_s = self.clock()
@@ -334,6 +350,13 @@ class LLMEngine:
         try:
             sampled = self._run(batch)
             failures: dict[str, str] = {}
+        except KVTierLoadError as error:
+            # Their KV did not arrive: recompute them, run the rest as it was.
+            dropped = set(self.scheduler.recompute_after_failed_load(error.device_blocks,
+                                                                     self.clock()))
+            log.warning("%s; recomputing %d requests instead", error, len(dropped))
+            rest = tuple(chunk for chunk in batch.chunks if chunk.request_id not in dropped)
+            return self._execute(Batch(chunks=rest)) if rest else ({}, {})
         except EngineDeadError:
             raise
         except Exception as error:  # noqa: BLE001 - find the culprit, spare the rest

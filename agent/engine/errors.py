@@ -20,6 +20,17 @@ SHUTTING_DOWN = "shutting_down"  # the engine stopped before the request could s
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # decode role: the prompt's KV could not be fetched
 
 
+class KVTierLoadError(RuntimeError):
+    """Loading KV from the host tier onto the device failed part-way: these device blocks
+    do not hold what their hashes say. The engine drops their hashes and recomputes the
+    requests that hold them (a failing tier never fails a request, nor serves bad KV)."""
+
+    def __init__(self, device_blocks: tuple[int, ...], cause: Exception) -> None:
+        super().__init__(f"loading {len(device_blocks)} KV blocks from the host tier failed: "
+                         f"{type(cause).__name__}: {cause}")
+        self.device_blocks = device_blocks
+
+
 class EngineUnavailable(RuntimeError):
     """The engine takes no new requests now: not started yet, draining, or dead. The request
     never ran, so another instance may serve it."""

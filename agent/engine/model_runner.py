@@ -29,6 +29,9 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.decode_graphs import DecodeGraphs, graph_friendly, greedy_only
 from slipstream.agent.engine.kv_memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
+from slipstream.agent.engine.kv_tier_settings import KVTierSettings
+from slipstream.agent.engine.kv_tier_store import (
+    DiskTier, KVTierStore, measure_disk_read_gb_per_s, measure_host_load_gb_per_s)
 from slipstream.agent.engine.loader import load_model, resolve_dtype, weight_source
 from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.llama import KVCache
@@ -37,6 +40,7 @@ from slipstream.agent.engine.sampling_params import TokenLogprob
 from slipstream.agent.engine.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
 from slipstream.kernels.attention import AttentionMetadata, select_backend
 
 log = logging.getLogger(__name__)
@@ -157,6 +161,7 @@ class ModelRunner:
         scratch_blocks = 1 if config.short_prefill_graphs else 0
         self.kv_caches = self._allocate(self.num_kv_blocks + scratch_blocks, self.device)
         self.host_kv_caches = self._allocate(0, torch.device("cpu"))
+        self.kv_tiers: KVTierStore | None = None  # enable_kv_tiers()
         self.sampler = Sampler(config.seed)
         # Seconds spent in the model forward (and logits) by the last execute(): the rest of
         # an engine step is scheduling, tensor preparation, sampling and output handling.
@@ -210,6 +215,61 @@ class ModelRunner:
         """Host-memory KV blocks that swap preemption copies device blocks into."""
         self.host_kv_caches = self._allocate(num_blocks, torch.device("cpu"))
 
+    def enable_kv_tiers(self, settings: KVTierSettings, host_load_gb_per_s: float = 0.0,
+                        disk_read_gb_per_s: float = 0.0) -> KVTierConfig | None:
+        """Allocate the host tier (and open the disk tier) under this runner's KV pool;
+        returns what the scheduler's index needs (blocks, bytes, bandwidths: the profile's
+        when given, else measured now), or None when the host memory cannot be had (logged:
+        the engine serves without tiers rather than not at all)."""
+        layer_shape = tuple(self.kv_caches[0][0].shape)
+        num_layers = len(self.kv_caches)
+        bytes_per_block = 2 * num_layers * BLOCK_SIZE * layer_shape[2] * layer_shape[3] * (
+            torch.finfo(self.dtype).bits // 8)
+        host_blocks = settings.host_memory_bytes // bytes_per_block
+        if host_blocks < 1:
+            raise ValueError(f"--kv-host-memory {settings.host_memory_bytes} bytes holds no "
+                             f"KV block ({bytes_per_block} bytes each)")
+        disk = None
+        if settings.disk_path is not None:
+            disk = DiskTier(settings.disk_path,
+                            DiskTier.blocks_for(settings.disk_size_bytes, bytes_per_block),
+                            bytes_per_block)
+            if disk.num_blocks < 1:
+                raise ValueError(f"--kv-disk-size {settings.disk_size_bytes} bytes holds no "
+                                 f"KV block ({bytes_per_block} bytes each)")
+        try:
+            self.kv_tiers = KVTierStore(layer_shape, num_layers, self.dtype, self.device,
+                                        host_blocks, disk)
+        except RuntimeError as error:  # out of (pinnable) host memory
+            log.warning("KV host tier of %d blocks could not be allocated (%s); serving "
+                        "without KV tiers", host_blocks, error)
+            return None
+        host_gb_per_s = host_load_gb_per_s or measure_host_load_gb_per_s(self.device, self.dtype)
+        disk_gb_per_s = disk_read_gb_per_s or (
+            measure_disk_read_gb_per_s(disk.path) if disk is not None else 1.0)
+        log.info("KV tiers: host %d blocks (%.2f GiB, %.1f GB/s to the device)%s", host_blocks,
+                 host_blocks * bytes_per_block / 2**30, host_gb_per_s,
+                 "" if disk is None else f", disk {disk.num_blocks} blocks in {disk.path} "
+                 f"({disk_gb_per_s:.2f} GB/s read)")
+        return KVTierConfig(host_blocks=host_blocks,
+                            disk_blocks=disk.num_blocks if disk is not None else 0,
+                            bytes_per_block=bytes_per_block, host_load_gb_per_s=host_gb_per_s,
+                            disk_read_gb_per_s=disk_gb_per_s)
+
+    def poll_kv_tiers(self) -> TierResults:
+        return self.kv_tiers.poll() if self.kv_tiers is not None else TierResults()
+
+    def kv_tier_counters(self) -> dict[str, float]:
+        store = self.kv_tiers
+        if store is None:
+            return {}
+        return {"kv_tier_bytes_offloaded": store.bytes_offloaded,
+                "kv_tier_bytes_loaded": store.bytes_loaded,
+                "kv_tier_bytes_spilled": store.bytes_spilled,
+                "kv_tier_bytes_fetched": store.bytes_fetched,
+                "kv_tier_load_seconds": store.load_seconds,
+                "kv_tier_fetch_seconds": store.fetch_seconds}
+
     def _allocate(self, num_blocks: int, device: torch.device) -> list[KVCache]:
         shape = (num_blocks, BLOCK_SIZE, self.model_config.num_kv_heads, self.model_config.head_dim)
         return [(allocate_kv_tensor(shape, self.dtype, device),
@@ -240,17 +300,24 @@ class ModelRunner:
         """In-process: alive as long as the engine is."""
 
     def close(self) -> None:
-        """Nothing to stop."""
+        """Stop the KV tiers' I/O thread, if any."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     @torch.inference_mode()
     def execute(self, batch: Batch, masks: MaskSource | None = None
                 ) -> dict[str, SampledToken]:
         """Run the batch and sample; ``masks`` (grammar masks of the guided sampling rows)
         is called after the forward, so that they can be computed while it runs."""
+        store, tier_ops = self.kv_tiers, batch.tier_ops
         for copy in batch.swap_out:
             self._copy_blocks(self.kv_caches, self.host_kv_caches, copy)
+        if store is not None and tier_ops is not None:
+            store.before_swap_in(tier_ops, self.kv_caches)
         for copy in batch.swap_in:
             self._copy_blocks(self.host_kv_caches, self.kv_caches, copy)
+        if store is not None and tier_ops is not None:
+            store.after_swap_in(tier_ops, self.kv_caches)
         if not batch.chunks:
             return {}
         graphs = self.decode_graphs

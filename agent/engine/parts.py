@@ -15,6 +15,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.model_runner import ModelRunner
 from slipstream.agent.engine.runner import Runner
 from slipstream.agent.scheduler.config import SchedulerConfig, fit_target_to_model
+from slipstream.agent.scheduler.kv_tiers import KVTierConfig
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 
 log = logging.getLogger(__name__)
@@ -69,3 +70,14 @@ def fit_packer(config: EngineConfig, scheduler_config: SchedulerConfig
     if warning:
         log.warning("packer: %s", warning)
     return scheduler_config, predictor
+
+
+def enable_kv_tiers(runner: Runner, config: EngineConfig,
+                    predictor: RuntimePredictor | None) -> KVTierConfig | None:
+    """The runner's host and disk tiers, priced at the bandwidths the runtime profile
+    measured (else the runner measures them as it starts)."""
+    meta = predictor.meta if predictor is not None else None
+    return runner.enable_kv_tiers(
+        config.kv_tiers,
+        host_load_gb_per_s=meta.host_load_gb_per_s if meta is not None else 0.0,
+        disk_read_gb_per_s=meta.disk_read_gb_per_s if meta is not None else 0.0)

@@ -36,6 +36,8 @@ from tqdm import tqdm
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.kv_tier_store import (
+    measure_disk_read_gb_per_s, measure_host_load_gb_per_s)
 from slipstream.agent.engine.model_runner import ModelRunner, resolve_device
 from slipstream.agent.engine.models.llama import LlamaDecoderLayer, apply_rotary
 from slipstream.agent.engine.profile_fit import fit_overhead, lower_envelope
@@ -368,7 +370,11 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
                               "num_attention_heads": model_config.num_heads,
                               "num_key_value_heads": model_config.num_kv_heads,
                               "intermediate_size": model_config.intermediate_size},
-                       linear_profiled_max_tokens=max(grid.tokens))
+                       linear_profiled_max_tokens=max(grid.tokens),
+                       # KV tiers: host -> device copies, and reads from the cache's disk.
+                       host_load_gb_per_s=measure_host_load_gb_per_s(runner.device,
+                                                                     runner.dtype),
+                       disk_read_gb_per_s=measure_disk_read_gb_per_s(out))
     with torch.inference_mode(), tqdm(total=steps, unit="point", desc="profiling",
                                       mininterval=2.0) as progress:
         tables = measure_tables(Profiler(runner, repeats, grid.max_point_ms), grid, progress)

@@ -28,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Protocol
 
+from slipstream.agent.engine.kv_tier_settings import KVTierSettings
 from slipstream.agent.engine.model_runner import SampledToken
 from slipstream.agent.engine.sampler import MaskSource
 from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
 
 Sampled = dict[str, SampledToken]
 
@@ -57,6 +59,20 @@ class Runner(Protocol):
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         """Host-memory KV blocks for swap preemption; ValueError where not supported."""
+        ...
+
+    def enable_kv_tiers(self, settings: KVTierSettings, host_load_gb_per_s: float = 0.0,
+                        disk_read_gb_per_s: float = 0.0) -> KVTierConfig | None:
+        """Host and disk KV tiers under the pool (kv_tier_store.py); ValueError where not
+        supported, None where the host memory could not be had."""
+        ...
+
+    def poll_kv_tiers(self) -> TierResults:
+        """Fetches ended and spills failed since the last poll (empty without tiers)."""
+        ...
+
+    def kv_tier_counters(self) -> dict[str, float]:
+        """Cumulative bytes each way and seconds loading (empty without tiers)."""
         ...
 
     def check_alive(self) -> None: ...

@@ -60,15 +60,43 @@ class EngineStats:
     kv_transfer_cached_blocks: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_overlapped_blocks: int = 0  # read while their prefill was still running
+    # KV tiers (cumulative except the occupancy; zero without tiers): prompt tokens loaded
+    # from the host and the disk tier at first admission, blocks each tier holds and can
+    # hold, bytes moved each way, seconds spent loading onto the device and reading disk
+    # blocks, and blocks a failing tier dropped (a corrupt disk block, a failed write).
+    prefix_cache_hit_tokens_host: int = 0
+    prefix_cache_hit_tokens_disk: int = 0
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_disk_blocks_used: int = 0
+    kv_disk_blocks_total: int = 0
+    kv_tier_bytes_offloaded: int = 0  # device -> host
+    kv_tier_bytes_loaded: int = 0  # host -> device
+    kv_tier_bytes_spilled: int = 0  # host -> disk
+    kv_tier_bytes_fetched: int = 0  # disk -> host
+    kv_tier_load_seconds: float = 0.0
+    kv_tier_fetch_seconds: float = 0.0
+    kv_tier_failed_blocks: int = 0
 
     @staticmethod
     def of(scheduler: Scheduler, load: LoadSnapshot, kvp_active_degree: int,
-           transfers: dict[str, int]) -> EngineStats:
+           transfers: dict[str, float]) -> EngineStats:
         """``LLMEngine.stats()``: its scheduler's queues and KV cache, the load window's
-        snapshot, and the KV transfer counters of a prefill or decode role."""
+        snapshot, and the counters of the KV transfers (a prefill or decode role) and the
+        KV tiers' store (the runner's)."""
         backlog = sum(r.num_uncached_tokens for r in scheduler.requests.values()
                       if r.in_prefill)
         manager = scheduler.block_manager
+        tiers = manager.tiers
+        if tiers is not None:
+            transfers = {**transfers,
+                         "prefix_cache_hit_tokens_host": manager.prefix_hit_tokens_host,
+                         "prefix_cache_hit_tokens_disk": manager.prefix_hit_tokens_disk,
+                         "kv_host_blocks_used": tiers.host_blocks_used,
+                         "kv_host_blocks_total": tiers.config.host_blocks,
+                         "kv_disk_blocks_used": tiers.disk_blocks_used,
+                         "kv_disk_blocks_total": tiers.config.disk_blocks,
+                         "kv_tier_failed_blocks": tiers.failed_blocks}
         return EngineStats(
             num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
             kv_blocks_used=manager.kv_blocks_used, kv_blocks_total=manager.kv_blocks_total,
@@ -83,7 +111,7 @@ class EngineStats:
             first_tokens=load.first_tokens, ttft_met=load.ttft_met, finished=load.finished,
             tpot_met=load.tpot_met,
             arrival_prompt_tokens_per_s=load.arrival_prompt_tokens_per_s,
-            **transfers)
+            **transfers)  # type: ignore[arg-type]  # each counter has its field's type
 
     @property
     def queue_backlog_s(self) -> float:

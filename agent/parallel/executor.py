@@ -34,6 +34,7 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
+from slipstream.agent.engine.kv_tier_settings import KVTierSettings
 from slipstream.agent.engine.model_runner import SampledToken
 from slipstream.agent.engine.sampler import GrammarMasks, MaskSource
 from slipstream.agent.parallel.env import NodeEnv
@@ -46,6 +47,7 @@ from slipstream.agent.parallel.transport import (
     encode_object, identity_of)
 from slipstream.agent.parallel.worker import WorkerInit
 from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -193,6 +195,17 @@ class ParallelExecutor:
     def allocate_host_cache(self, num_blocks: int) -> None:
         raise ValueError("swap preemption is not supported with parallel workers yet; "
                          "use --preemption recompute")
+
+    def enable_kv_tiers(self, settings: KVTierSettings, host_load_gb_per_s: float = 0.0,
+                        disk_read_gb_per_s: float = 0.0) -> KVTierConfig | None:
+        raise ValueError("KV tiers (--kv-host-memory) are not supported with parallel "
+                         "workers yet")
+
+    def poll_kv_tiers(self) -> TierResults:
+        return TierResults()
+
+    def kv_tier_counters(self) -> dict[str, float]:
+        return {}
 
     def check_alive(self) -> None:
         """Raise ``WorkerLost`` if a worker is gone. Only while idle: ``collect`` watches

@@ -97,6 +97,8 @@ class RouterConfig:
     # minus the prefill its cache would save. 0 turns it off (least backlog only).
     prefix_block_tokens: int = 64
     prefix_affinity_weight: float = 2.0  # backlog tokens one cached prompt token is worth
+    # A prompt token held in an instance's host or disk KV tier, against one on its GPU.
+    lower_tier_hit_weight: float = 0.9
     # How the instances order their queued prefills, which decides how much of an instance's
     # backlog a new request waits behind (instances.py, predicted_backlog_tokens):
     # "shorter-first" (Slipstream's LARS short lane, SRPT) counts each queued prefill only up
@@ -128,6 +130,8 @@ class RouterConfig:
         for name in ("stats_interval_s", "connect_timeout_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0.0 <= self.lower_tier_hit_weight <= 1.0:
+            raise ValueError("lower_tier_hit_weight must be within [0, 1]")
         if self.prefix_affinity_weight < 0:
             raise ValueError("prefix_affinity_weight must be >= 0")
         if self.instance_queue_order not in INSTANCE_QUEUE_ORDERS:

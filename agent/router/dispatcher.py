@@ -88,15 +88,27 @@ class Dispatcher:
         table.on_change(self.drain)
 
     def cached_tokens(self, instance: Instance, routed: RoutedRequest) -> int:
-        """Prompt tokens ``instance`` probably holds in its prefix cache (never the last)."""
+        """Prompt tokens ``instance`` probably holds in its prefix cache, in any tier (never
+        the last)."""
         if not routed.prefix_keys:
             return 0
         return min(max(0, routed.prompt_tokens - 1),
                    self.affinity.cached_tokens(instance.name, routed.prefix_keys))
 
+    def cached_value(self, instance: Instance, routed: RoutedRequest) -> float:
+        """``cached_tokens``, with a token held in a lower KV tier worth
+        ``lower_tier_hit_weight`` of one on the device (it is loaded, not recomputed)."""
+        if not routed.prefix_keys:
+            return 0.0
+        device, lower = self.affinity.cached_split(instance.name, routed.prefix_keys)
+        most = max(0, routed.prompt_tokens - 1)
+        device = min(device, most)
+        return device + self._config.lower_tier_hit_weight * min(lower, most - device)
+
     def routed_to(self, instance: Instance, routed: RoutedRequest) -> None:
         if routed.prefix_keys:
-            self.affinity.record(instance.name, routed.prefix_keys, instance.kv_capacity_tokens)
+            self.affinity.record(instance.name, routed.prefix_keys, instance.kv_capacity_tokens,
+                                 instance.kv_tier_capacity_tokens)
 
     def queue_depth(self, request_class: str) -> int:
         return len(self.queues[request_class])
@@ -203,7 +215,7 @@ class Dispatcher:
                 backlog = instance.predicted_backlog_tokens(
                     config.decode_weight_tokens, mean_prompt,
                     ahead_of=max(1, routed.prompt_tokens - cached))
-            score = backlog - config.prefix_affinity_weight * cached
+            score = backlog - config.prefix_affinity_weight * self.cached_value(instance, routed)
             key = (score, instance.in_flight, (position - offset) % len(candidates))
             if best_key is None or key < best_key:
                 best, best_key = instance, key

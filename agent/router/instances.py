@@ -62,6 +62,7 @@ class AgentReport:
     prefill_requests: int  # accepted, no first token yet (queued or prefilling)
     decode_requests: int
     kv_capacity_tokens: int | None
+    kv_tier_capacity_tokens: int = 0  # its host and disk KV tiers together
 
 
 class Instance:
@@ -75,6 +76,7 @@ class Instance:
         self._foreign_prefill_requests = 0
         self._foreign_decode_requests = 0
         self.kv_capacity_tokens: int | None = None
+        self.kv_tier_capacity_tokens = 0
         self.unhealthy_until_s = 0.0
         # The stats poller's last verdict, for dispatch and the router's /health.
         self.poll_state = UNKNOWN
@@ -189,6 +191,7 @@ class Instance:
         self._foreign_decode_requests = max(0, report.decode_requests - self.own_decode_requests)
         if report.kv_capacity_tokens:
             self.kv_capacity_tokens = report.kv_capacity_tokens
+        self.kv_tier_capacity_tokens = report.kv_tier_capacity_tokens
         self.unhealthy_until_s = 0.0  # it answered
 
 

@@ -38,6 +38,7 @@ def parse_agent_metrics(text: str) -> AgentReport:
     """In-flight requests by phase and KV capacity from an agent's exposition text."""
     in_flight = {"prefill": 0.0, "decode": 0.0}
     kv_blocks = None
+    tier_blocks = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == names.REQUESTS_IN_FLIGHT.name:
             for sample in family.samples:
@@ -46,9 +47,12 @@ def parse_agent_metrics(text: str) -> AgentReport:
                     in_flight[phase] += sample.value
         elif family.name == names.KV_BLOCKS_CAPACITY.name and family.samples:
             kv_blocks = family.samples[0].value
+        elif family.name == names.KV_TIER_BLOCKS_CAPACITY.name:
+            tier_blocks = sum(sample.value for sample in family.samples)
     return AgentReport(prefill_requests=int(in_flight["prefill"]),
                        decode_requests=int(in_flight["decode"]),
-                       kv_capacity_tokens=int(kv_blocks * KV_BLOCK_TOKENS) if kv_blocks else None)
+                       kv_capacity_tokens=int(kv_blocks * KV_BLOCK_TOKENS) if kv_blocks else None,
+                       kv_tier_capacity_tokens=int(tier_blocks * KV_BLOCK_TOKENS))
 
 
 class StatsPoller:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slipstream.agent.scheduler.kv_tiers import TierOps
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
@@ -86,6 +88,9 @@ class Batch:
     chunks: tuple[ScheduledChunk, ...]
     swap_out: tuple[BlockCopy, ...] = ()  # device -> host, before the forward
     swap_in: tuple[BlockCopy, ...] = ()  # host -> device, before the forward
+    # KV tier copies (kv_tiers.py): spills, offloads before the swap-ins, loads after them,
+    # then fetches started in the background; None when no tier asked for any.
+    tier_ops: TierOps | None = None
     predicted_time_s: float | None = None  # the packer's prediction, for metrics
     meta: dict = field(default_factory=dict)  # free-form annotations for traces/metrics
 
@@ -95,7 +100,7 @@ class Batch:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.swap_out and not self.swap_in
+        return not self.chunks and not self.swap_out and not self.swap_in and not self.tier_ops
 
     @property
     def num_decodes(self) -> int:

@@ -13,6 +13,8 @@ KV has been computed get a hash (``register``). Blocks are reference-counted: re
 share a prefix hold the same block ids. A block whose count drops to zero keeps its hash and
 its contents in an LRU list of cached free blocks; it is still free (``num_free`` counts it)
 and is evicted, losing its hash, only when ``allocate`` runs out of blocks that hold nothing.
+With KV tiers (kv_tiers.py) an evicted block goes on to the host tier, and a prefix found
+there (or on disk) past the device's is loaded back instead of computed.
 A shared block is always full, so nobody ever writes into it: a request writes only past its
 cached prefix, into blocks of its own.
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from slipstream.agent.scheduler.kv_tiers import KVTierConfig, KVTiers
 
 BLOCK_SIZE = 16
 HASH_BYTES = 16
@@ -60,6 +64,8 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
         self.num_evictions = 0
+        # Told of every evicted hashed block, before its id is handed out again (KV tiers).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -92,6 +98,8 @@ class BlockPool:
                 if stale is not None:
                     del self.by_hash[stale]
                     self.block_hash[block] = None
+                    if self.on_evict is not None:
+                        self.on_evict(block, stale)
                 self.num_evictions += 1
             refs[block] = 1
             blocks.append(block)
@@ -137,6 +145,20 @@ class BlockPool:
         refs = self.ref_counts
         return sum(1 for block in block_ids if refs[block] == 0)
 
+    def unregister(self, block_ids: Sequence[int]) -> None:
+        """These blocks do not hold what their hashes say (a failed load): forget the
+        hashes, so that nobody finds them again; a free one holds nothing now."""
+        for block in block_ids:
+            block_hash = self.block_hash[block]
+            if block_hash is None:
+                continue
+            self.block_hash[block] = None
+            if self.by_hash.get(block_hash) == block:
+                del self.by_hash[block_hash]
+            if block in self._cached_free:
+                del self._cached_free[block]
+                self._free.append(block)
+
     def register(self, block: int, block_hash: bytes) -> None:
         """``block`` now holds the full, computed block ``block_hash``. A block that already
         has a hash, or a hash another block already holds, is left alone (a duplicate is
@@ -150,14 +172,23 @@ class BlockManager:
     """Device blocks for running requests, and a host pool for swapped-out ones."""
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int = 0,
-                 block_size: int = BLOCK_SIZE, prefix_caching: bool = True) -> None:
+                 block_size: int = BLOCK_SIZE, prefix_caching: bool = True,
+                 tiers: KVTierConfig | None = None) -> None:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.device = BlockPool(num_device_blocks, caching=prefix_caching)
-        self.host = BlockPool(num_host_blocks)
-        # Prompt tokens looked up in the cache at first admission, and those found there.
+        self.host = BlockPool(num_host_blocks)  # swap preemption's pool, not a cache tier
+        # Lower cache tiers (host memory, disk) under the device pool, by block hash.
+        self.tiers: KVTiers | None = None
+        if prefix_caching and tiers is not None and tiers.enabled:
+            self.tiers = KVTiers(tiers)
+            self.device.on_evict = self.tiers.on_device_evict
+        # Prompt tokens looked up in the cache at first admission, and those found there
+        # (in any tier); of those, the ones loaded from the host and from the disk tier.
         self.prefix_lookup_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens_host = 0
+        self.prefix_hit_tokens_disk = 0
         self.swap_in_reused_blocks = 0  # swapped-in blocks found cached, so not copied back
 
     @property
@@ -213,6 +244,15 @@ class BlockManager:
         if not self.prefix_caching:
             return []
         return self.device.match(block_hashes, max_blocks)
+
+    def match_lower_tiers(self, block_hashes: Sequence[bytes], start_block: int,
+                          num_tokens: int) -> tuple[int, int]:
+        """Past the device's ``start_block`` cached blocks of a sequence of ``num_tokens``
+        tokens: how many blocks the host tier holds in a row, then how many only the disk
+        holds (its last token is never covered, as in ``match_prefix``)."""
+        if self.tiers is None:
+            return 0, 0
+        return self.tiers.match(block_hashes, start_block, (num_tokens - 1) // self.block_size)
 
     def register(self, block_ids: Sequence[int], block_hashes: Sequence[bytes],
                  start_block: int, end_block: int) -> None:

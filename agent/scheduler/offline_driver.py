@@ -10,7 +10,10 @@ applies swap copies, writes each chunk's tokens into its block table, and before
 checks that every earlier position of the sequence holds that position's token, so a lost
 block, a wrong table, a bad swap or a cached prefix block that was evicted or overwritten
 while in use fails loudly. Writing into a block that another request also holds (a shared
-prefix block) fails too. The token it samples depends only on (request id, position), so a
+prefix block) fails too. KV tier copies (``Batch.tier_ops``) move canaries between the device
+and a host and a disk dictionary in the store's order; a fetch is reported at the next
+``poll``, failed for the hashes in ``corrupt_hashes`` (a corrupt disk block is never served).
+The token it samples depends only on (request id, position), so a
 request's output is the same however often it is preempted and whatever it found cached.
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.kv_tiers import TierCopy, TierResults
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
 
@@ -65,15 +69,44 @@ class FakeKvRunner:
         self.ref_counts = ref_counts
         self.device: dict[tuple[int, int], tuple[str, int, int]] = {}
         self.host: dict[tuple[int, int], tuple[str, int, int]] = {}
+        self.tier_host: dict[tuple[int, int], tuple[str, int, int]] = {}
+        self.tier_disk: dict[tuple[int, int], tuple[str, int, int]] = {}
+        self.corrupt_hashes: set[bytes] = set()
+        self._fetched: list[bytes] = []
+        self._fetch_failed: list[bytes] = []
+
+    def poll(self) -> TierResults:
+        """The fetches of the batches executed so far, as the tier store reports them."""
+        results = TierResults(fetched=tuple(self._fetched), fetch_failed=tuple(self._fetch_failed))
+        self._fetched, self._fetch_failed = [], []
+        return results
+
+    def _tier_copies(self, copies: list[TierCopy], src: dict, dst: dict) -> None:
+        for copy in copies:
+            self._copy(src, dst, (copy.src,), (copy.dst,))
 
     def execute(self, batch: Batch) -> dict[str, int]:
         if not self.check_kv:
+            if batch.tier_ops is not None:
+                self._fetched.extend(c.block_hash for c in batch.tier_ops.fetch)
             return {chunk.request_id: sampled_token(chunk.request_id, chunk.end_pos)
                     for chunk in batch.chunks if chunk.sample}
+        ops = batch.tier_ops
         for copy in batch.swap_out:
             self._copy(self.device, self.host, copy.src_block_ids, copy.dst_block_ids)
+        if ops is not None:
+            self._tier_copies(ops.spill, self.tier_host, self.tier_disk)
+            self._tier_copies(ops.offload, self.device, self.tier_host)
         for copy in batch.swap_in:
             self._copy(self.host, self.device, copy.src_block_ids, copy.dst_block_ids)
+        if ops is not None:
+            self._tier_copies(ops.load, self.tier_host, self.device)
+            for fetch in ops.fetch:
+                if fetch.block_hash in self.corrupt_hashes:
+                    self._fetch_failed.append(fetch.block_hash)
+                else:
+                    self._copy(self.tier_disk, self.tier_host, (fetch.src,), (fetch.dst,))
+                    self._fetched.append(fetch.block_hash)
         sampled: dict[str, int] = {}
         refs = self.ref_counts
         for chunk in batch.chunks:
@@ -143,6 +176,7 @@ def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_
         if not scheduler.has_unfinished():
             now_s = pending[-1].arrival_s
             continue
+        scheduler.apply_tier_results(runner.poll(), now_s)
         batch = scheduler.schedule(now_s)
         if on_batch is not None:
             on_batch(batch, now_s)

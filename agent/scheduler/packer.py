@@ -28,6 +28,11 @@ from slipstream.agent.scheduler.predictor import BatchTimeEstimate, BatchTimeMod
 
 # Relative tolerance on the budget, so that n tokens at target/n ms each still fit exactly.
 FLOAT_SLACK = 1e-9
+# A load from a lower KV tier counts against the budget up to this share of the target when a
+# chunk is sized; the batch's predicted time still carries all of it. Without the cap a prefix
+# whose load alone exceeds the target (80K tokens of Llama-3-8B over PCIe at 50 ms) would fit
+# only an otherwise empty batch, so running decodes would hold it back until they finished.
+MAX_LOAD_SHARE_OF_TARGET = 0.5
 
 
 @dataclass(frozen=True)
@@ -146,12 +151,15 @@ class PrefillBudget:
         return kv_before_tokens >= self.config.long_request_threshold_tokens
 
     def chunk_for(self, kv_before_tokens: int, remaining_tokens: int, relative_slack: float = 0.0,
-                  fit_tokens: int | None = None) -> int:
+                  fit_tokens: int | None = None, load_ms: float = 0.0) -> int:
         """Algorithm 2: the chunk size for one prefill, or 0 if it cannot go in this batch.
 
-        ``fit_tokens`` caps the chunk at what the free KV blocks can hold.
+        ``fit_tokens`` caps the chunk at what the free KV blocks can hold. ``load_ms`` is the
+        time to load the request's prefix from a lower KV tier first: it takes budget like
+        compute does (a lower-tier hit is a load, neither free nor a recompute).
         """
-        size = self._budgeted_chunk(kv_before_tokens, remaining_tokens, relative_slack, fit_tokens)
+        size = self._budgeted_chunk(kv_before_tokens, remaining_tokens, relative_slack,
+                                    fit_tokens, load_ms)
         if size == 0 and self.is_empty and remaining_tokens > 0:
             return self._over_budget_chunk(kv_before_tokens, remaining_tokens, fit_tokens)
         return size
@@ -177,7 +185,8 @@ class PrefillBudget:
         return max(minimum, size)
 
     def _budgeted_chunk(self, kv_before_tokens: int, remaining_tokens: int,
-                        relative_slack: float, fit_tokens: int | None) -> int:
+                        relative_slack: float, fit_tokens: int | None,
+                        load_ms: float = 0.0) -> int:
         config = self.config
         if remaining_tokens <= 0 or self.exhausted:
             return 0
@@ -199,14 +208,16 @@ class PrefillBudget:
             return 0
         what_if = self.estimate.time_with_prefill_ms
         limit_ms = target_ms * (1.0 + FLOAT_SLACK)
-        size = largest_chunk_tokens(lambda size: what_if(kv_before_tokens, size) <= limit_ms,
-                                    remaining_tokens, cap, config)
-        if size == 0 and at_least_min_chunk and not long_request:
+        charged_ms = min(load_ms, config.target_batch_time_ms * MAX_LOAD_SHARE_OF_TARGET)
+        size = largest_chunk_tokens(
+            lambda size: what_if(kv_before_tokens, size, charged_ms) <= limit_ms,
+            remaining_tokens, cap, config)
+        if size == 0 and at_least_min_chunk and not long_request and load_ms == 0.0:
             self._refused_from_kv = min(self._refused_from_kv, kv_before_tokens)
         return size
 
-    def add_prefill(self, kv_before_tokens: int, chunk_tokens: int) -> None:
-        self.estimate.add_prefill(kv_before_tokens, chunk_tokens)
+    def add_prefill(self, kv_before_tokens: int, chunk_tokens: int, load_ms: float = 0.0) -> None:
+        self.estimate.add_prefill(kv_before_tokens, chunk_tokens, load_ms)
         self.num_prefills += 1
         if self.is_long(kv_before_tokens):
             self.has_long_prefill = True

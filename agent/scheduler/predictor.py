@@ -162,7 +162,7 @@ class BatchTimeEstimate:
     """A batch being packed: running totals, so each what-if costs two table look-ups."""
 
     __slots__ = ("model", "num_tokens", "prefill_attention_ms", "decode_attention_ms",
-                 "num_decodes", "decode_kv_tokens")
+                 "num_decodes", "decode_kv_tokens", "load_ms")
 
     def __init__(self, model: BatchTimeModel) -> None:
         self.model = model
@@ -171,6 +171,7 @@ class BatchTimeEstimate:
         self.decode_attention_ms = 0.0
         self.num_decodes = 0
         self.decode_kv_tokens = 0
+        self.load_ms = 0.0  # KV loaded from a lower tier before the forward (kv_tiers.py)
 
     def add_decodes(self, count: int, kv_total_tokens: int) -> None:
         self.num_decodes += count
@@ -179,9 +180,10 @@ class BatchTimeEstimate:
         self.decode_attention_ms = self.model.decode_attention_ms(self.num_decodes,
                                                                   self.decode_kv_tokens)
 
-    def add_prefill(self, kv_before_tokens: int, chunk_tokens: int) -> None:
+    def add_prefill(self, kv_before_tokens: int, chunk_tokens: int, load_ms: float = 0.0) -> None:
         self.num_tokens += chunk_tokens
         self.prefill_attention_ms += self.model.prefill_attention_ms(kv_before_tokens, chunk_tokens)
+        self.load_ms += load_ms
 
     @property
     def time_ms(self) -> float:
@@ -189,15 +191,18 @@ class BatchTimeEstimate:
             return 0.0
         return self._total_ms(self.num_tokens, self.prefill_attention_ms)
 
-    def time_with_prefill_ms(self, kv_before_tokens: int, chunk_tokens: int) -> float:
-        """The batch time if a chunk were added (the packer's what-if)."""
+    def time_with_prefill_ms(self, kv_before_tokens: int, chunk_tokens: int,
+                             load_ms: float = 0.0) -> float:
+        """The batch time if a chunk (and the load of its lower-tier prefix) were added
+        (the packer's what-if)."""
         extra = self.model.prefill_attention_ms(kv_before_tokens, chunk_tokens)
-        return self._total_ms(self.num_tokens + chunk_tokens, self.prefill_attention_ms + extra)
+        return self._total_ms(self.num_tokens + chunk_tokens,
+                              self.prefill_attention_ms + extra) + load_ms
 
     def _total_ms(self, num_tokens: int, prefill_attention_ms: float) -> float:
         model = self.model
         return (model.iteration_overhead_ms + model.linear_ms(num_tokens)
-                + prefill_attention_ms + self.decode_attention_ms)
+                + prefill_attention_ms + self.decode_attention_ms + self.load_ms)
 
 
 def predict_batch_time_ms(model: BatchTimeModel, prefills: Iterable[tuple[int, int]],

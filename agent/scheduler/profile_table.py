@@ -61,6 +61,10 @@ class ProfileMeta:
     host_per_sequence_ms: float = 0.0
     op_counts_per_layer: dict = field(default_factory=dict)  # op -> calls per layer (default 1)
     linear_profiled_max_tokens: int | None = None  # tables are flat (unmeasured) above this
+    # KV tier bandwidths measured with the tables (0: not measured): host -> device copies
+    # of KV blocks, and reads from the file system of the cache directory.
+    host_load_gb_per_s: float = 0.0
+    disk_read_gb_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -73,6 +73,9 @@ class Request:
     num_registered_blocks: int = 0
     prefix_hit_tokens: int = 0
     num_cached_tokens: int = 0
+    # KV tiers (kv_tiers.py): of the prefix found at the latest lookup, the time to bring
+    # the part held in a lower tier onto the device (the urgency model counts it as work).
+    prefix_load_s: float = 0.0
     # Pipelined execution (SPP): a chunk that samples this request's next token is still in
     # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
     # while it is set.

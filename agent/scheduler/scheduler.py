@@ -28,6 +28,13 @@ acquired), and the packer prices its first chunk at that KV length; ``update`` r
 block that a step filled, so later requests (and this one, after a recompute preemption) can
 reuse it.
 
+KV tiers (kv_tiers.py, tier_admission.py): the device pool's evictions go on to host memory
+and disk. ``add`` looks the prompt up in every tier; a prefix that only the disk holds is
+fetched to the host first, and the request waits outside the queue until
+``apply_tier_results`` reports the fetch (done or failed). Admission loads the host-held part
+of the prefix into new device blocks (``Batch.tier_ops``) instead of computing it, and the
+packer charges the load's time to the batch.
+
 Shared prompts (the API's ``n > 1``): a request added with ``share_prompt_with`` naming a
 request of the same prompt that has not yet computed it is held back, outside the queue,
 until that request's prompt blocks are registered (or it leaves: finished or preempted). It is
@@ -45,6 +52,7 @@ from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.chunks import decode_chunk, prefill_chunk
 from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.agent.scheduler.kv_tiers import TierResults
 from slipstream.agent.scheduler.length_predictor import LengthPredictor, RunningMeanLengthPredictor
 from slipstream.agent.scheduler.packer import PrefillBudget
 from slipstream.agent.scheduler.policies import PolicyContext
@@ -57,6 +65,8 @@ from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
 from slipstream.agent.scheduler.short_batching import ShortPrefillHold
+from slipstream.agent.scheduler.tier_admission import (
+    FetchHold, host_prefix, load_host_prefix, lookup_prefix)
 from slipstream.agent.scheduler.urgency import UrgencyModel
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -102,6 +112,8 @@ class Scheduler:
         self.short_prefills: ShortPrefillHold | None = None
         # Requests held until the request they share a prompt with has computed it.
         self.prompt_waiters: dict[str, list[Request]] = {}
+        # Requests held until blocks of their prefix are fetched from the disk tier.
+        self.fetch_hold = FetchHold(block_manager.tiers)
         if config.short_prefill_batching == "awd":
             # A token-budget iteration caps the group, so a released group fits one step.
             cap = config.max_batched_tokens if predictor is None else None
@@ -119,15 +131,18 @@ class Scheduler:
                              f"tokens; the device holds {capacity_tokens}")
         request.status = WAITING
         self.requests[request.request_id] = request
+        in_host: list[bytes] = []
+        on_disk: list[bytes] = []
         if self.block_manager.prefix_caching:
             hash_blocks(request, request.num_tokens, self.block_manager.block_size)
-            request.prefix_hit_tokens = self.block_manager.block_size * len(
-                self.block_manager.match_prefix(request.block_hashes, request.num_tokens))
+            in_host, on_disk = lookup_prefix(self.block_manager, request)
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
         source = prompt_source(request, self.requests, self.block_manager)
         if source is not None:
             self.prompt_waiters.setdefault(source.request_id, []).append(request)
+        elif on_disk and self.fetch_hold.hold(request, in_host, on_disk):
+            pass  # queued by apply_tier_results once its prefix is up from disk
         elif self.short_prefills is not None and self.short_prefills.accepts(request):
             self.short_prefills.hold(request)  # queued when AWD releases its group
         else:
@@ -164,6 +179,7 @@ class Scheduler:
             self.swapped.remove(request)
         if self.short_prefills is not None:
             self.short_prefills.remove(request)
+        self.fetch_hold.remove(request)
         self._release_prompt_waiters(request, now_s if now_s is not None else request.arrival_s)
         waiters = self.prompt_waiters.get(request.share_prompt_with or "")
         if waiters is not None and request in waiters:
@@ -197,7 +213,7 @@ class Scheduler:
         """Requests not yet admitted: queued, or held for short-prefill batching."""
         held = len(self.short_prefills) if self.short_prefills is not None else 0
         held += sum(len(waiters) for waiters in self.prompt_waiters.values())
-        return len(self.queue.waiting) + held
+        return len(self.queue.waiting) + held + len(self.fetch_hold)
 
     @property
     def num_running(self) -> int:
@@ -222,10 +238,13 @@ class Scheduler:
         grants = self._pack_prefills(now_s, budget)
         chunks = [decode_chunk(request) for request in decodes]
         chunks.extend(self._admit(request, size, now_s) for request, size in grants)
+        tiers = self.block_manager.tiers
+        tier_ops = tiers.take_ops() if tiers is not None else None
         batch = Batch(
             chunks=tuple(chunks),
             swap_out=tuple(swap_out),
             swap_in=tuple(swap_in),
+            tier_ops=tier_ops or None,
             predicted_time_s=budget.time_ms / 1000.0,
             meta={"num_decodes": len(decodes), "num_prefills": len(grants),
                   "long_prefill": budget.has_long_prefill},
@@ -258,6 +277,28 @@ class Scheduler:
                 self.queue.rekey(request, now_s)
         if self.short_prefills is not None:
             self.short_prefills.observe_step(batch, now_s)
+
+    def apply_tier_results(self, results: TierResults, now_s: float) -> None:
+        """The tier store's report (fetches done or failed, spills failed): requests whose
+        prefix is up from disk, or will not be, join the queue."""
+        tiers = self.block_manager.tiers
+        if tiers is None:
+            return
+        tiers.apply_results(results)
+        for request in self.fetch_hold.release():
+            lookup_prefix(self.block_manager, request)  # what is there now; no new fetch
+            self.queue.add_waiting(request, now_s)
+
+    def recompute_after_failed_load(self, device_blocks: tuple[int, ...], now_s: float
+                                    ) -> list[str]:
+        """A load from a lower tier into these device blocks failed: forget their hashes
+        and recompute every running request that holds one; returns those requests' ids."""
+        self.block_manager.device.unregister(device_blocks)
+        failed = set(device_blocks)
+        victims = [r for r in self.running if failed.intersection(r.block_ids)]
+        for request in victims:
+            self._preempt(request, now_s, swap_out=None)
+        return [request.request_id for request in victims]
 
     # -- steps of schedule() ----------------------------------------------------------------
 
@@ -375,6 +416,7 @@ class Scheduler:
         config, manager, policy = self.config, self.block_manager, self.policy
         block_size = manager.block_size
         caching = manager.prefix_caching
+        tiers = manager.tiers
         seats = config.max_num_seqs - len(self.running)
         free_blocks = manager.kv_blocks_free
         watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
@@ -388,25 +430,34 @@ class Scheduler:
             is_new = request.status is WAITING
             size = 0
             prefix: list[int] = []
+            loads: list[bytes] = []  # host-tier blocks past the device prefix
+            load_ms = 0.0
             reviving = 0
             if not (is_new and (seats <= 0 or waiting_blocked)):
                 if is_new and caching and not request.block_ids:
                     # Start after the longest cached prefix; its free blocks stop being free.
                     prefix = manager.match_prefix(request.block_hashes, request.num_tokens)
                     reviving = manager.device.num_reviving(prefix)
-                kv_before = request.num_computed_tokens + len(prefix) * block_size
-                room = free_blocks - reviving - (watermark if is_new else 0)
-                fit_tokens = (len(request.block_ids) + len(prefix) + room) * block_size - kv_before
+                    if tiers is not None:
+                        loads = host_prefix(manager, request, len(prefix))
+                        load_ms = tiers.config.load_ms(len(loads))
+                kv_before = request.num_computed_tokens + (len(prefix) + len(loads)) * block_size
+                room = free_blocks - reviving - len(loads) - (watermark if is_new else 0)
+                fit_tokens = (len(request.block_ids) + len(prefix) + len(loads) + room) \
+                    * block_size - kv_before
                 slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
-                                        fit_tokens)
+                                        fit_tokens, load_ms)
             if size <= 0:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
                 return False
-            if prefix:
+            if prefix or loads:
                 take_prefix(self.block_manager, request, prefix)
                 free_blocks -= reviving
-            budget.add_prefill(kv_before, size)
+            if loads:
+                load_host_prefix(manager, request, loads, request.first_scheduled_s is None)
+                free_blocks -= len(loads)
+            budget.add_prefill(kv_before, size, load_ms)
             free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
             seats -= is_new
             grants.append((request, size))
@@ -480,7 +531,6 @@ class Scheduler:
             return
         manager = self.block_manager
         for request in waiters:
-            request.prefix_hit_tokens = manager.block_size * len(
-                manager.match_prefix(request.block_hashes, request.num_tokens))
+            lookup_prefix(manager, request)
             self.queue.add_waiting(request, now_s)
 

@@ -18,7 +18,9 @@ it is credited with the progress it had reached.
 
 With prefix caching, a prompt's cached prefix (``Request.prefix_hit_tokens``, looked up at
 ``add`` and again at admission) counts as processed: a follow-up question over a cached long
-document has the work, deadline and slack of the short request it is. This matters for progress: if recompute made
+document has the work, deadline and slack of the short request it is. A prefix held in a
+lower KV tier (host memory, disk) counts as processed too, plus the time to load it
+(``Request.prefix_load_s``, bytes over the tier's measured bandwidth). This matters for progress: if recompute made
 a request look more urgent (more remaining work, less slack), two requests could evict each
 other forever. With it, the most urgent running request is never a victim and finishes.
 """
@@ -55,8 +57,9 @@ class UrgencyModel:
             return
         # Only the uncached part of the prompt is work; it still attends over the cached
         # prefix, which T(p) - T(cached) prices (the chunks past ``cached`` in T's sequence).
-        work_s = max(self.prefill_times.remaining_s(request.num_tokens, request.prefix_hit_tokens),
-                     MIN_PREFILL_WORK_S)
+        # A prefix held in a lower KV tier is neither free nor recomputed: it costs its load.
+        work_s = max(self.prefill_times.remaining_s(request.num_tokens, request.prefix_hit_tokens)
+                     + request.prefix_load_s, MIN_PREFILL_WORK_S)
         request.prefill_work_s = work_s
         if request.ttft_deadline_s is None:
             ttft_s = request.slo.ttft_s
@@ -71,7 +74,9 @@ class UrgencyModel:
         processed = max(request.num_computed_tokens, request.prefix_hit_tokens)
         if self._credited_tokens:
             processed = max(processed, self._credited_tokens.get(request, 0))
-        return self.prefill_times.remaining_s(request.num_tokens, processed)
+        load_s = (request.prefix_load_s if request.num_computed_tokens < request.prefix_hit_tokens
+                  else 0.0)
+        return self.prefill_times.remaining_s(request.num_tokens, processed) + load_s
 
     def slack_s(self, request: Request, now_s: float) -> float:
         assert request.ttft_deadline_s is not None, "assign() sets it when the request arrives"

@@ -19,6 +19,7 @@ from typing import Any
 from slipstream.agent.engine.config import EngineConfig, ShortPrefillBuckets
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
+from slipstream.agent.engine.kv_tier_settings import KVTierSettings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.flags import short_prefill_settings
@@ -58,6 +59,9 @@ CONFIG_FLAGS: dict[str, str] = {
     "disaggregation.transport": "kv_transport",
     "disaggregation.holdTimeoutSeconds": "kv_hold_timeout_seconds",
     "disaggregation.blocksPerRead": "kv_blocks_per_read",
+    "kvTiers.hostMemory": "kv_host_memory",
+    "kvTiers.diskPath": "kv_disk_path",
+    "kvTiers.diskSize": "kv_disk_size",
 }
 # Fields whose flag stores the opposite value: ``server.singleProcess: true`` is
 # ``--single-process``, which turns ``engine_process`` off.
@@ -77,6 +81,8 @@ def defaults_from_config(path: Path) -> dict[str, Any]:
         for field, value in values.items()}
     if "model" in defaults:
         defaults["model"] = Path(defaults["model"])
+    if "kv_disk_path" in defaults:
+        defaults["kv_disk_path"] = Path(defaults["kv_disk_path"])
     return defaults
 
 
@@ -170,7 +176,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         short_prefill_buckets=short_prefill_buckets_from_args(args),
         parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
                                 kvp_tokens_per_group=args.kvp_tokens_per_group),
-        disagg=disagg_config_from_args(args))
+        disagg=disagg_config_from_args(args),
+        kv_tiers=KVTierSettings(host_memory_bytes=args.kv_host_memory or 0,
+                                disk_path=args.kv_disk_path,
+                                disk_size_bytes=args.kv_disk_size or 0))
 
 
 def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig:

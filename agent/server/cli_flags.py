@@ -14,6 +14,7 @@ from slipstream.agent.engine.config import (
 from slipstream.agent.engine.disagg_config import ROLES, TRANSPORTS
 from slipstream.agent.engine.kv_memory import (
     DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
+from slipstream.agent.engine.kv_tier_settings import parse_size_bytes
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments
 
@@ -255,6 +256,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "blocks, kept until memory is needed); --no-prefix-caching "
                             "recomputes every prompt from its first token")
     add_short_prefill_arguments(parser)
+    tiers = parser.add_argument_group(
+        "KV tiers (host memory and disk under the device's prefix cache; docs/kv-tiers.md)")
+    tiers.add_argument("--kv-host-memory", type=_size_bytes, default=None, metavar="SIZE",
+                       help="host memory for KV blocks evicted from the device (pinned on "
+                            "CUDA), e.g. 64GiB; a prefix found there is loaded back instead "
+                            "of recomputed. Default: no host tier")
+    tiers.add_argument("--kv-disk-path", type=Path, default=None, metavar="DIR",
+                       help="directory for a disk tier below the host tier (checksummed "
+                            "block files); needs --kv-disk-size and --kv-host-memory")
+    tiers.add_argument("--kv-disk-size", type=_size_bytes, default=None, metavar="SIZE",
+                       help="most the disk tier may hold, e.g. 500GiB")
 
 
 def _comma_list(values: tuple[int, ...]) -> str:
@@ -278,3 +290,10 @@ def _kv_cache_memory(text: str) -> KVCacheMemory:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error))
 
+
+
+def _size_bytes(text: str) -> int:
+    try:
+        return parse_size_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error))

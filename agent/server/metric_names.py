@@ -97,6 +97,24 @@ KV_TRANSFER_OVERLAPPED_BLOCKS = _spec(
     "slipstream_kv_transfer_overlapped_blocks_total", "counter", (),
     "Transferred prompt KV blocks a decode instance read while the prefill instance was still "
     "computing later chunks of the same prompt (streaming hand-off).")
+KV_TIER_HITS = _spec("slipstream_kv_tier_hit_tokens_total", "counter", ("tier",),
+                    "Prompt tokens found cached at admission, by the tier that held them: "
+                    "device (the GPU's KV pool), host or disk (loaded back, not recomputed).")
+KV_TIER_BYTES = _spec("slipstream_kv_tier_bytes_total", "counter", ("direction",),
+                      "KV bytes moved between tiers: device_to_host (offloaded evictions), "
+                      "host_to_device (loads), host_to_disk (spills), disk_to_host (fetches).")
+KV_TIER_LOAD_SECONDS = _spec("slipstream_kv_tier_load_seconds_total", "counter", ("tier",),
+                             "Seconds spent bringing KV up a tier: host (host -> device, on "
+                             "the step) and disk (disk -> host, in the background).")
+KV_TIER_BLOCKS_USED = _spec("slipstream_kv_tier_blocks_used", "gauge", ("tier",),
+                            "KV blocks a lower tier (host, disk) holds.")
+KV_TIER_BLOCKS_CAPACITY = _spec("slipstream_kv_tier_blocks_capacity", "gauge", ("tier",),
+                                "KV blocks a lower tier (host, disk) can hold.")
+KV_TIER_FAILED_BLOCKS = _spec("slipstream_kv_tier_failed_blocks_total", "counter", (),
+                              "Blocks a failing tier dropped (a corrupt or unreadable disk "
+                              "block, a failed write); their tokens are computed instead.")
+KV_TIER_NAMES = ("device", "host", "disk")
+KV_TIER_DIRECTIONS = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
 KV_TRANSFER_OUTCOMES = ("acknowledged", "expired", "completed", "failed")
 KV_TRANSFER_SOURCES = ("transferred", "prefix_cache")
 
@@ -140,7 +158,8 @@ AGENT_METRICS: tuple[MetricSpec, ...] = (
     REQUESTS_IN_FLIGHT, QUEUE_DEPTH, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, PREEMPTIONS,
     KVP_ACTIVE_DEGREE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREFIX_CACHE_EVICTIONS,
     KV_BLOCKS_CACHED, KV_TRANSFERS, KV_TRANSFER_BLOCKS, KV_TRANSFER_BYTES,
-    KV_TRANSFER_OVERLAPPED_BLOCKS, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
+    KV_TRANSFER_OVERLAPPED_BLOCKS, KV_TIER_HITS, KV_TIER_BYTES, KV_TIER_LOAD_SECONDS,
+    KV_TIER_BLOCKS_USED, KV_TIER_BLOCKS_CAPACITY, KV_TIER_FAILED_BLOCKS, PREFILL_CHUNK_TOKENS, BATCH_TOKENS, BATCH_TIME_ACTUAL,
     BATCH_TIME_PREDICTED, SCHEDULE_TIME, SCHEDULED_TOKENS, POOL_ROLE, SLO_TTFT_TARGET,
     SLO_TPOT_TARGET, SLO_ATTAINMENT_TARGET, TENANT_REQUESTS, TENANT_SLO_CLAMPED)
 

@@ -311,3 +311,37 @@ class EngineStatsCollector(Collector):
         blocks.add_metric(["transferred"], stats.kv_transfer_blocks)
         blocks.add_metric(["prefix_cache"], stats.kv_transfer_cached_blocks)
         yield blocks
+        yield from _kv_tier_metrics(stats)
+
+
+def _kv_tier_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Hits per tier, bytes each way, load time, occupancy and failures of the KV tiers."""
+    def counter(spec: names.MetricSpec, values: dict[str, float]) -> Metric:
+        family = CounterMetricFamily(spec.constructor_name, spec.help, labels=spec.labels)
+        for label, value in values.items():
+            family.add_metric([label], value)
+        return family
+
+    def gauge(spec: names.MetricSpec, values: dict[str, float]) -> Metric:
+        family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+        for label, value in values.items():
+            family.add_metric([label], value)
+        return family
+
+    lower = stats.prefix_cache_hit_tokens_host + stats.prefix_cache_hit_tokens_disk
+    yield counter(names.KV_TIER_HITS, {"device": stats.prefix_cache_hit_tokens - lower,
+                                       "host": stats.prefix_cache_hit_tokens_host,
+                                       "disk": stats.prefix_cache_hit_tokens_disk})
+    yield counter(names.KV_TIER_BYTES, {"device_to_host": stats.kv_tier_bytes_offloaded,
+                                        "host_to_device": stats.kv_tier_bytes_loaded,
+                                        "host_to_disk": stats.kv_tier_bytes_spilled,
+                                        "disk_to_host": stats.kv_tier_bytes_fetched})
+    yield counter(names.KV_TIER_LOAD_SECONDS, {"host": stats.kv_tier_load_seconds,
+                                               "disk": stats.kv_tier_fetch_seconds})
+    yield gauge(names.KV_TIER_BLOCKS_USED, {"host": stats.kv_host_blocks_used,
+                                            "disk": stats.kv_disk_blocks_used})
+    yield gauge(names.KV_TIER_BLOCKS_CAPACITY, {"host": stats.kv_host_blocks_total,
+                                                "disk": stats.kv_disk_blocks_total})
+    failed = names.KV_TIER_FAILED_BLOCKS
+    yield CounterMetricFamily(failed.constructor_name, failed.help,
+                              value=stats.kv_tier_failed_blocks)

@@ -34,7 +34,8 @@ from slipstream.agent.scheduler.predictor import RuntimePredictor
 from slipstream.agent.scheduler.profile_table import VIDUR_H100_LLAMA3_8B_TP8, ProfileMeta
 from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR, H100_PROFILE
 from slipstream.agent.sim.instance import InstanceConfig
-from slipstream.agent.sim.kv_capacity import estimate_kv_blocks
+from slipstream.agent.sim.kv_capacity import (
+    NVME_GB_PER_S, PCIE_GB_PER_S, estimate_kv_blocks, kv_bytes_per_block)
 from slipstream.agent.sim.pools import POOL_MODES, PoolsConfig
 from slipstream.agent.sim.simulator import SimConfig, SimResult, simulate
 from slipstream.agent.sim.workloads import RECIPES, WorkloadSpec, build_workload, parse_weighted
@@ -75,6 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inst.add_argument("--gpu-memory-gib", type=float, default=80.0)
     inst.add_argument("--host-overhead-ms", type=float, default=0.0,
                       help="host time per iteration not in the profile (scheduling, output)")
+    tiers = parser.add_argument_group("KV tiers under each instance's GPU prefix cache")
+    tiers.add_argument("--kv-host-memory-gib", type=float, default=0.0,
+                       help="host memory per instance for evicted KV blocks (a real 8-GPU "
+                            "node: 1024); 0: no tiers")
+    tiers.add_argument("--kv-disk-gib", type=float, default=0.0,
+                       help="disk per instance below the host tier; 0: none")
+    tiers.add_argument("--kv-host-gb-per-s", type=float, default=None,
+                       help="host -> GPU bandwidth of one GPU; default: the profile's "
+                            f"measurement, else {PCIE_GB_PER_S:g} (PCIe 5 x16 in practice); "
+                            "an instance loads over all its GPUs' links")
+    tiers.add_argument("--kv-disk-gb-per-s", type=float, default=None,
+                       help="disk read bandwidth of one instance; default: the profile's "
+                            f"measurement, else {NVME_GB_PER_S:g} (two PCIe 4 NVMe drives)")
 
     pools = parser.add_argument_group("length-aware pools (default: one pool, least backlog)")
     pools.add_argument("--pools", choices=POOL_MODES, default=None,
@@ -174,11 +188,31 @@ def build_sim_config(args: argparse.Namespace, meta: ProfileMeta,
                               kvp_tokens_per_group=args.kvp_tokens_per_group,
                               num_kv_blocks=blocks,
                               hidden_size=meta.model.get("hidden_size", 4096),
-                              host_overhead_ms=args.host_overhead_ms)
+                              host_overhead_ms=args.host_overhead_ms,
+                              **tier_fields(args, meta, tp * args.spp * args.kvp))
     return SimConfig(scheduler=scheduler, instance=instance, num_instances=args.num_instances,
                      num_layers=meta.num_layers, horizon_s=args.horizon_s,
                      short_ttft_slo_s=args.slo_ttft_s, long_prompt_tokens=args.long_prompt_tokens,
                      progress=not args.no_progress, pools=pools_config(args))
+
+
+def tier_fields(args: argparse.Namespace, meta: ProfileMeta, gpus: int) -> dict:
+    """The InstanceConfig fields of ``--kv-host-memory-gib``/``--kv-disk-gib``: sizes in
+    blocks of the model's KV (bf16, the whole instance), and bandwidths (measured on the
+    profile's device where it did, else PCIe per GPU and NVMe per instance)."""
+    if args.kv_host_memory_gib <= 0:
+        if args.kv_disk_gib > 0:
+            raise ValueError("--kv-disk-gib needs --kv-host-memory-gib (disk blocks are staged "
+                             "through host memory)")
+        return {}
+    block_bytes = kv_bytes_per_block(meta)
+    host_gb_per_s = args.kv_host_gb_per_s or meta.host_load_gb_per_s or PCIE_GB_PER_S
+    return {"kv_host_blocks": int(args.kv_host_memory_gib * 2**30) // block_bytes,
+            "kv_disk_blocks": int(args.kv_disk_gib * 2**30) // block_bytes,
+            "kv_bytes_per_block": block_bytes,
+            "host_load_gb_per_s": host_gb_per_s * gpus,
+            "disk_read_gb_per_s": (args.kv_disk_gb_per_s or meta.disk_read_gb_per_s
+                                   or NVME_GB_PER_S)}
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:

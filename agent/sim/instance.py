@@ -26,6 +26,14 @@ With AWD short-prefill batching a step can find nothing to run while short promp
 The instance then sleeps until the scheduler's wakeup (``Scheduler.next_wakeup_s``), and
 ``waiting_for_wakeup`` tells the event loop that an arrival may end that sleep early, as a new
 request wakes the live engine thread.
+
+KV tiers (``InstanceConfig.kv_host_blocks``/``kv_disk_blocks``): the scheduler's own tier index
+runs as it does live. A load from host memory is already in the batch's predicted time (the
+packer prices it at ``host_load_gb_per_s``). A fetch from disk completes ``bytes /
+disk_read_gb_per_s`` after it starts, one at a time in order, as the live store's single I/O
+thread runs them; the scheduler hears of it at the instance's first step after that. Offloads
+to the host and spills to disk run beside the compute (a GPU's copy engines, an I/O thread) and
+cost no step time here.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import dataclass
 
 from slipstream.agent.engine.load_window import LoadWindow
 from slipstream.agent.scheduler.batch import Batch
+from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
 from slipstream.agent.scheduler.predictor import BatchTimeModel
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
 from slipstream.agent.scheduler.scheduler import Scheduler
@@ -57,6 +66,13 @@ class InstanceConfig:
     # Host-side time per iteration that the profile does not include (the live engine's
     # scheduling and output processing); 0 for the GPU tables.
     host_overhead_ms: float = 0.0
+    # KV tiers under the device pool (0: none), the bytes of one block over the whole
+    # instance, and the instance's bandwidths (all its GPUs' PCIe links; its disks).
+    kv_host_blocks: int = 0
+    kv_disk_blocks: int = 0
+    kv_bytes_per_block: int = 0
+    host_load_gb_per_s: float = 25.0
+    disk_read_gb_per_s: float = 12.0
 
     def __post_init__(self) -> None:
         if min(self.tp, self.spp, self.kvp) < 1:
@@ -65,6 +81,15 @@ class InstanceConfig:
             raise ValueError("kvp > 1 needs kvp_tokens_per_group")
         if self.link_gb_per_s <= 0 or self.link_latency_ms < 0 or self.host_overhead_ms < 0:
             raise ValueError("link bandwidth must be > 0, latencies >= 0")
+        self.tier_config()  # validates the tier fields
+
+    def tier_config(self) -> KVTierConfig | None:
+        if not self.kv_host_blocks:
+            return None
+        return KVTierConfig(host_blocks=self.kv_host_blocks, disk_blocks=self.kv_disk_blocks,
+                            bytes_per_block=self.kv_bytes_per_block,
+                            host_load_gb_per_s=self.host_load_gb_per_s,
+                            disk_read_gb_per_s=self.disk_read_gb_per_s)
 
     def transfer_ms(self, num_tokens: int) -> float:
         """One hand-off of ``num_tokens`` activations between two GPU groups. Each of the
@@ -175,6 +200,10 @@ class SimInstance:
         self.waiting_for_wakeup = False  # idle until AWD's wakeup; an arrival may come first
         # The live engine's load window, fed the same way: the pool rebalancer reads it.
         self.load = LoadWindow(start_s=0.0)
+        # Disk fetches in flight, one entry per batch that started some: (when its last block
+        # lands, their block hashes), in order; the disk is free again at _disk_free_s.
+        self._fetches: list[tuple[float, list[bytes]]] = []
+        self._disk_free_s = 0.0
 
     def add(self, record: RequestRecord, ttft_slo_s: float | None) -> None:
         request = Request(request_id=record.request_id,
@@ -199,6 +228,8 @@ class SimInstance:
         scheduler = self.scheduler
         if self._pending is not None:
             self._complete(now_s)
+        if self._fetches:
+            self._land_fetches(now_s)
         parked = self._parked
         if parked:
             for request_id in [rid for rid, until in parked.items() if until <= now_s]:
@@ -212,6 +243,8 @@ class SimInstance:
         else:
             batch = scheduler.schedule(now_s)
         self.waiting_for_wakeup = False
+        if batch.tier_ops is not None and batch.tier_ops.fetch:
+            self._start_fetches(now_s, [copy.block_hash for copy in batch.tier_ops.fetch])
         if not batch.chunks:
             return self._next_wake_s(now_s)
         self.num_iterations += 1
@@ -232,9 +265,26 @@ class SimInstance:
         self.load.record_step(now_s, now_s + stage_s, prefill_tokens)
         return now_s + stage_s
 
+    def _start_fetches(self, now_s: float, hashes: list[bytes]) -> None:
+        tiers = self.scheduler.block_manager.tiers
+        assert tiers is not None
+        done_s = max(now_s, self._disk_free_s) + tiers.config.fetch_s(len(hashes))
+        self._fetches.append((done_s, hashes))
+        self._disk_free_s = done_s
+
+    def _land_fetches(self, now_s: float) -> None:
+        landed = [block_hash for done_s, hashes in self._fetches if done_s <= now_s
+                  for block_hash in hashes]
+        if landed:
+            self._fetches = [item for item in self._fetches if item[0] > now_s]
+            self.scheduler.apply_tier_results(TierResults(fetched=tuple(landed)), now_s)
+
     def _next_wake_s(self, now_s: float) -> float | None:
-        """After a step that ran nothing: a parked token coming out, or AWD's wakeup."""
+        """After a step that ran nothing: a parked token coming out, AWD's wakeup, or a
+        fetch from disk landing."""
         wakeups = list(self._parked.values())
+        if self._fetches:
+            wakeups.append(max(self._fetches[0][0], now_s + MIN_WAKEUP_DELAY_S))
         held_until_s = self.scheduler.next_wakeup_s(now_s)
         if held_until_s is not None:
             self.waiting_for_wakeup = True

@@ -39,3 +39,19 @@ def estimate_kv_blocks(meta: ProfileMeta, tp: int, spp: int, kvp: int,
         raise ValueError("the weights do not fit in GPU memory")
     tokens_per_group = free_bytes / kv_bytes_per_token
     return int(tokens_per_group * kvp) // BLOCK_SIZE
+
+
+# KV tier bandwidths for GPU profiles, which measure none: host -> GPU over one PCIe 5 x16
+# link as KV offloading achieves it in practice, and reads from two PCIe 4 NVMe drives.
+PCIE_GB_PER_S = 25.0
+NVME_GB_PER_S = 12.0
+
+
+def kv_bytes_per_block(meta: ProfileMeta) -> int:
+    """Bytes of one 16-token KV block of the whole model (K and V, every layer, bf16)."""
+    model = meta.model
+    if "num_key_value_heads" not in model or "hidden_size" not in model:
+        raise ValueError("the profile does not describe the model's shape; KV tiers need it")
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    return 2 * meta.num_layers * model["num_key_value_heads"] * head_dim * BYTES_PER_VALUE \
+        * BLOCK_SIZE

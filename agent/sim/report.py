@@ -143,7 +143,8 @@ def summarize(result: SimResult, long_prompt_tokens: int, tpot_slo_ms: float | N
         "long": long_metrics,
         "long_prompt_tokens": long_prompt_tokens,
         "tpot_slo_ms": tpot_slo_ms,
-        "prefix_cache": prefix_cache_summary(records),
+        "prefix_cache": {**prefix_cache_summary(records),
+                         "hit_tokens_by_tier": result.tier_hit_tokens},
         "sim": {"iterations": result.num_iterations, "wall_s": result.wall_s,
                 "simulated_s": result.end_s, "busy_fraction": [
                     b / max(result.end_s, 1e-9) for b in result.busy_s]},

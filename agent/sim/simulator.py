@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from slipstream.agent.router.config import INSTANCE_QUEUE_ORDERS
 from slipstream.agent.router.prefix_affinity import (
-    DEFAULT_PREFIX_AFFINITY_WEIGHT, PrefixAffinityIndex)
+    DEFAULT_LOWER_TIER_HIT_WEIGHT, DEFAULT_PREFIX_AFFINITY_WEIGHT, PrefixAffinityIndex)
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, BlockManager
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import BatchTimeModel
@@ -86,6 +86,8 @@ class SimResult:
     horizon_s: float | None
     pool_moves: list[dict] = field(default_factory=list)
     final_pools: list[str] | None = None
+    # Prompt tokens found at first admission, by the tier they came from (all instances).
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
@@ -97,7 +99,8 @@ def make_scheduler(config: SimConfig, model: BatchTimeModel) -> Scheduler:
         model = KvpTimeModel(model, instance, config.num_layers)
     return Scheduler(scheduler_config,
                      BlockManager(config.num_kv_blocks, 0, BLOCK_SIZE,
-                                  prefix_caching=scheduler_config.prefix_caching),
+                                  prefix_caching=scheduler_config.prefix_caching,
+                                  tiers=instance.tier_config()),
                      predictor=model)
 
 
@@ -118,6 +121,8 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
     iterations = 0
     router = PoolRouter(config.pools, len(instances)) if config.pools is not None else None
     affinity = None
+    # The router scores an instance by the prefix it holds in any tier.
+    tier_tokens = (config.instance.kv_host_blocks + config.instance.kv_disk_blocks) * BLOCK_SIZE
     if config.routing == "prefix" and router is None:
         affinity = PrefixAffinityIndex(HASH_BLOCK_TOKENS, capacity_tokens)
     while True:
@@ -138,7 +143,7 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
             if record.prompt_tokens + record.output_tokens + 1 > capacity_tokens:
                 continue  # can never fit one instance: reported as unfinished
             if affinity is not None:
-                target = _prefix_route(affinity, record, instances, capacity_tokens,
+                target = _prefix_route(affinity, record, instances, (capacity_tokens, tier_tokens),
                                        config.prefix_affinity_weight,
                                        config.router_queue_order == "shorter-first")
             elif router is None:
@@ -178,11 +183,20 @@ def simulate(requests: list[TraceRequest], config: SimConfig, model: BatchTimeMo
         horizon_s=config.horizon_s,
         pool_moves=router.moves if router is not None else [],
         final_pools=list(router.pools) if router is not None else None,
+        tier_hit_tokens=_tier_hits(instances),
     )
 
 
+def _tier_hits(instances: list[SimInstance]) -> dict[str, int]:
+    managers = [inst.scheduler.block_manager for inst in instances]
+    host = sum(m.prefix_hit_tokens_host for m in managers)
+    disk = sum(m.prefix_hit_tokens_disk for m in managers)
+    return {"device": sum(m.prefix_hit_tokens for m in managers) - host - disk,
+            "host": host, "disk": disk}
+
+
 def _prefix_route(affinity: PrefixAffinityIndex, record: RequestRecord,
-                  instances: list[SimInstance], capacity_tokens: int,
+                  instances: list[SimInstance], capacity_tokens: tuple[int, int],
                   weight: float, shorter_first: bool = True) -> SimInstance:
     """The instance with the least backlog minus the prefill its cache would save; it then
     holds the prompt's blocks. This is the live router's rule (agent/router/dispatcher.py)
@@ -194,12 +208,18 @@ def _prefix_route(affinity: PrefixAffinityIndex, record: RequestRecord,
         parent = hash((parent, hash_id))
         keys.append(parent)
     most = max(0, record.prompt_tokens - 1)
-    cached = [min(most, affinity.cached_tokens(str(inst.index), keys)) for inst in instances]
+    cached, value = [], []
+    for inst in instances:  # as Dispatcher.cached_tokens and cached_value count them
+        device, lower = affinity.cached_split(str(inst.index), keys)
+        device = min(device, most)
+        lower = min(lower, most - device)
+        cached.append(device + lower)
+        value.append(device + DEFAULT_LOWER_TIER_HIT_WEIGHT * lower)
     loads = [inst.router_backlog_tokens(
                  DECODE_WEIGHT_TOKENS,
                  max(1, record.prompt_tokens - cached[inst.index]) if shorter_first else None)
              for inst in instances]
-    target = min(instances, key=lambda inst: (loads[inst.index] - weight * cached[inst.index],
+    target = min(instances, key=lambda inst: (loads[inst.index] - weight * value[inst.index],
                                               loads[inst.index]))
-    affinity.record(str(target.index), keys, capacity_tokens)
+    affinity.record(str(target.index), keys, *capacity_tokens)
     return target

@@ -67,6 +67,32 @@ def _prefix_cache_row() -> list[Panel]:
     ]
 
 
+def _kv_tier_row() -> list[Panel]:
+    hits, moved = names.KV_TIER_HITS.name, names.KV_TIER_BYTES.name
+    return [
+        timeseries("Prefix hits by tier", "Prompt tokens per second found cached at admission, "
+                   "by the tier that held them: device (GPU pool), host or disk (loaded back "
+                   "instead of recomputed).",
+                   Target(f"sum by (tier) (rate({hits}{SEL}[{RATE}]))", "{{tier}}"), width=6),
+        timeseries("KV tier bytes per second", "KV moved between tiers: evictions offloaded "
+                   "to host, loads to the device, spills to disk, fetches from disk.",
+                   Target(f"sum by (direction) (rate({moved}{SEL}[{RATE}]))", "{{direction}}"),
+                   unit="Bps", width=6),
+        timeseries("KV tier load time", "Seconds per second spent bringing KV up a tier (host "
+                   "-> device on the engine step, disk -> host in the background).",
+                   Target(f"sum by (tier) (rate({names.KV_TIER_LOAD_SECONDS.name}{SEL}"
+                          f"[{RATE}]))", "{{tier}}"), width=6),
+        timeseries("KV tier occupancy", "Share of each lower tier holding blocks, and blocks "
+                   "a failing tier dropped (corrupt or unwritable disk blocks) per second.",
+                   # clamp_min: an agent without tiers reports a capacity of 0 (shown as 0).
+                   Target(f"sum by (tier) ({names.KV_TIER_BLOCKS_USED.name}{SEL}) / clamp_min("
+                          f"sum by (tier) ({names.KV_TIER_BLOCKS_CAPACITY.name}{SEL}), 1)",
+                          "{{tier}}"),
+                   Target(f"sum (rate({names.KV_TIER_FAILED_BLOCKS.name}{SEL}[{RATE}]))",
+                          "dropped/s"), width=6),
+    ]
+
+
 def _kv_transfer_row() -> list[Panel]:
     transfers, blocks = names.KV_TRANSFERS.name, names.KV_TRANSFER_BLOCKS.name
     return [
@@ -141,7 +167,8 @@ def build() -> dict:
     roles = table("Instances and their pools", "One row per agent: its pool role.",
                   Target(f"max by (instance, pool) ({role}{SEL})"))
     rows = [("Instances", [roles]), ("Engine state", _state_row()),
-            ("Prefix cache", _prefix_cache_row()), ("Batches", _batch_row()),
+            ("Prefix cache", _prefix_cache_row()), ("KV tiers (host, disk)", _kv_tier_row()),
+            ("Batches", _batch_row()),
             ("KV transfer (disaggregation)", _kv_transfer_row())]
     return dashboard(UID, "Slipstream / Instance internals", "Per-iteration engine behaviour "
                      "of each agent.", rows, variables)

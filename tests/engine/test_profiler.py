@@ -32,6 +32,8 @@ def test_profile_writes_a_loadable_monotone_profile(tiny_model_dir, tmp_path):
     runner_only = RuntimePredictor.from_directory(out, cache_dir=None,
                                                   include_host_overhead=False)
     assert runner_only.iteration_overhead_ms == meta.iteration_overhead_ms
+    # The KV tiers' bandwidths, which LARS and the packer price loads with.
+    assert meta.host_load_gb_per_s > 0 and meta.disk_read_gb_per_s > 0
 
 
 def test_engine_steps_are_timed_whole_and_cover_every_batch_size(tiny_model_dir):

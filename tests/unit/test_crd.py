@@ -369,3 +369,20 @@ def test_printer_columns_show_both_roles():
     assert columns["Decode"] == ".status.disaggregation.decode.ready"
     status = openapi_schema()["properties"]["status"]["properties"]
     assert set(status["disaggregation"]["properties"]) == {"prefill", "decode"}
+
+
+def test_kv_tiers_are_validated():
+    single = {**VALID, "instances": 1, "parallelism": {"tp": 1}, "pools": None}
+    del single["pools"]
+    tiers = {"hostMemory": "1TiB", "diskPath": "/var/cache/kv", "diskSize": "2TiB"}
+    assert validate({**single, "kvTiers": tiers}) == []
+    assert validate({**single, "kvTiers": {"hostMemory": "512GiB"}}) == []
+    for bad, field in ((dict(tiers, hostMemory="1T B"), "spec.kvTiers.hostMemory"),
+                       (dict(tiers, hostMemory="64"), "spec.kvTiers.hostMemory"),
+                       (dict(tiers, diskSize="lots"), "spec.kvTiers.diskSize"),
+                       (dict(tiers, diskPath="cache"), "spec.kvTiers.diskPath"),
+                       ({"hostMemory": "1TiB", "diskPath": "/kv"}, "spec.kvTiers.diskSize")):
+        errors = validate({**single, "kvTiers": bad})
+        assert any(field in error for error in errors), (bad, errors)
+    errors = validate({**VALID, "kvTiers": {"hostMemory": "1TiB"}})  # tp 4, spp 2
+    assert any("spec.kvTiers needs" in error for error in errors), errors

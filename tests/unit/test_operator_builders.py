@@ -153,3 +153,23 @@ def test_pod_commands_parse_with_the_agents_own_argument_parsers():
     worker = argparse.ArgumentParser(exit_on_error=False)
     launch.add_arguments(worker)
     worker.parse_args(pod(1)["spec"]["containers"][0]["command"][2:])
+
+
+def test_kv_tiers_reach_the_agent_config_and_mount_the_disk_tier():
+    tiered = ServingReplicaSpec.model_validate({
+        "model": {"name": "llama", "source": {"hostPath": {"path": "/models/llama"}}},
+        "image": "agent:1", "instances": 1, "parallelism": {"tp": 1},
+        "kvTiers": {"hostMemory": "1TiB", "diskPath": "/var/cache/kv", "diskSize": "2TiB"},
+    })
+    manifest = pod(spec=tiered, share=NodeShare(node="node-a", gpus=1, first_rank=0))
+    volumes = {v["name"]: v for v in manifest["spec"]["volumes"]}
+    assert volumes[builders.KV_DISK_VOLUME] == {"emptyDir": {"sizeLimit": "2Ti"},
+                                                "name": builders.KV_DISK_VOLUME}
+    mounts = {m["name"]: m for m in manifest["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts[builders.KV_DISK_VOLUME]["mountPath"] == "/var/cache/kv"
+    config = builders.agent_config(tiered).to_api()
+    assert config["kvTiers"] == {"hostMemory": "1TiB", "diskPath": "/var/cache/kv",
+                                 "diskSize": "2TiB"}
+    assert builders.kubernetes_quantity("500GB") == "500G"
+    # Without the field nothing about the pod changes.
+    assert builders.KV_DISK_VOLUME not in {v["name"] for v in pod()["spec"]["volumes"]}

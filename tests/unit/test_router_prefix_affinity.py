@@ -222,3 +222,35 @@ def test_the_index_matches_whole_prefixes_and_ages_out_the_oldest_blocks():
     assert index.num_keys("a") == 10
     assert index.cached_tokens("a", new) == 6 * BLOCK
     assert index.cached_tokens("a", old) == 0  # its first block is gone, so is the prefix
+
+
+# -- KV tiers: a prefix pushed off an instance's GPU is still held there --------------------------
+
+def test_keys_past_the_device_capacity_move_to_the_lower_tiers_and_back():
+    from slipstream.agent.router.prefix_affinity import PrefixAffinityIndex
+
+    index = PrefixAffinityIndex(block_tokens=64)
+    doc, other = [f"d{i}" for i in range(4)], [f"o{i}" for i in range(4)]
+    index.record("a", doc, capacity_tokens=4 * 64, lower_capacity_tokens=8 * 64)
+    index.record("a", other, capacity_tokens=4 * 64, lower_capacity_tokens=8 * 64)
+    assert index.cached_split("a", doc) == (0, 4 * 64)  # evicted from the GPU, kept below
+    assert index.cached_tokens("a", doc) == 4 * 64
+    index.record("a", doc, capacity_tokens=4 * 64, lower_capacity_tokens=8 * 64)
+    assert index.cached_split("a", doc) == (4 * 64, 0)
+    assert index.cached_split("a", other) == (0, 4 * 64)
+    # Without tiers the same eviction forgets the prefix.
+    index.record("b", doc, capacity_tokens=4 * 64)
+    index.record("b", other, capacity_tokens=4 * 64)
+    assert index.cached_tokens("b", doc) == 0
+
+
+def test_the_agent_reports_its_tier_capacity_to_the_router():
+    from slipstream.agent.router.stats_poller import parse_agent_metrics
+
+    text = ("# TYPE slipstream_kv_cache_blocks_capacity gauge\n"
+            "slipstream_kv_cache_blocks_capacity 100\n"
+            "# TYPE slipstream_kv_tier_blocks_capacity gauge\n"
+            'slipstream_kv_tier_blocks_capacity{tier="host"} 400\n'
+            'slipstream_kv_tier_blocks_capacity{tier="disk"} 1000\n')
+    report = parse_agent_metrics(text)
+    assert report.kv_capacity_tokens == 1600 and report.kv_tier_capacity_tokens == 1400 * 16
