@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.agent.bench import device_check
+from slipstream.agent.bench import device_check, device_report
 
 
 def test_the_rehearsal_writes_every_figure(tmp_path):
@@ -56,7 +56,7 @@ def test_goals_are_judged_from_the_figures():
                     "convoy_fcfs": {"short_sent": 10, "short_completed": 9,
                                     "documents_sent": 2, "documents_completed": 2,
                                     "short_ttft_p99_s": 6.0}}}}
-    rows = {row["goal"]: row for row in device_check.goals(report)}
+    rows = {row["goal"]: row for row in device_report.goals(report)}
     # 14 GB at 4,000 GB/s is 3.5 ms; 5 ms is 1.43 of it.
     assert rows["batch-1 TPOT / weight-read time"]["value"] == pytest.approx(1.43, abs=0.01)
     assert rows["batch-1 TPOT / weight-read time"]["met"] is True
@@ -67,7 +67,7 @@ def test_goals_are_judged_from_the_figures():
     assert rows["long prompt alone: TTFT s"]["met"] is True
     assert rows["convoy: every request completes"]["met"] is False  # one short missing
     assert rows["convoy: FCFS p99 / LARS p99"]["value"] == 15.0
-    assert device_check.goals({"stages": {}})[0]["met"] is None  # nothing measured
+    assert device_report.goals({"stages": {}})[0]["met"] is None  # nothing measured
 
 
 def test_junit_counts_read_a_report(tmp_path: Path):
