@@ -102,23 +102,18 @@ class FlatInputs:
     token_ids: list[int]
     positions: list[int]
     sample_rows: list[tuple[int, int]]
-    slots: list[int]
 
     @staticmethod
     def of(chunks: tuple[ScheduledChunk, ...]) -> FlatInputs:
         token_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[tuple[int, int]] = []
-        slots: list[int] = []
         for index, chunk in enumerate(chunks):
             token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.end_pos))
-            table = chunk.block_ids
-            slots.extend(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-                         for pos in range(chunk.start_pos, chunk.end_pos))
             if chunk.sample:
                 sample_rows.append((index, len(token_ids) - 1))
-        return FlatInputs(token_ids, positions, sample_rows, slots)
+        return FlatInputs(token_ids, positions, sample_rows)
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.tensor(self.token_ids, dtype=torch.int64, device=device),
@@ -388,12 +383,17 @@ class ModelRunner:
         """Token ids, positions, attention metadata, the sampled ``(chunk, row)`` pairs and
         those rows as a device index: every array built on the host, moved in one copy."""
         flat = FlatInputs.of(batch.chunks)
+        slots: list[int] = []
+        for chunk in batch.chunks:
+            table = chunk.block_ids
+            slots.extend(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                         for pos in range(chunk.start_pos, chunk.end_pos))
         metadata, (input_ids, positions, sample_index) = AttentionMetadata.build_with(
             query_lens=[c.num_tokens for c in batch.chunks],
             kv_lens=[c.end_pos for c in batch.chunks],
             query_start_pos=[c.start_pos for c in batch.chunks],
             block_tables=[c.block_ids for c in batch.chunks],
-            slot_mapping=flat.slots, block_size=BLOCK_SIZE, device=self.device,
+            slot_mapping=slots, block_size=BLOCK_SIZE, device=self.device,
             extra=[flat.token_ids, flat.positions, [row for _, row in flat.sample_rows]])
         return input_ids, positions, metadata, flat.sample_rows, sample_index
 
