@@ -28,6 +28,7 @@ tested without a GPU.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from slipstream.agent.engine.graph_capture import capture_graph
 from slipstream.agent.engine.models.llama import KVCache, LlamaForCausalLM
 from slipstream.agent.engine.sampler import plain_greedy
 from slipstream.agent.scheduler.batch import ScheduledChunk
@@ -49,7 +51,6 @@ if TYPE_CHECKING:  # Triton is imported only once decode graphs are built (CUDA,
 
 log = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # before capture, off the capture stream: kernel compilation, allocator growth
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -135,16 +136,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             program = self._programs[size]
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self._forward(program)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(program)
-            program.graph = graph
+            program.graph, _ = capture_graph(functools.partial(self._forward, program),
+                                             self.device, pool)
         torch.cuda.synchronize(self.device)
         self.use_graphs = True
         self.capture_s = time.perf_counter() - started

@@ -23,6 +23,7 @@ are all padding, so capture writes only the scratch block.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.agent.engine.config import ShortPrefillBuckets
+from slipstream.agent.engine.graph_capture import capture_graph
 from slipstream.agent.engine.models.llama import KVCache, LlamaForCausalLM
 from slipstream.agent.engine.prefill_buckets import (
     PrefillBucket, all_buckets, select_bucket, short_prefill_lengths)
@@ -41,9 +43,6 @@ from slipstream.kernels.padded_prefill import PaddedPrefillAttention
 
 log = logging.getLogger(__name__)
 
-# Runs before capture, off the capture stream: lazy initialisation (cuBLAS handles, autotuned
-# kernels, allocator growth) must not happen inside the graph.
-WARMUP_RUNS = 2
 PAD_TOKEN_ID = 0  # any valid id: padded rows are computed and then ignored
 
 
@@ -136,16 +135,8 @@ class ShortPrefillExecutor:
         for bucket in sorted(self.buckets, reverse=True,
                              key=lambda b: (b.padded_tokens, b.length_tokens)):
             program = self._programs[bucket]
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self._forward(program)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                program.logits = self._forward(program)
-            program.graph = graph
+            program.graph, program.logits = capture_graph(
+                functools.partial(self._forward, program), self.device, pool)
         torch.cuda.synchronize(self.device)
         self.use_graphs = True
         self.capture_s = time.perf_counter() - started
