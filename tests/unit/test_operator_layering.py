@@ -29,3 +29,31 @@ def test_stdlib_operator_is_not_shadowed_from_the_repository_root():
     result = subprocess.run([sys.executable, "-c", "import operator; print(operator.__file__)"],
                             cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
     assert not result.stdout.strip().startswith(str(REPO)), result.stdout
+
+
+def test_the_checkout_holds_real_files_that_an_import_tool_can_read():
+    # The code lives under src/slipstream; the top-level folders are links into it. A tool
+    # that walks the checkout's package (pydeps, grimp on a source tree) must meet files, not
+    # links that it may decline to follow.
+    package = REPO / "src" / "slipstream"
+    links = [path for path in package.rglob("*") if path.is_symlink()]
+    assert not links, links
+    for name in ("agent", "operator", "kernels", "crds", "decisions"):
+        top = REPO / name
+        assert top.is_symlink() and top.resolve() == package / name
+    # The graph between the top-level folders, read from the real files, has the arrows the
+    # layering contracts are about (agent -> kernels, operator -> crds, ...), not two.
+    graph = grimp.build_graph("slipstream", "slipstream.operator")
+    folders = {"agent", "operator", "kernels", "crds", "decisions"}
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in folders else None
+
+    arrows = set()
+    for importer in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(importer):
+            a, b = folder(importer), folder(imported)
+            if a and b and a != b:
+                arrows.add((a, b))
+    assert {("agent", "kernels"), ("operator", "crds"), ("operator", "decisions")} <= arrows

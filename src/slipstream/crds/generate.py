@@ -96,8 +96,8 @@ def render() -> str:
 
 
 def default_root() -> Path:
-    # crds/ is symlinked as slipstream/crds, so resolving lands in the repository.
-    return Path(__file__).resolve().parents[1]
+    # src/slipstream/crds/generate.py: the checkout is three levels up.
+    return Path(__file__).resolve().parents[3]
 
 
 def stale_files(root: Path) -> list[Path]:

@@ -50,7 +50,7 @@ from slipstream.agent.bench.serve_metrics import RequestTiming, serving_metrics
 from slipstream.agent.sim.traces import TraceRequest
 
 MODEL_NAME = "device-check"
-REPO = Path(__file__).resolve().parents[2]  # the checkout: agent/bench/ is two levels down
+REPO = Path(__file__).resolve().parents[4]  # the checkout: src/slipstream/agent/bench/
 
 
 @dataclass(frozen=True)
