@@ -74,7 +74,7 @@ def test_invalid_short_prefill_settings_are_rejected():
 
 
 def test_kv_cache_memory_flag_parses_a_fraction_or_a_size():
-    from slipstream.agent.engine.kv_memory import KVCacheMemory
+    from slipstream.agent.engine.kv.memory import KVCacheMemory
 
     assert _parse([]).kv_cache_memory is None
     assert _parse(["--kv-cache-memory", "0.5"]).kv_cache_memory == KVCacheMemory(fraction=0.5)
@@ -103,7 +103,7 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line(tiny_model_dir, ca
 
 def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir, caplog):
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.kv_memory import DEFAULT_CPU_FRACTION, available_memory_bytes
+    from slipstream.agent.engine.kv.memory import DEFAULT_CPU_FRACTION, available_memory_bytes
 
     import torch
 
@@ -123,7 +123,7 @@ def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir
 def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, caplog):
     from pathlib import Path
 
-    from slipstream.agent.engine import gguf_model
+    from slipstream.agent.engine.models import gguf_model
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
     tiny_dir, name, gguf_file = cli_configs.resolve_model(Path("tiny"))

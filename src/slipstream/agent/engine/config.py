@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.agent.engine.disagg_config import DisaggConfig
-from slipstream.agent.engine.kv_memory import KVCacheMemory
-from slipstream.agent.engine.kv_tier_settings import KVTierSettings
+from slipstream.agent.engine.kv.memory import KVCacheMemory
+from slipstream.agent.engine.kv.tier_settings import KVTierSettings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {

@@ -48,7 +48,7 @@ from slipstream.agent.server.config import ServerConfig
 
 if TYPE_CHECKING:
     from slipstream.agent.server.api_processes import ApiProcesses
-    from slipstream.agent.server.control import PoolHolder
+    from slipstream.contracts.control import PoolHolder
     from slipstream.agent.server.engine_core import ServingEngine
 
 __all__ = ["AGENT_KEEPALIVE_S", "EXIT_ENGINE_DEAD", "add_arguments", "defaults_from_config",
@@ -144,8 +144,8 @@ def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Pa
         others, pool_holder = extra, PoolEverywhere(metrics, engine)
     control_server = None
     if server_config.control_port:
-        from slipstream.agent.server.control import ControlService, start_control_server
-        from slipstream.agent.server.control_auth import ControlToken
+        from slipstream.contracts.control import ControlService, start_control_server
+        from slipstream.contracts.control_auth import ControlToken
 
         try:
             token = None if server_config.control_token_file is None else \
@@ -205,7 +205,7 @@ def _start_engine(args: argparse.Namespace, engine_config: EngineConfig) -> Serv
         return EngineCoreClient(engine_config, scheduler_config_from_args(args),
                                 threads=args.engine_threads, wait=False)
     from slipstream.agent.engine.async_engine import AsyncEngine
-    from slipstream.agent.engine.auto_profile import with_runtime_profile
+    from slipstream.agent.engine.profile.auto_profile import with_runtime_profile
     from slipstream.agent.parallel.compose import build_engine
 
     logging.getLogger(__name__).info("the engine runs on a thread of this process "

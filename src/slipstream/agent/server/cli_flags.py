@@ -12,9 +12,9 @@ from pathlib import Path
 from slipstream.agent.engine.config import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS)
 from slipstream.agent.engine.disagg_config import ROLES, TRANSPORTS
-from slipstream.agent.engine.kv_memory import (
+from slipstream.agent.engine.kv.memory import (
     DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
-from slipstream.agent.engine.kv_tier_settings import parse_size_bytes
+from slipstream.agent.engine.kv.tier_settings import parse_size_bytes
 from slipstream.agent.scheduler.config import POLICY_NAMES, PREEMPTION_MODES
 from slipstream.agent.scheduler.flags import add_short_prefill_arguments
 
