@@ -23,9 +23,11 @@ _COMMON = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidde
 
 
 def hf_config(family: str, ids: dict):
-    from transformers import Gemma2Config, Gemma3TextConfig, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, Qwen2Config, Qwen3Config
 
     tokens = dict(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=0)
+    if family == "qwen2":  # q/k/v biases; for the GGUF tests (Llama-shaped otherwise)
+        return Qwen2Config(**_COMMON, **tokens, tie_word_embeddings=False, rope_theta=10_000.0)
     if family == "qwen3":
         return Qwen3Config(**_COMMON, **tokens, tie_word_embeddings=True, rope_theta=10_000.0)
     gemma = dict(**_COMMON, **tokens, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=24)
@@ -52,7 +54,7 @@ def write_family_model(family: str, tokenizer_dir: Path, out_dir: Path, seed: in
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 parameter.add_(torch.randn_like(parameter) * 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
