@@ -125,7 +125,7 @@ def unpermute_rope_rows(weight: Any, num_heads: int) -> Any:
 def gguf_tensor_name(name: str, config: dict[str, Any]) -> str:
     """The Hugging Face name of a GGUF tensor of the model ``config`` describes."""
     try:
-        return hf_tensor_name(name, config["model_type"])
+        return hf_tensor_name(name, config.get("model_type", "llama"))
     except GGUFArchitectureError as error:
         raise GGUFError(str(error)) from None
 
@@ -142,10 +142,10 @@ def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(shape)
-        heads = rope_rows_permuted(name, config["model_type"])
+        heads = rope_rows_permuted(name, config.get("model_type", "llama"))
         if heads is not None:
             weight = unpermute_rope_rows(weight, config[heads])
-        weight = weight - norm_weight_offset(name, config["model_type"])
+        weight = weight - norm_weight_offset(name, config.get("model_type", "llama"))
         tensors[target] = np.array(weight, dtype=np.float32, order="C")  # a writable copy
     return tensors
 

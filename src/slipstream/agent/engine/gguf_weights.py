@@ -153,10 +153,10 @@ def read_gguf_weights(path: Path, config: dict[str, Any]
                 entry[0] += 1
                 entry[1] += int(tensor.n_bytes)
                 entry[2] += weight.numel() * 4
-        heads = rope_rows_permuted(tensor.name, config["model_type"])
+        heads = rope_rows_permuted(tensor.name, config.get("model_type", "llama"))
         if heads is not None:
             weight = _unpermute(weight, config[heads])
-        offset = norm_weight_offset(tensor.name, config["model_type"])
+        offset = norm_weight_offset(tensor.name, config.get("model_type", "llama"))
         if offset and isinstance(weight, torch.Tensor):
             weight = weight - offset
         yield target, weight
