@@ -23,6 +23,7 @@ an exact online log-sum-exp. Decode groups are cut into row tiles by the same bo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -300,7 +301,8 @@ class TorchReferenceBackend:
         for tile in plan.tiles(max_rows):
             shared, visible = tile.shared_keys, tile.visible_keys
             window = options.sliding_window
-            mask_of = partial(_band_mask, tile, device=query.device)
+            mask_of: Callable[[int, int], torch.Tensor | None] = partial(
+                _band_mask, tile, device=query.device)
             if window is not None:
                 # Keys before the first row's window are no row's; the rest take a full mask.
                 first = max(0, plan.query_start + tile.row_start - window + 1 - plan.kv_start)

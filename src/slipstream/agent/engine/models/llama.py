@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5), in reading order: model,
-decoder layer, attention, MLP, norm, rotary embedding. The other dense families (Qwen3,
+decoder layer, attention, MLP; then norm and rotary embedding (``norm_rope.py``). The other dense families (Qwen3,
 Gemma 2/3: ``qwen3.py``, ``gemma.py``) are this decoder with the options of ModelConfig's
 family block: QK-norm, Gemma's (1 + weight) norms before and after attention and MLP, a
 gelu-tanh MLP, the embedding scale, per-layer sliding windows and local RoPE, and logit
@@ -18,15 +18,17 @@ build (SPP). A stage that does not own the embedding takes its input as ``hidden
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import cast, overload
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.agent.engine.config import ModelConfig, RopeScaling
+from slipstream.agent.engine.config import ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
+from slipstream.agent.engine.models.norm_rope import make_norm, rotary_embeddings, rotate
 from slipstream.agent.engine.models.quant_kernels import fuse_quantized
 from slipstream.kernels.attention import AttentionBackend
 
@@ -146,6 +148,7 @@ class LlamaModel(nn.Module):
         # Keyed by the global layer index, so parameter names match the checkpoint's.
         self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(config, layers, index)
                                      for index in stage.layer_indices})
+        self.local_rope = [config.uses_local_rope(index) for index in stage.layer_indices]
         self.norm = make_norm(config, config.hidden_size) if stage.is_last else None
         self.embedding_scale = config.embedding_scale
         self.rotary, self.rotary_local = rotary_embeddings(config)
@@ -172,8 +175,8 @@ class LlamaModel(nn.Module):
         # The residual stream travels beside the layer outputs, so that each norm can add
         # them in the same pass (one kernel on CUDA).
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers.values(), kv_caches):
-            cos, sin = angles[layer.self_attn.local_rope]
+        for layer, local, kv_cache in zip(self.layers.values(), self.local_rope, kv_caches):
+            cos, sin = angles[local]
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, backend)
         if residual is None:  # a stage without layers
             return self.norm(hidden) if self.norm is not None else hidden
@@ -225,7 +228,6 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale or 1.0 / math.sqrt(head_dim)
         self.sliding_window = config.sliding_window_of(index)
         self.logit_softcap = config.attn_logit_softcap
-        self.local_rope = config.uses_local_rope(index)
         # Qwen3, Gemma 3: each head's q and k normalised over head_dim, before rotary.
         self.q_norm = make_norm(config, head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, head_dim) if config.qk_norm else None
@@ -304,107 +306,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
-
-
-def make_norm(config: ModelConfig, size: int) -> RMSNorm:
-    return RMSNorm(size, config.rms_norm_eps, config.norm_weight_offset)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, weight_offset: float = 0.0) -> None:
-        super().__init__()
-        # Gemma stores w and scales by (1 + w): weight_offset 1, the stored tensor unchanged.
-        self.weight = nn.Parameter(torch.ones(size) if weight_offset == 0.0
-                                   else torch.zeros(size))
-        self.eps = eps
-        self.weight_offset = weight_offset
-
-    @overload
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    @overload
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
-        """The norm of ``hidden``; with ``residual``, the norm of ``hidden + residual`` and
-        that sum (the new residual stream). On CUDA the add and the norm are one kernel
-        that writes both in place (``kernels/triton_layers.py``)."""
-        if residual is not None:
-            if hidden.is_cuda and self.weight.dtype == hidden.dtype and not self.weight_offset:
-                from slipstream.kernels.triton_layers import fused_add_rms_norm
-
-                return fused_add_rms_norm(hidden, residual, self.weight, self.eps)
-            residual = hidden + residual
-            return self._norm(residual), residual
-        return self._norm(hidden)
-
-    def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, then scale in the input dtype.
-        as_float = hidden.float()
-        normed = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_offset:  # Gemma scales in fp32, then rounds
-            return (normed * (self.weight.float() + self.weight_offset)).to(hidden.dtype)
-        return self.weight * normed.to(hidden.dtype)
-
-
-def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
-    """The rotary embedding of the global layers, and of the sliding layers where their base
-    differs (Gemma 3: ``rope_local_theta``, unscaled)."""
-    rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-    if config.rope_local_theta is None:
-        return rotary, None
-    return rotary, RotaryEmbedding(config.head_dim, config.rope_local_theta, RopeScaling())
-
-
-class RotaryEmbedding(nn.Module):
-    inv_freq: torch.Tensor  # a buffer
-
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1 (heads), dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type != "llama3":
-        return inv_freq
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding of query and key: in place and in one kernel on CUDA
-    (``kernels/triton_layers.py``), with torch ops elsewhere."""
-    if query.is_cuda:
-        from slipstream.kernels.triton_layers import rotary_
-
-        return rotary_(query, key, cos, sin)
-    return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
