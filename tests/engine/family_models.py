@@ -23,11 +23,14 @@ _COMMON = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidde
 
 
 def hf_config(family: str, ids: dict):
-    from transformers import Gemma2Config, Gemma3TextConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 
     tokens = dict(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=0)
     if family == "qwen2":  # q/k/v biases; for the GGUF tests (Llama-shaped otherwise)
         return Qwen2Config(**_COMMON, **tokens, tie_word_embeddings=False, rope_theta=10_000.0)
+    if family == "mistral":  # a sliding window on every layer
+        return MistralConfig(**_COMMON, **tokens, sliding_window=SLIDING_WINDOW)
     if family == "qwen3":
         return Qwen3Config(**_COMMON, **tokens, tie_word_embeddings=True, rope_theta=10_000.0)
     gemma = dict(**_COMMON, **tokens, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=24)

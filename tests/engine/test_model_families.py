@@ -91,6 +91,18 @@ def test_greedy_tokens_match_transformers_generate(family):
     assert engine.block_manager.kv_blocks_used == 0
 
 
+def test_mistral_sliding_window_past_the_window_matches_transformers(tmp_path, tiny_model_dir):
+    """Mistral's window covers every layer; prompts and decodes run past it (the context
+    is no longer capped at the window)."""
+    from tests.engine.family_models import write_family_model
+
+    model_dir = write_family_model("mistral", tiny_model_dir, tmp_path / "mistral")
+    assert ModelConfig.from_dir(model_dir).sliding_window_of(3) == SLIDING_WINDOW
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=64),
+                       SchedulerConfig(max_batched_tokens=16))
+    assert engine.generate(PROMPTS, greedy()) == reference_tokens(model_dir, PROMPTS)
+
+
 def test_triton_decodes_past_the_window_match_transformers(family_model_dirs):
     """Gemma 2 (soft-capped scores) and Gemma 3 on the Triton kernels, under the interpreter:
     prompts of 5 and 14 tokens decode to 20, past the 12-token window."""
