@@ -87,16 +87,20 @@ def test_triton_windows_and_softcap_equal_the_torch_reference(window, softcap, k
     reference = TorchReferenceBackend()
     reference.plan(metadata)
     want = reference.run(queries, k_cache, v_cache, 1 / math.sqrt(DIM), True, window, softcap)
+    # On a CUDA machine the compiled kernels, else the interpreter, on the same inputs.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    queries, k_cache, v_cache = queries.to(device), k_cache.to(device), v_cache.to(device)
+    seq_info, blocks = metadata.seq_info.to(device), metadata.block_indices.to(device)
     out = torch.zeros_like(queries)
-    lse = torch.zeros(queries.shape[:2])
+    lse = torch.zeros(queries.shape[:2], device=device)
     options = KernelOptions.of(window, softcap)
     decodes = metadata.num_decodes
-    paged_decode(queries, k_cache, v_cache, metadata.seq_info[:decodes], metadata.block_indices,
-                 1 / math.sqrt(DIM), out, lse, segments, options=options)
-    paged_prefill(queries, k_cache, v_cache, metadata.seq_info[decodes:],
-                  metadata.block_indices, 1 / math.sqrt(DIM), out, lse,
+    paged_decode(queries, k_cache, v_cache, seq_info[:decodes], blocks, 1 / math.sqrt(DIM),
+                 out, lse, segments, options=options)
+    paged_prefill(queries, k_cache, v_cache, seq_info[decodes:], blocks, 1 / math.sqrt(DIM),
+                  out, lse,
                   max(metadata.query_lens[decodes:]), longest_kv=max(metadata.kv_lens),
                   num_tokens=queries.shape[0] - decodes, first_token=decodes,
                   num_segments=segments, options=options)
-    torch.testing.assert_close(out, want.output, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, want.lse_natural, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.cpu(), want.output, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu(), want.lse_natural, atol=1e-5, rtol=1e-5)

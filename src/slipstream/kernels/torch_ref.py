@@ -89,8 +89,8 @@ class _DecodeGroup:
             return [self]
         tiles = []
         for start, end in spans(0, self.num_rows, max_rows):
-            positions = dict(query_pos=_rows_of(self.query_pos, start, end),
-                             kv_start=_rows_of(self.kv_start, start, end))
+            positions = {name: None if value is None else value[start:end] for name, value
+                         in (("query_pos", self.query_pos), ("kv_start", self.kv_start))}
             if self.rows is None:
                 tiles.append(_DecodeGroup(self.blocks[start:end], self.mask[start:end],
                                           self.token_start + start, self.token_start + end,
@@ -99,10 +99,6 @@ class _DecodeGroup:
                 tiles.append(_DecodeGroup(self.blocks[start:end], self.mask[start:end], 0, 0,
                                           rows=self.rows[start:end], **positions))
         return tiles
-
-
-def _rows_of(tensor: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-    return None if tensor is None else tensor[start:end]
 
 
 @dataclass(frozen=True)
