@@ -111,3 +111,13 @@ def test_gemma2_parallel_equals_one_process(family_model_dirs, parallel):
     prompts = PROMPTS[:3]
     assert generate(model_dir, parallel, prompts) == generate(model_dir, ParallelConfig(),
                                                               prompts)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_qk_norm_families_under_tp2_equal_one_process(family_model_dirs, family):
+    """QK-norm acts per head, so each TP rank normalises its own heads; Gemma 3's local and
+    global RoPE and its 3:1 window pattern split the same way."""
+    model_dir = family_model_dirs[family]
+    prompts = PROMPTS[:3]
+    assert generate(model_dir, ParallelConfig(tp=2), prompts) == generate(
+        model_dir, ParallelConfig(), prompts)
