@@ -36,6 +36,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_model_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    """Small random Qwen3, Gemma 2 and Gemma 3 directories (tests/engine/family_models.py),
+    written once per session, keyed by model_type."""
+    from tests.engine.family_models import FAMILIES, write_family_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {family: write_family_model(family, tiny_model_dir, root / family)
+            for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def chart_inventory():
     """``charts/dashgen/inventory.py``: the chart's dashboard queries and alert rules, read back.
     dashgen lives beside the chart, outside the ``slipstream`` package."""

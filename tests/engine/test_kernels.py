@@ -267,8 +267,8 @@ def test_no_call_materialises_more_scores_than_the_bound(monkeypatch):
     real_attend = attention_tiles.masked_softmax_attend
     real_sdpa = torch_ref.F.scaled_dot_product_attention
 
-    def attend(query, keys, values, mask, scale):
-        out, lse = real_attend(query, keys, values, mask, scale)
+    def attend(query, keys, values, mask, scale, *options):
+        out, lse = real_attend(query, keys, values, mask, scale, *options)
         lse_scores.append(lse.numel() * keys.shape[-1])  # (head, query) rows x keys
         return out, lse
 
@@ -293,9 +293,9 @@ def test_a_decode_longer_than_the_bound_is_cut_into_key_tiles(monkeypatch):
     calls = []
     real_attend = attention_tiles.masked_softmax_attend
 
-    def attend(query, keys, values, mask, scale):
+    def attend(query, keys, values, mask, scale, *options):
         calls.append(keys.shape[-1])
-        return real_attend(query, keys, values, mask, scale)
+        return real_attend(query, keys, values, mask, scale, *options)
 
     monkeypatch.setattr(attention_tiles, "masked_softmax_attend", attend)
     # One row of 100 keys (112 padded) at a bound of 16 keys for its 4 heads: 7 key tiles.

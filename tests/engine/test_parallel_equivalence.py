@@ -98,3 +98,26 @@ def test_quantized_weights_in_pipeline_ranks_equal_one_process(tiny_model_dir):
             engine.close()
 
     assert int8_tokens(ParallelConfig(spp=2)) == int8_tokens(ParallelConfig())
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(tp=2), ParallelConfig(spp=2),
+                                      ParallelConfig(kvp=2, kvp_tokens_per_group=64)],
+                         ids=["tp2", "spp2", "kvp2"])
+def test_gemma2_parallel_equals_one_process(family_model_dirs, parallel):
+    """Gemma 2 (sliding and global layers, soft-capped scores and logits, sandwich norms,
+    tied embeddings) split over ranks; the longest prompt passes the 12-token window and,
+    with KVP, its second group, so windows cross shard boundaries."""
+    model_dir = family_model_dirs["gemma2"]
+    prompts = PROMPTS[:3]
+    assert generate(model_dir, parallel, prompts) == generate(model_dir, ParallelConfig(),
+                                                              prompts)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_qk_norm_families_under_tp2_equal_one_process(family_model_dirs, family):
+    """QK-norm acts per head, so each TP rank normalises its own heads; Gemma 3's local and
+    global RoPE and its 3:1 window pattern split the same way."""
+    model_dir = family_model_dirs[family]
+    prompts = PROMPTS[:3]
+    assert generate(model_dir, ParallelConfig(tp=2), prompts) == generate(
+        model_dir, ParallelConfig(), prompts)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.agent.engine.config import RopeScaling
-from slipstream.agent.engine.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
+from slipstream.agent.engine.models.norm_rope import RMSNorm, RotaryEmbedding, apply_rotary
 from slipstream.kernels.triton_backend import interpreting
 
 pytestmark = pytest.mark.skipif(

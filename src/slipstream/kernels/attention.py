@@ -167,8 +167,14 @@ class AttentionBackend(Protocol):
         """Store the step's new keys/values ``[num_tokens, kv_heads, head_dim]`` in the cache."""
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
-        """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the cache."""
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
+        """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the cache.
+
+        ``sliding_window``: the query at position ``p`` sees only keys after
+        ``p - sliding_window`` (a per-layer option: Mistral, Gemma's local layers).
+        ``logit_softcap``: scores become ``cap * tanh(scores / cap)`` before the softmax
+        (Gemma 2). A backend that cannot do either raises ValueError saying so."""
 
 
 def merge_states(output_a: torch.Tensor, lse_natural_a: torch.Tensor,

@@ -10,7 +10,8 @@ that puts the tiles back together exactly.
     torch_ref.run, per decode group: row tiles of rows_per_tile() rows (the same bound)
 
 Masking rule, as everywhere in Slipstream: the query at absolute position ``p`` sees the key
-at absolute position ``k`` iff ``k <= p``. A KVP shard's keys start at ``kv_start``.
+at absolute position ``k`` iff ``k <= p`` (and, in a layer with a sliding window ``w``,
+``k > p - w``). A KVP shard's keys start at ``kv_start``.
 
 Within a query tile whose first query is at ``p0``, the keys up to ``p0`` are seen by every row
 (the *shared* keys: no mask), and the keys after it, up to the tile's last query, form a band
@@ -117,12 +118,15 @@ def fused_tile_mask(tile: QueryTile, dtype: torch.dtype,
 
 
 def masked_softmax_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor | None,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          mask: torch.Tensor | None, scale: float,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale, masked) v in float32, plus the natural log-sum-exp of the masked
     scores. ``query`` [..., q, dim], ``keys`` [..., dim, kv], ``values`` [..., kv, dim]; the
-    softmax works in place on the one score tensor."""
+    softmax works in place on the one score tensor. ``softcap``: the scores become
+    ``softcap * tanh(scores / softcap)`` first (Gemma 2)."""
     scores = torch.matmul(query.float(), keys.float()).mul_(scale)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
@@ -138,7 +142,7 @@ def masked_softmax_attend(query: torch.Tensor, keys: torch.Tensor, values: torch
 def attend_in_key_tiles(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         scale: float, key_spans: list[tuple[int, int]],
                         mask_of: Callable[[int, int], torch.Tensor | None],
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` over the keys in ``key_spans`` (``keys`` [..., dim, kv],
     ``values`` [..., kv, dim]), one span at a time, each with ``mask_of(start, end)`` (None:
     every key visible), merged by log-sum-exp: the exact result, in float32, with its lse."""
@@ -149,7 +153,7 @@ def attend_in_key_tiles(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     for start, end in key_spans:
         part, part_lse = masked_softmax_attend(query, keys[..., start:end],
                                                values[..., start:end, :], mask_of(start, end),
-                                               scale)
+                                               scale, softcap)
         if output is None:
             output, lse = part, part_lse
         else:

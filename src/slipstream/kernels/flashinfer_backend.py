@@ -96,11 +96,12 @@ class FlashInferBackend:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
         # FlashInfer computes the LSE alongside the output at no real cost, so it is always
         # returned; ``return_lse`` exists for interface parity with the torch backend.
         launches = self._require_plan()
-        self._plan_wrappers(query, k_cache, scale)
+        self._plan_wrappers(query, k_cache, scale, sliding_window, logit_softcap)
         num_tokens, num_heads, head_dim = query.shape
         parts: list[tuple[PagedLaunch, torch.Tensor, torch.Tensor]] = []
         for launch, wrapper in self._wrappers(launches, query.shape[1] // k_cache.shape[2]):
@@ -123,8 +124,13 @@ class FlashInferBackend:
             lse_natural[launch.rows] = lse_base2 * LN_2
         return AttentionResult(output=output, lse_natural=lse_natural)
 
-    def _plan_wrappers(self, query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
-        """FlashInfer's plan(), once per step and layer shape (it copies index data to the GPU)."""
+    def _plan_wrappers(self, query: torch.Tensor, k_cache: torch.Tensor, scale: float,
+                       sliding_window: int | None = None,
+                       logit_softcap: float | None = None) -> None:
+        """FlashInfer's plan(), once per step and layer shape (it copies index data to the GPU).
+        Layers that alternate windows (Gemma) plan again at each change: correct, not fast.
+        The window and soft-cap arguments are untested here (no FlashInfer on the CI machine).
+        """
         launches = self._require_plan()
         metadata = self._metadata
         assert metadata is not None  # set together with the launches
@@ -136,11 +142,15 @@ class FlashInferBackend:
                              f"{metadata.block_size}")
         num_heads, head_dim = query.shape[1], query.shape[2]
         kv_heads = k_cache.shape[2]
-        key = (num_heads, kv_heads, head_dim, query.dtype, k_cache.dtype, float(scale))
+        key = (num_heads, kv_heads, head_dim, query.dtype, k_cache.dtype, float(scale),
+               sliding_window, logit_softcap)
         if key == self._planned_for:
             return
         shapes = (num_heads, kv_heads, head_dim, metadata.block_size)
-        dtypes = {"q_data_type": query.dtype, "kv_data_type": k_cache.dtype}
+        dtypes = {"q_data_type": query.dtype, "kv_data_type": k_cache.dtype,
+                  # FlashInfer's window_left counts the keys before the query's own.
+                  "window_left": -1 if sliding_window is None else sliding_window - 1,
+                  "logits_soft_cap": logit_softcap or 0.0}
         for launch, wrapper in self._wrappers(launches, num_heads // kv_heads):
             if launch is launches.decode:
                 wrapper.plan(launch.kv_indptr, launch.kv_indices, launch.kv_last_page_len,

@@ -51,10 +51,16 @@ class PaddedPrefillAttention:
                                                          value.to(v_cache.dtype))
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
         if return_lse:
             raise ValueError("the padded prefill path serves one process without KV shards; "
                              "it does not compute the log-sum-exp")
+        if logit_softcap is not None or (sliding_window is not None
+                                         and sliding_window < self.length_tokens):
+            raise ValueError("the padded short-prefill path has no soft-capping or sliding "
+                             "window shorter than its bucket; serve this model without "
+                             "short_prefill_graphs")
         num_tokens, num_heads, head_dim = query.shape
         batch, length = self.batch_size, self.length_tokens
         kv_heads = k_cache.shape[2]

@@ -23,6 +23,7 @@ an exact online log-sum-exp. Decode groups are cut into row tiles by the same bo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,6 +45,9 @@ class _DecodeGroup:
     token_start: int  # first query row in the flat token dimension (contiguous groups)
     token_end: int
     rows: torch.Tensor | None = None  # the query rows, when not token_start:token_end
+    # Each row's query position and first key's position, for sliding-window layers.
+    query_pos: torch.Tensor | None = None  # [rows]
+    kv_start: torch.Tensor | None = None  # [rows]
 
     @property
     def num_rows(self) -> int:
@@ -62,6 +66,14 @@ class _DecodeGroup:
         return cache.index_select(0, self.blocks.reshape(-1)).view(
             rows, blocks * cache.shape[1], *cache.shape[2:])
 
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """``mask`` with the keys at or before ``query_pos - window`` hidden too."""
+        if window is None:
+            return self.mask
+        assert self.query_pos is not None and self.kv_start is not None
+        key_pos = self.kv_start[:, None] + torch.arange(self.kv_len, device=self.mask.device)
+        return self.mask & (key_pos > self.query_pos[:, None] - window)
+
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[self.token_start:self.token_end] if self.rows is None else tensor[self.rows]
 
@@ -77,12 +89,15 @@ class _DecodeGroup:
             return [self]
         tiles = []
         for start, end in spans(0, self.num_rows, max_rows):
+            positions = {name: None if value is None else value[start:end] for name, value
+                         in (("query_pos", self.query_pos), ("kv_start", self.kv_start))}
             if self.rows is None:
                 tiles.append(_DecodeGroup(self.blocks[start:end], self.mask[start:end],
-                                          self.token_start + start, self.token_start + end))
+                                          self.token_start + start, self.token_start + end,
+                                          **positions))
             else:
                 tiles.append(_DecodeGroup(self.blocks[start:end], self.mask[start:end], 0, 0,
-                                          rows=self.rows[start:end]))
+                                          rows=self.rows[start:end], **positions))
         return tiles
 
 
@@ -208,8 +223,10 @@ class TorchReferenceBackend:
         mask = (kv_index[None, :] < kv_lens[:, None]) & (
             kv_start[:, None] + kv_index[None, :] <= query_pos[:, None])
         if contiguous:
-            return _DecodeGroup(blocks, mask, rows[0], rows[-1] + 1)
-        return _DecodeGroup(blocks, mask, 0, 0, rows=index)
+            return _DecodeGroup(blocks, mask, rows[0], rows[-1] + 1, query_pos=query_pos,
+                                kv_start=kv_start)
+        return _DecodeGroup(blocks, mask, 0, 0, rows=index, query_pos=query_pos,
+                            kv_start=kv_start)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  key: torch.Tensor, value: torch.Tensor) -> None:
@@ -222,24 +239,27 @@ class TorchReferenceBackend:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
         self._require_plan()
-        if not return_lse:
+        options = _LayerOptions(sliding_window, logit_softcap)
+        if not return_lse and options.plain:
             return AttentionResult(output=self._run_fused(query, k_cache, v_cache, scale),
                                    lse_natural=None)
+        # SDPA has no soft-cap: such layers, and sliding ones, take the log-sum-exp path.
         # Rows that see no key (a KVP shard wholly after them, an empty shard) keep these.
         output = torch.zeros_like(query)
         lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32,
                          device=query.device)
         for group in self._decodes:
-            self._decode_with_lse(group, query, k_cache, v_cache, scale, output, lse)
+            self._decode_with_lse(group, query, k_cache, v_cache, scale, output, lse, options)
         for plan in self._prefills:
-            self._prefill_with_lse(plan, query, k_cache, v_cache, scale, output, lse)
-        return AttentionResult(output=output, lse_natural=lse)
+            self._prefill_with_lse(plan, query, k_cache, v_cache, scale, output, lse, options)
+        return AttentionResult(output=output, lse_natural=lse if return_lse else None)
 
     def _decode_with_lse(self, group: _DecodeGroup, query: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, scale: float, output: torch.Tensor,
-                         lse: torch.Tensor) -> None:
+                         lse: torch.Tensor, options: _LayerOptions) -> None:
         _, num_heads, head_dim = query.shape
         kv_heads = k_cache.shape[2]
         if group.kv_len == 0:
@@ -251,18 +271,19 @@ class TorchReferenceBackend:
             q = tile.take(query).view(rows, kv_heads, num_heads // kv_heads, 1, head_dim)
             keys = tile.gather(k_cache).permute(0, 2, 3, 1).unsqueeze(2)
             values = tile.gather(v_cache).permute(0, 2, 1, 3).unsqueeze(2)
-            mask = tile.mask[:, None, None, None, :]
+            mask = tile.window_mask(options.sliding_window)[:, None, None, None, :]
             # Only a single row whose KV alone exceeds the bound needs key tiles.
             key_tile = max(1, self.max_score_elements // (num_heads * rows))
             out, row_lse = attend_in_key_tiles(q, keys, values, scale,
                                                spans(0, tile.kv_len, key_tile),
-                                               lambda start, end: mask[..., start:end])
+                                               lambda start, end: mask[..., start:end],
+                                               options.logit_softcap)
             tile.put(output, out.reshape(rows, num_heads, head_dim).to(query.dtype))
             tile.put(lse, row_lse.reshape(rows, num_heads))
 
     def _prefill_with_lse(self, plan: _Prefill, query: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, scale: float, output: torch.Tensor,
-                          lse: torch.Tensor) -> None:
+                          lse: torch.Tensor, options: _LayerOptions) -> None:
         _, num_heads, head_dim = query.shape
         kv_heads = k_cache.shape[2]
         q_len = plan.token_end - plan.token_start
@@ -275,13 +296,25 @@ class TorchReferenceBackend:
                                             plan.kv_len)
         for tile in plan.tiles(max_rows):
             shared, visible = tile.shared_keys, tile.visible_keys
+            window = options.sliding_window
+            mask_of: Callable[[int, int], torch.Tensor | None] = partial(
+                _band_mask, tile, device=query.device)
+            if window is not None:
+                # Keys before the first row's window are no row's; the rest take a full mask.
+                first = max(0, plan.query_start + tile.row_start - window + 1 - plan.kv_start)
+                if first >= visible:
+                    continue
+                key_spans = spans(first, visible, key_tile)
+                mask_of = partial(_window_mask, plan, tile, window, device=query.device)
             # Keys that take several tiles are cut at the shared keys' end, so that only the
             # diagonal band's tiles build a mask; keys that fit one tile take one pass.
-            key_spans = (spans(0, visible, key_tile) if visible <= key_tile else
-                         spans(0, shared, key_tile) + spans(shared, visible, key_tile))
+            elif visible <= key_tile:
+                key_spans = spans(0, visible, key_tile)
+            else:
+                key_spans = spans(0, shared, key_tile) + spans(shared, visible, key_tile)
             out, row_lse = attend_in_key_tiles(
                 queries[:, :, tile.row_start:tile.row_end], keys, values, scale, key_spans,
-                partial(_band_mask, tile, device=query.device))
+                mask_of, options.logit_softcap)
             rows = slice(plan.token_start + tile.row_start, plan.token_start + tile.row_end)
             output[rows] = out.permute(2, 0, 1, 3).reshape(tile.num_rows, num_heads,
                                                            head_dim).to(query.dtype)
@@ -332,6 +365,26 @@ class TorchReferenceBackend:
         if self._metadata is None:
             raise RuntimeError("plan() must be called once per step before write_kv()/run()")
         return self._metadata
+
+
+@dataclass(frozen=True)
+class _LayerOptions:
+    sliding_window: int | None
+    logit_softcap: float | None
+
+    @property
+    def plain(self) -> bool:
+        return self.sliding_window is None and self.logit_softcap is None
+
+
+def _window_mask(plan: _Prefill, tile: QueryTile, window: int, start: int, end: int,
+                 device: torch.device) -> torch.Tensor:
+    """Which of keys ``start:end`` each row of a tile sees in a sliding-window layer: those
+    at or before its position and after its position minus ``window``."""
+    query_pos = plan.query_start + torch.arange(tile.row_start, tile.row_end, device=device)
+    key_pos = plan.kv_start + torch.arange(start, end, device=device)
+    age = query_pos[:, None] - key_pos[None, :]
+    return (age >= 0) & (age < window)
 
 
 def _band_mask(tile: QueryTile, start: int, end: int,

@@ -27,7 +27,10 @@ with one 64K-token sequence among short ones moves no padding.
     BLOCK_START  offset of its first block in ``block_indices``
 
 Masking follows ``torch_ref``: the query at absolute position ``p`` sees KV index ``j`` iff
-``j < kv_len`` and ``kv_pos + j <= p``. A row that sees nothing gets output 0 and lse -inf.
+``j < kv_len`` and ``kv_pos + j <= p``, and in a layer with a sliding window ``w`` also
+``kv_pos + j > p - w`` (``KernelOptions``; the walk starts at the first row's window). A row
+that sees nothing gets output 0 and lse -inf. Soft-capped layers (Gemma 2) map each score to
+``cap * tanh(score / cap)`` before the softmax.
 
 Why segments for decode: one decode of a 64K-token context has only ``kv_heads`` (8)
 programs' worth of parallelism per sequence, far too few for a GPU of 132 multiprocessors;
@@ -40,6 +43,8 @@ Log-sum-exp values are natural-log (``lse_natural``), as everywhere in our API.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +56,24 @@ MIN_DOT = 16
 SEQ_INFO = tl.constexpr(SEQ_INFO_COLUMNS)  # the row stride of seq_info, inside kernels
 # Decode KV segments per sequence, at most (a power of two: the merge reads them as one tile).
 MAX_DECODE_SEGMENTS = 32
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """A layer's attention options as the kernels take them: 0 means none."""
+
+    window: int = 0  # keys within this many positions of the query, its own included
+    softcap: float = 0.0
+
+    @classmethod
+    def of(cls, sliding_window: int | None, logit_softcap: float | None) -> KernelOptions:
+        return cls(sliding_window or 0, logit_softcap or 0.0)
+
+
+@triton.jit
+def _soft_cap(scores, softcap):
+    # cap * tanh(scores / cap), with tanh(x) = 2 sigmoid(2x) - 1 (portable to the interpreter).
+    return softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
 
 
 def _pow2_at_least(value: int, floor: int = MIN_DOT) -> int:
@@ -110,15 +133,16 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 # The segment count is a plain argument, not specialised: one compiled kernel serves every
 # count (each CUDA graph size has its own), so start-up compiles it once.
-@triton.jit(do_not_specialize=["num_segments"])
+@triton.jit(do_not_specialize=["num_segments", "window"])
 def _decode_partial_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, seq_info_ptr, block_indices_ptr,
-        partial_out_ptr, partial_lse_ptr, scale, num_segments,
+        partial_out_ptr, partial_lse_ptr, scale, num_segments, window, softcap,
         query_token_stride, query_head_stride,
         cache_block_stride, cache_token_stride, cache_head_stride,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -130,8 +154,11 @@ def _decode_partial_kernel(
     block_start = tl.load(info + 5)
     # KV index j is visible iff j < kv_len and kv_pos + j <= query_pos.
     visible = tl.maximum(tl.minimum(kv_len, query_pos - kv_pos + 1), 0)
-    per_segment = tl.cdiv(tl.cdiv(visible, num_segments), BLOCK_N) * BLOCK_N
-    start = segment * per_segment
+    # A sliding window also hides KV index j <= query_pos - window - kv_pos.
+    first = tl.where(window > 0, tl.maximum(query_pos - window + 1 - kv_pos, 0), 0)
+    first = tl.minimum(first, visible)
+    per_segment = tl.cdiv(tl.cdiv(visible - first, num_segments), BLOCK_N) * BLOCK_N
+    start = first + segment * per_segment
     end = tl.minimum(start + per_segment, visible)
 
     group_rows = tl.arange(0, GROUP_PAD)
@@ -155,6 +182,8 @@ def _decode_partial_kernel(
         kv_mask = in_range[:, None] & dim_mask[None, :]
         keys = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:
+            scores = _soft_cap(scores, softcap)
         scores = tl.where(in_range[None, :], scores, float("-inf"))
         new_max = tl.maximum(max_score, tl.max(scores, 1))
         rescale = tl.exp(max_score - new_max)
@@ -220,7 +249,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  seq_info: torch.Tensor, block_indices: torch.Tensor, scale: float,
                  out: torch.Tensor, lse: torch.Tensor | None, num_segments: int,
                  partial_out: torch.Tensor | None = None,
-                 partial_lse: torch.Tensor | None = None) -> None:
+                 partial_lse: torch.Tensor | None = None,
+                 options: KernelOptions = KernelOptions()) -> None:
     """Attention of ``seq_info.shape[0]`` one-token rows; writes ``out`` (and ``lse``) at
     each row's ``TOKEN_START``. ``partial_*`` are scratch buffers of at least
     ``[rows, heads, num_segments(, dim)]`` float32 (allocated when not given; a CUDA graph
@@ -244,12 +274,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n = 64 if on_gpu else MIN_DOT
     _decode_partial_kernel[(num_decodes, num_kv_heads, num_segments)](
         query, k_cache, v_cache, seq_info, block_indices, partial_out, partial_lse, scale,
-        num_segments, query.stride(0), query.stride(1),
+        num_segments, options.window, options.softcap, query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=_pow2_at_least(group), HEAD_DIM=head_dim,
         DIM_PAD=_pow2_at_least(head_dim), PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype), num_warps=4,
-        num_stages=2)
+        NUM_HEADS=num_heads, DOT_PRECISION=_dot_precision(query.dtype),
+        SOFTCAP=options.softcap > 0, num_warps=4, num_stages=2)
     _decode_reduce_kernel[(num_decodes, num_heads)](
         partial_out, partial_lse, seq_info, out, lse if lse is not None else out,
         num_segments, out.stride(0), out.stride(1),
@@ -260,16 +290,16 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # -- prefill -----------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_segments", "first_token"])
+@triton.jit(do_not_specialize=["num_segments", "first_token", "window"])
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, seq_info_ptr, block_indices_ptr, out_ptr, lse_ptr,
-        partial_out_ptr, partial_lse_ptr, scale, num_segments, first_token,
+        partial_out_ptr, partial_lse_ptr, scale, num_segments, first_token, window, softcap,
         query_token_stride, query_head_stride, out_token_stride, out_head_stride,
         cache_block_stride, cache_token_stride, cache_head_stride,
         GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr, SPLIT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     seq = (tl.program_id(1) // num_segments).to(tl.int64)
     segment = tl.program_id(1) % num_segments
@@ -296,9 +326,15 @@ def _prefill_kernel(
     last_row = tl.minimum(query_len, (tile + 1) * BLOCK_M) - 1
     end = tl.maximum(tl.minimum(kv_len, query_pos + last_row - kv_pos + 1), 0)
     # With SPLIT, this program reads one segment of that KV (split-KV, as for decodes).
-    per_segment = tl.cdiv(tl.cdiv(end, num_segments), BLOCK_N) * BLOCK_N
-    start = segment * per_segment
+    # KV before the tile's first query's window is invisible to all its rows too.
+    first = tl.where(window > 0,
+                     tl.maximum(query_pos + tile * BLOCK_M - window + 1 - kv_pos, 0), 0)
+    first = tl.minimum(first, end)
+    per_segment = tl.cdiv(tl.cdiv(end - first, num_segments), BLOCK_N) * BLOCK_N
+    start = first + segment * per_segment
     end = tl.minimum(start + per_segment, end)
+    # The oldest key position each row sees (a huge negative number without a window).
+    oldest = tl.where(window > 0, positions - window + 1, positions - positions - (1 << 62))
     max_score = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
@@ -312,7 +348,11 @@ def _prefill_kernel(
         kv_mask = in_range[:, None] & dim_mask[None, :]
         keys = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale
-        visible = in_range[None, :] & (kv_pos + offsets[None, :] <= positions[:, None])
+        if SOFTCAP:
+            scores = _soft_cap(scores, softcap)
+        key_pos = kv_pos + offsets[None, :]
+        visible = in_range[None, :] & (key_pos <= positions[:, None]) \
+            & (key_pos >= oldest[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(max_score, tl.max(scores, 1))
         # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
@@ -397,7 +437,8 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   seq_info: torch.Tensor, block_indices: torch.Tensor, scale: float,
                   out: torch.Tensor, lse: torch.Tensor | None, longest_query: int,
                   longest_kv: int = 0, num_tokens: int = 0, first_token: int = 0,
-                  num_segments: int | None = None) -> None:
+                  num_segments: int | None = None,
+                  options: KernelOptions = KernelOptions()) -> None:
     """Attention of the query chunks of ``seq_info``'s sequences over their paged KV (the
     chunk's own keys must be written already). Host values size the launch, so nothing
     waits for the GPU: ``longest_query`` the grid; ``longest_kv``, ``num_tokens`` (the
@@ -435,13 +476,14 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (query_tiles, num_seqs * num_segments, num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, seq_info, block_indices, out, lse if lse is not None else out,
-        partial_out, partial_lse, scale, num_segments, first_token,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        partial_out, partial_lse, scale, num_segments, first_token, options.window,
+        options.softcap, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // num_kv_heads, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         DIM_PAD=_pow2_at_least(head_dim), PAGE=k_cache.shape[1], BLOCK_M=block_m,
         BLOCK_N=block_n, WRITE_LSE=lse is not None, SPLIT=split,
-        DOT_PRECISION=_dot_precision(query.dtype), num_warps=num_warps, num_stages=num_stages)
+        DOT_PRECISION=_dot_precision(query.dtype), SOFTCAP=options.softcap > 0,
+        num_warps=num_warps, num_stages=num_stages)
     if split:
         _merge_segments_kernel[(num_tokens, num_heads)](
             partial_out, partial_lse, out, lse if lse is not None else out, num_segments,

@@ -18,8 +18,8 @@ import os
 import torch
 
 from slipstream.kernels.attention import AttentionMetadata, AttentionResult
-from slipstream.kernels.triton_attention import (decode_segments, paged_decode, paged_prefill,
-                                                 write_kv)
+from slipstream.kernels.triton_attention import (KernelOptions, decode_segments, paged_decode,
+                                                 paged_prefill, write_kv)
 
 
 def interpreting() -> bool:
@@ -61,8 +61,10 @@ class TritonBackend:
         write_kv(key, value, k_cache, v_cache, self._slot_mapping)
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
         metadata = self._require_plan()
+        options = KernelOptions.of(sliding_window, logit_softcap)
         num_tokens, num_heads, head_dim = query.shape
         output = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype,
                              device=query.device)
@@ -74,14 +76,15 @@ class TritonBackend:
                                                             k_cache.shape[2])
             paged_decode(query, k_cache, v_cache, self._seq_info[:num_decodes],
                          self._block_indices, scale, output, lse, self._segments,
-                         partial_out, partial_lse)
+                         partial_out, partial_lse, options)
         if num_decodes < metadata.num_seqs:
             # Decodes are one token each and come first: the prefill tokens start there.
             paged_prefill(query, k_cache, v_cache, self._seq_info[num_decodes:],
                           self._block_indices, scale, output, lse,
                           max(metadata.query_lens[num_decodes:]),
                           longest_kv=max(metadata.kv_lens[num_decodes:]),
-                          num_tokens=num_tokens - num_decodes, first_token=num_decodes)
+                          num_tokens=num_tokens - num_decodes, first_token=num_decodes,
+                          options=options)
         return AttentionResult(output=output, lse_natural=lse)
 
     def _decode_scratch(self, metadata: AttentionMetadata, num_heads: int, head_dim: int,
@@ -124,11 +127,13 @@ class StaticDecodeAttention:
         write_kv(key, value, k_cache, v_cache, self.slot_mapping)
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
         if return_lse:
             raise ValueError("graph-captured decode serves one process without KV shards; it "
                              "does not compute the log-sum-exp")
         output = torch.empty_like(query, memory_format=torch.contiguous_format)
         paged_decode(query, k_cache, v_cache, self.seq_info, self.block_indices, scale, output,
-                     None, self.num_segments)
+                     None, self.num_segments,
+                     options=KernelOptions.of(sliding_window, logit_softcap))
         return AttentionResult(output=output, lse_natural=None)

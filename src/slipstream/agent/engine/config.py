@@ -13,13 +13,10 @@ from typing import Any
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv.memory import KVCacheMemory
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
+from slipstream.agent.engine.models.registry import SUPPORTED_MODEL_TYPES, model_type_of
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-}
+SLIDING, FULL = "sliding_attention", "full_attention"  # config.json's layer_types values
 
 
 @dataclass(frozen=True)
@@ -51,6 +48,20 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    model_type: str = "llama"  # config.json's; picks the model class (models/registry.py)
+    # -- Family options (Qwen3, Gemma 2, Gemma 3); the defaults are Llama's -------------------
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm per head on q and k, before rotary
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + weight)
+    sandwich_norms: bool = False  # Gemma: norms on the attention and MLP outputs too
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (Gemma)
+    embedding_scale: float | None = None  # Gemma: the embeddings times sqrt(hidden_size)
+    attention_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5; else dim's
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2 (Gemma 3 when set): the same on logits
+    # Per layer, "sliding_attention" (keys within sliding_window of the query) or
+    # "full_attention"; empty: every layer slides when sliding_window is set (Mistral).
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -73,16 +84,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        architectures = raw.get("architectures") or []
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if architecture is None:
-            raise ValueError(f"unsupported architecture {architectures}; supported: "
-                             f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        model_type = model_type_of(raw)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        architecture = next(iter(raw.get("architectures") or []), model_type)
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         # transformers 5 moved rope settings into "rope_parameters"; older configs use
         # rope_theta + rope_scaling. Accept both.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope = dict(rope.get(FULL) or rope)  # Gemma 3: per layer type; the global layers'
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"rope scaling type {rope_type!r} is not supported yet")
@@ -102,7 +114,7 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
             rope_scaling=RopeScaling(
                 rope_type=rope_type,
                 factor=rope.get("factor", 1.0),
@@ -115,12 +127,66 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+            model_type=model_type,
+            **family_options(model_type, raw, sliding),
         )
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The window (in tokens, the query's own included) of decoder layer ``layer``, or
+        None where it attends to every earlier token."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
+    def uses_local_rope(self, layer: int) -> bool:
+        return self.rope_local_theta is not None and self.sliding_window_of(layer) is not None
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers, at 4 bytes per element (fp32)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+def family_options(model_type: str, raw: dict[str, Any], sliding: int | None) -> dict[str, Any]:
+    """The ModelConfig fields beyond Llama's that ``model_type`` sets from config.json."""
+    num_layers = raw["num_hidden_layers"]
+    layer_types = tuple(raw.get("layer_types") or ())
+    if model_type in ("qwen2", "qwen3") and sliding and not layer_types:
+        # transformers' rule: the layers from max_window_layers on slide.
+        first = raw.get("max_window_layers", num_layers)
+        layer_types = tuple(SLIDING if i >= first else FULL for i in range(num_layers))
+    options: dict[str, Any] = {"layer_types": layer_types}
+    if model_type == "qwen3":
+        options["qk_norm"] = True
+    if model_type.startswith("gemma"):
+        if not layer_types:
+            # Older configs: Gemma 2 slides on even layers; Gemma 3 has one global layer
+            # in every sliding_window_pattern.
+            pattern = raw.get("sliding_window_pattern", 2 if model_type == "gemma2" else 6)
+            layer_types = tuple(FULL if (i + 1) % pattern == 0 else SLIDING
+                                for i in range(num_layers))
+        options.update(
+            layer_types=layer_types, norm_weight_offset=1.0, sandwich_norms=True,
+            hidden_act=raw.get("hidden_activation") or "gelu_pytorch_tanh",
+            embedding_scale=raw["hidden_size"] ** 0.5,
+            attention_scale=raw.get("query_pre_attn_scalar", raw.get("head_dim", 256)) ** -0.5,
+            attn_logit_softcap=raw.get("attn_logit_softcapping"),
+            final_logit_softcap=raw.get("final_logit_softcapping"),
+            qk_norm=model_type != "gemma2",
+            rope_local_theta=None if model_type == "gemma2" else local_rope_theta(raw))
+    if len(options["layer_types"]) not in (0, num_layers) or \
+            set(options["layer_types"]) - {SLIDING, FULL}:
+        raise ValueError(f"layer_types must list {SLIDING!r} or {FULL!r} for each of the "
+                         f"{num_layers} layers")
+    return options
+
+
+def local_rope_theta(raw: dict[str, Any]) -> float:
+    """Gemma 3's sliding layers' RoPE base: transformers 5 keeps it in rope_parameters."""
+    local = (raw.get("rope_parameters") or {}).get(SLIDING) or {}
+    return local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
 
 
 DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS = (32, 64, 128, 256, 512)

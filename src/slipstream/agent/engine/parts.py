@@ -24,10 +24,9 @@ log = logging.getLogger(__name__)
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     """The context length: ``config.max_model_len`` if the model and the layout allow it
     (ValueError if not), else the most they allow."""
+    # Sliding windows (Mistral, Gemma's local layers) are masked by the attention backends,
+    # so they do not bound the context.
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        # Without a sliding-window kernel, attention is exact only inside the window.
-        limit = min(limit, model_config.sliding_window)
     parallel = config.parallel
     if parallel.kvp > 1:
         limit = min(limit, parallel.max_context_tokens)  # no KVP group beyond the last

@@ -68,8 +68,11 @@ class KVParallelBackend:
         self.inner.write_kv(k_cache, v_cache, key, value)
 
     def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, return_lse: bool = True) -> AttentionResult:
-        part = self.inner.run(query, k_cache, v_cache, scale, return_lse=True)
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
+        # Positions are absolute in every shard, so windows mask the same keys as one process.
+        part = self.inner.run(query, k_cache, v_cache, scale, return_lse=True,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
         if part.lse_natural is None:
             raise RuntimeError(f"{self.inner.name} returned no lse; KVP cannot merge without it")
         # One collective per layer: the output and its lse travel as one fp32 tensor.

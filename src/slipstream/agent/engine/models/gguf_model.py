@@ -13,7 +13,8 @@ directory; ``slipstream convert-gguf FILE.gguf DIR`` writes it where you say. Th
 metadata names follow llama.cpp's ``convert_hf_to_gguf.py`` and ``gguf-py`` constants;
 transformers' own GGUF loader does the same reversal, and the tests compare the two.
 
-Supported: ``general.architecture = llama`` with a ``gpt2`` (byte-level BPE) vocabulary.
+Supported: ``general.architecture`` llama, qwen2, qwen3, gemma2 and gemma3 (what differs
+between them is in ``gguf_archs.py``) with a ``gpt2`` (byte-level BPE) vocabulary.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from slipstream.agent.engine.models.gguf_archs import (GGUFArchitectureError, family_fields,
+                                                hf_tensor_name, norm_weight_offset,
+                                                rope_rows_permuted)
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +53,6 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, bool]] = {  # type -> (regex, digits 
     "qwen2": (_QWEN2_SPLIT, False),
 }
 
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
-                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -78,8 +75,6 @@ def hf_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
     import numpy as np
 
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported yet (only 'llama')")
     if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
         raise GGUFError(f"RoPE scaling {metadata[f'{arch}.rope.scaling.type']!r} in a GGUF is "
                         "not supported yet")
@@ -92,8 +87,11 @@ def hf_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
 
     hidden = key("embedding_length")
     heads = key("attention.head_count")
+    try:
+        family = family_fields(str(arch), key, metadata)
+    except GGUFArchitectureError as error:
+        raise GGUFError(str(error)) from None
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": len(metadata["tokenizer.ggml.tokens"]),
         "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
@@ -104,7 +102,7 @@ def hf_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": key("context_length"),
         "tie_word_embeddings": tied, "torch_dtype": "float32", "hidden_act": "silu",
-        "attention_bias": False,
+        **family,
     }
     if metadata.get(f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear",
@@ -124,20 +122,12 @@ def unpermute_rope_rows(weight: Any, num_heads: int) -> Any:
             .reshape(weight.shape))
 
 
-def hf_tensor_name(name: str) -> str:
-    """The Hugging Face name of a llama GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``)."""
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
-    if name.startswith("blk."):
-        _, layer, kind, suffix = name.split(".", 3)
-        if kind not in _LAYER_TENSORS:
-            raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
-        return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
-    if name == "rope_freqs.weight":
-        raise GGUFError("per-dimension RoPE factors (rope_freqs, Llama 3.1 scaling) in a "
-                        "GGUF are not supported yet")
-    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+def gguf_tensor_name(name: str, config: dict[str, Any]) -> str:
+    """The Hugging Face name of a GGUF tensor of the model ``config`` describes."""
+    try:
+        return hf_tensor_name(name, config.get("model_type", "llama"))
+    except GGUFArchitectureError as error:
+        raise GGUFError(str(error)) from None
 
 
 def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
@@ -148,14 +138,14 @@ def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     for tensor in reader.tensors:
         name = tensor.name
-        target = hf_tensor_name(name)
+        target = gguf_tensor_name(name, config)
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(shape)
-        if name.endswith("attn_q.weight"):
-            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif name.endswith("attn_k.weight"):
-            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
+        heads = rope_rows_permuted(name, config.get("model_type", "llama"))
+        if heads is not None:
+            weight = unpermute_rope_rows(weight, config[heads])
+        weight = weight - norm_weight_offset(name, config.get("model_type", "llama"))
         tensors[target] = np.array(weight, dtype=np.float32, order="C")  # a writable copy
     return tensors
 

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipstream.agent.engine.models.gguf_model import hf_tensor_name, unpermute_rope_rows
+from slipstream.agent.engine.models.gguf_archs import norm_weight_offset, rope_rows_permuted
+from slipstream.agent.engine.models.gguf_model import gguf_tensor_name, unpermute_rope_rows
 from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8GroupWeight,
                                                            QuantizedWeight, pack_nibbles)
 
@@ -130,7 +131,7 @@ def read_gguf_weights(path: Path, config: dict[str, Any]
     reader = GGUFReader(str(path))
     fallback: dict[str, list[int]] = {}  # type -> [tensors, file bytes, float32 bytes]
     for tensor in reader.tensors:
-        target = hf_tensor_name(tensor.name)
+        target = gguf_tensor_name(tensor.name, config)
         kind = tensor.tensor_type.name
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
         rows = shape[0]
@@ -152,10 +153,12 @@ def read_gguf_weights(path: Path, config: dict[str, Any]
                 entry[0] += 1
                 entry[1] += int(tensor.n_bytes)
                 entry[2] += weight.numel() * 4
-        if tensor.name.endswith("attn_q.weight"):
-            weight = _unpermute(weight, config["num_attention_heads"])
-        elif tensor.name.endswith("attn_k.weight"):
-            weight = _unpermute(weight, config["num_key_value_heads"])
+        heads = rope_rows_permuted(tensor.name, config.get("model_type", "llama"))
+        if heads is not None:
+            weight = _unpermute(weight, config[heads])
+        offset = norm_weight_offset(tensor.name, config.get("model_type", "llama"))
+        if offset and isinstance(weight, torch.Tensor):
+            weight = weight - offset
         yield target, weight
     del reader  # releases the file mapping: nothing above keeps a view of it
     for kind, (count, file_bytes, float_bytes) in sorted(fallback.items()):

@@ -1,5 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5), in reading order: model,
-decoder layer, attention, MLP, norm, rotary embedding.
+decoder layer, attention, MLP; then norm and rotary embedding (``norm_rope.py``). The other dense families (Qwen3,
+Gemma 2/3: ``qwen3.py``, ``gemma.py``) are this decoder with the options of ModelConfig's
+family block: QK-norm, Gemma's (1 + weight) norms before and after attention and MLP, a
+gelu-tanh MLP, the embedding scale, per-layer sliding windows and local RoPE, and logit
+soft-capping.
 
 The model works on a flat token dimension: every sequence's new tokens of this step are
 concatenated, with their absolute ``positions``. Attention goes through a backend from
@@ -14,14 +18,17 @@ build (SPP). A stage that does not own the embedding takes its input as ``hidden
 from __future__ import annotations
 
 import math
-from typing import cast, overload
+from collections.abc import Callable
+from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.agent.engine.config import ModelConfig, RopeScaling
+from slipstream.agent.engine.config import ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
+from slipstream.agent.engine.models.norm_rope import make_norm, rotary_embeddings, rotate
 from slipstream.agent.engine.models.quant_kernels import fuse_quantized
 from slipstream.kernels.attention import AttentionBackend
 
@@ -62,8 +69,14 @@ class LlamaForCausalLM(nn.Module):
         if 1 < rows < MIN_CPU_LOGIT_ROWS and type(lm_head) is nn.Linear \
                 and hidden.device.type == "cpu":
             padding = hidden.new_zeros(MIN_CPU_LOGIT_ROWS - rows, hidden.shape[1])
-            return lm_head(torch.cat([hidden, padding]))[:rows].float()
-        return lm_head(hidden).float()
+            return softcap(lm_head(torch.cat([hidden, padding]))[:rows].float(),
+                           self.config.final_logit_softcap)
+        return softcap(lm_head(hidden).float(), self.config.final_logit_softcap)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma's soft-capping), or ``logits`` without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def fuse_projections(model: LlamaForCausalLM) -> int:
@@ -133,10 +146,18 @@ class LlamaModel(nn.Module):
         self.embed_tokens = layers.embedding(config.vocab_size, config.hidden_size) \
             if stage.is_first else None
         # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(config, layers)
+        self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(config, layers, index)
                                      for index in stage.layer_indices})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.local_rope = [config.uses_local_rope(index) for index in stage.layer_indices]
+        self.norm = make_norm(config, config.hidden_size) if stage.is_last else None
+        self.embedding_scale = config.embedding_scale
+        self.rotary, self.rotary_local = rotary_embeddings(config)
+
+    def rebuild_rotary(self, config: ModelConfig, device: torch.device) -> None:
+        """Rotary buffers made on the meta device (the loader's) made again on ``device``."""
+        rotary, local = rotary_embeddings(config)
+        self.rotary = rotary.to(device)
+        self.rotary_local = local.to(device) if local is not None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], backend: AttentionBackend,
@@ -146,11 +167,16 @@ class LlamaModel(nn.Module):
                 raise ValueError("a later pipeline stage starts from the previous stage's "
                                  "hidden states, not from token ids")
             hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
+            if self.embedding_scale is not None:  # Gemma: the scale rounded to the dtype
+                hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        angles = {False: self.rotary(positions, hidden.dtype)}
+        if self.rotary_local is not None:  # Gemma 3's sliding layers
+            angles[True] = self.rotary_local(positions, hidden.dtype)
         # The residual stream travels beside the layer outputs, so that each norm can add
         # them in the same pass (one kernel on CUDA).
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers.values(), kv_caches):
+        for layer, local, kv_cache in zip(self.layers.values(), self.local_rope, kv_caches):
+            cos, sin = angles[local]
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, backend)
         if residual is None:  # a stage without layers
             return self.norm(hidden) if self.norm is not None else hidden
@@ -160,11 +186,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layers)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden = config.hidden_size
+        self.input_layernorm = make_norm(config, hidden)
+        self.self_attn = LlamaAttention(config, layers, index)
+        # Llama's post_attention_layernorm is the MLP's input norm; Gemma's ("sandwich") is
+        # the attention output's, and the MLP has a norm on each side of its own.
+        self.post_attention_layernorm = make_norm(config, hidden)
+        self.pre_feedforward_layernorm = make_norm(config, hidden) \
+            if config.sandwich_norms else None
+        self.post_feedforward_layernorm = make_norm(config, hidden) \
+            if config.sandwich_norms else None
         self.mlp = LlamaMLP(config, layers)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -178,17 +211,26 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, kv_cache, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        hidden, residual = self.pre_feedforward_layernorm(
+            self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, index: int = 0) -> None:
         super().__init__()
         self.num_heads = layers.local_count(config.num_heads)
         self.num_kv_heads = layers.local_count(config.num_kv_heads)
         self.head_dim = head_dim = config.head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = config.attention_scale or 1.0 / math.sqrt(head_dim)
+        self.sliding_window = config.sliding_window_of(index)
+        self.logit_softcap = config.attn_logit_softcap
+        # Qwen3, Gemma 3: each head's q and k normalised over head_dim, before rotary.
+        self.q_norm = make_norm(config, head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, head_dim) if config.qk_norm else None
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = layers.column_linear(hidden, config.num_heads * head_dim, bias)
         self.k_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
@@ -223,10 +265,14 @@ class LlamaAttention(nn.Module):
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
         query, key = rotate(query, key, cos, sin)
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, key, value)
-        attended = backend.run(query, k_cache, v_cache, self.scale, return_lse=False).output
+        attended = backend.run(query, k_cache, v_cache, self.scale, return_lse=False,
+                               sliding_window=self.sliding_window,
+                               logit_softcap=self.logit_softcap).output
         return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -237,6 +283,10 @@ class LlamaMLP(nn.Module):
         self.gate_proj = layers.column_linear(hidden, intermediate, False)
         self.up_proj = layers.column_linear(hidden, intermediate, False)
         self.down_proj = layers.row_linear(intermediate, hidden, False)
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden activation {config.hidden_act!r} is not supported; "
+                             f"supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[config.hidden_act]
         # Set by fuse_projections(): gate and up as one matmul (their weights are views of it).
         self.gate_up_weight: torch.Tensor | None = None
         # Set instead by cpu_matmul.pack_cpu_matmuls() or, quantized, by fuse_projections().
@@ -253,86 +303,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(hidden)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    @overload
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    @overload
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None = None):
-        """The norm of ``hidden``; with ``residual``, the norm of ``hidden + residual`` and
-        that sum (the new residual stream). On CUDA the add and the norm are one kernel
-        that writes both in place (``kernels/triton_layers.py``)."""
-        if residual is not None:
-            if hidden.is_cuda and self.weight.dtype == hidden.dtype:
-                from slipstream.kernels.triton_layers import fused_add_rms_norm
-
-                return fused_add_rms_norm(hidden, residual, self.weight, self.eps)
-            residual = hidden + residual
-            return self._norm(residual), residual
-        return self._norm(hidden)
-
-    def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, then scale in the input dtype.
-        as_float = hidden.float()
-        normed = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(hidden.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    inv_freq: torch.Tensor  # a buffer
-
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", scaled_inv_freq(inv_freq, scaling), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1 (heads), dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type != "llama3":
-        return inv_freq
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rotate(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding of query and key: in place and in one kernel on CUDA
-    (``kernels/triton_layers.py``), with torch ops elsewhere."""
-    if query.is_cuda:
-        from slipstream.kernels.triton_layers import rotary_
-
-        return rotary_(query, key, cos, sin)
-    return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}

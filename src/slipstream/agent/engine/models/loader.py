@@ -24,6 +24,7 @@ from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, Pip
 from slipstream.agent.engine.models.llama import (LlamaForCausalLM, fuse_projections,
                                                   tie_word_embeddings)
 from slipstream.agent.engine.models.quant_kernels import install_quantized, prepare_quantized
+from slipstream.agent.engine.models.registry import model_class
 from slipstream.agent.engine.models.weight_formats import QuantizedWeight
 from slipstream.agent.engine.models.quantization import (
     DEFAULT_GROUP_SIZE, QuantizationError, at_load_format, describe, quantize_at_load,
@@ -91,10 +92,11 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         raise QuantizationError(f"{weights.describe(model_dir)} weights run without tensor "
                                 "parallelism only for now: serve them with --tp 1")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, layers, stage)
+        family = model_class(config)
+        model = family(config, layers, stage)
         # Names of the whole model, to tell another stage's tensors from unknown ones.
         whole_names = set(dict(model.named_parameters())) if stage == PipelineStage.whole(
-            config.num_layers) else set(dict(LlamaForCausalLM(config).named_parameters()))
+            config.num_layers) else set(dict(family(config).named_parameters()))
     expected = dict(model.named_parameters())
     tied_apart = config.tie_word_embeddings and "lm_head.weight" in expected \
         and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
@@ -136,8 +138,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     model.load_state_dict(loaded, strict=False, assign=True)
     tie_word_embeddings(model, config)
     # Buffers (rotary inverse frequencies) were created on the meta device; rebuild them.
-    model.model.rotary = type(model.model.rotary)(config.head_dim, config.rope_theta,
-                                                  config.rope_scaling).to(device)
+    model.model.rebuild_rotary(config, device)
     fuse_projections(model)
     if quantized:
         counts = prepare_quantized(model, device)

@@ -39,10 +39,11 @@ from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv.tier_store import (
     measure_disk_read_gb_per_s, measure_host_load_gb_per_s)
 from slipstream.agent.engine.step.model_runner import ModelRunner, resolve_device
-from slipstream.agent.engine.models.llama import LlamaDecoderLayer, apply_rotary
+from slipstream.agent.engine.models.llama import LlamaDecoderLayer
+from slipstream.agent.engine.models.norm_rope import apply_rotary
 from slipstream.agent.engine.profile.fit import fit_overhead, lower_envelope
-from slipstream.agent.engine.profile.step_calibration import (
-    CalibrationLoad, fit_host_overhead, fit_runner_overhead, time_engine_steps)
+from slipstream.agent.engine.profile.step_calibration import (CalibrationLoad, fit_host_overhead,
+                                                     fit_runner_overhead, time_engine_steps)
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.config import SchedulerConfig
