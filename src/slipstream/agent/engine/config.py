@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.config.engine_sections import (
+    DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS)
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.kv_tier_settings import KVTierSettings
@@ -123,8 +125,6 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
 
-DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS = (32, 64, 128, 256, 512)
-DEFAULT_SHORT_PREFILL_BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
