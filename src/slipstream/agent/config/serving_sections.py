@@ -118,7 +118,8 @@ class ServerSettings(Section):
 class DisaggregationSettings(Section):
     """Prefill/decode disaggregation: a prefill instance computes prompts and their first
     token and keeps their KV for a decode instance, which fetches it and continues
-    (docs/disaggregation.md). The router chains the two."""
+    (docs/disaggregation.md). The router (slipstream router, given decode instances as
+    --backend URL=decode or as pods in the decode pool) chains the two."""
 
     role: Literal["mixed", "prefill", "decode"] = setting(
         "mixed", "this instance's part (mixed: prefill and decode here, no KV transfer); "
