@@ -155,3 +155,31 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     assert cli_configs.resolve_model(None, "none") == (
         tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1", None)
     assert converted == [(gguf, tmp_path / "cache", False), (gguf, tmp_path / "cache", True)]
+
+
+def test_max_num_seqs_has_one_owner_that_the_runner_and_scheduler_both_read(tiny_model_dir):
+    """The scheduler's section owns max_num_seqs and max_batched_tokens; the engine's KV
+    plan reads the same value (it caps the cache at what that many requests can use)."""
+    import dataclasses
+
+    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.engine import LLMEngine
+    from slipstream.agent.scheduler.config import SchedulerConfig
+
+    assert not {"max_num_seqs", "max_batched_tokens"} & {
+        field.name for field in dataclasses.fields(EngineConfig)}
+    config = _parse(["--model", str(tiny_model_dir), "--max-num-seqs", "3",
+                     "--max-batched-tokens", "96"])
+    engine_config = cli_configs.engine_config(config)
+    assert engine_config.scheduler == cli_configs.scheduler_config(config)
+    assert (engine_config.scheduler.max_num_seqs,
+            engine_config.scheduler.max_batched_tokens) == (3, 96)
+    # Given apart (the engine's API), the scheduler config is the one the runner reads too.
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu"),
+                       SchedulerConfig(max_num_seqs=2))
+    try:
+        assert engine.config.scheduler.max_num_seqs == 2
+        assert "capped at what 2 requests" in engine.runner.kv_plan.reason
+        assert engine.scheduler.config.max_num_seqs == 2
+    finally:
+        engine.close()

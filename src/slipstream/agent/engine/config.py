@@ -16,6 +16,7 @@ from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.kv_tier_settings import KVTierSettings
 from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.scheduler.config import SchedulerConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -190,8 +191,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed; default: sized by kv_cache_memory
     # A share of the free memory or a size (see kv_memory.py); default: the device's share.
     kv_cache_memory: KVCacheMemory = field(default_factory=KVCacheMemory)
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 512
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (kernels/attention.py)
     # Where the weights come from: the checkpoint's safetensors, or "dummy": random weights
@@ -225,6 +224,10 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     # Host-memory and disk tiers under the device KV pool (kv_tier_store.py).
     kv_tiers: KVTierSettings = field(default_factory=KVTierSettings)
+    # The scheduler's settings, the one owner of max_num_seqs (which also caps the KV cache
+    # and sizes the decode graphs) and max_batched_tokens. It travels with the engine config
+    # to the parallel workers, as vLLM's runner reads its scheduler config.
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -236,8 +239,6 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
-        if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ValueError("quantization must be auto, none, int8, int4 or fp8, got "
                              f"{self.quantization}")

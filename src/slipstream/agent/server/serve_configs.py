@@ -92,8 +92,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         num_kv_blocks=engine.num_kv_blocks,
         kv_cache_memory=(KVCacheMemory() if engine.kv_cache_memory is None
                          else KVCacheMemory.parse(engine.kv_cache_memory)),
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_batched_tokens=config.scheduler.max_batched_tokens, seed=engine.seed,
+        scheduler=scheduler_config(config), seed=engine.seed,
         profile_dir=config.scheduler.profile,
         auto_profile=config.scheduler.profile is None and config.scheduler.auto_profile,
         cuda_graphs=engine.cuda_graphs, short_prefill_graphs=engine.short_prefill_graphs,
