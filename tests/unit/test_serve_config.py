@@ -166,3 +166,26 @@ def test_the_configs_choices_are_the_engines_and_schedulers():
     assert choices("disaggregation", "role") == set(ROLES)
     assert choices("disaggregation", "transport") == set(TRANSPORTS)
     assert choices("server", "tool_call_parser") == {"auto"} | set(PARSERS)
+
+
+CHART_EXAMPLES = sorted((Path(__file__).parents[2] / "charts" / "slipstream" / "examples")
+                        .glob("servingreplica-*.yaml"))
+
+
+@pytest.mark.parametrize("example", CHART_EXAMPLES, ids=lambda path: path.name)
+def test_the_charts_examples_render_files_the_agent_loads(example, tmp_path):
+    """Each example ServingReplica, through the operator's ConfigMap and pod command, is a
+    command line `slipstream serve` accepts, with the spec's settings in it."""
+    assert CHART_EXAMPLES
+    spec = ServingReplicaSpec.model_validate(yaml.safe_load(example.read_text())["spec"])
+    text = builders.build_config_map_spec("r", "ns", spec)["data"][builders.ENGINE_CONFIG_FILE]
+    path = tmp_path / "engine.yaml"
+    path.write_text(text)
+    command = builders.agent_command(rank=0, role=None)
+    argv = [str(path) if part.endswith(builders.ENGINE_CONFIG_FILE) else part
+            for part in command[2:]]
+    config = cli_flags.parse_serve_config(argv, {"POD_IP": "10.0.0.7"})
+    assert config.model.name == spec.model.name
+    assert config.scheduler.policy == spec.scheduler.policy
+    assert config.parallelism.tp == spec.parallelism.tp
+    assert config.server.host == "10.0.0.7" and not config.scheduler.auto_profile
