@@ -78,7 +78,7 @@ test-gpu: setup
 # transformers, safetensors, tokenizers, numpy, grpcio, httpx and prometheus-client, the rest
 # of what the agent imports travels as wheels (cp312, manylinux x86-64; about 9 MB) in
 # $(WHEELS), which `make device-wheels` fills here. `make device-check` installs them where
-# the Python lacks them, then runs agent/bench/device_check.py: the GPU tests, the 8B-body
+# the Python lacks them, then runs bench/device_check.py: the GPU tests, the 8B-body
 # serving figures and the engine tier in one run under 8 minutes, written to
 # $(RESULTS)/device-check/ (device_check.json, device_check.png, logs). Without CUDA it
 # rehearses the same code on the CPU with the tiny model (as CI does).
@@ -104,7 +104,7 @@ device-check:
 	  $(DEVICE_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
 	    --upgrade --target $(DEVICE_SITE) $(WHEELS)/*.whl; fi
 	PYTHONPATH=$(DEVICE_SITE):$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
-	  $(DEVICE_PYTHON) -m slipstream.agent.bench.device_check --out $(RESULTS)/device-check $(DEVICE_CHECK_ARGS)
+	  $(DEVICE_PYTHON) -m slipstream.bench.device_check --out $(RESULTS)/device-check $(DEVICE_CHECK_ARGS)
 
 # Pods on the fake nodes run as local processes with $(BIN) first on PATH, each on its own
 # loopback address (127.N.x.y).
@@ -128,22 +128,22 @@ else
 endif
 
 bench-engine: setup  ## engine throughput vs transformers, and the engine's own overhead
-	$(BIN)/python -m slipstream.agent.bench.engine_bench --out $(RESULTS)/engine
+	$(BIN)/python -m slipstream.bench.engine_bench --out $(RESULTS)/engine
 
 bench-transport: setup  ## controller-to-worker hop per iteration (ZeroMQ + msgspec/pickle)
-	$(BIN)/python -m slipstream.agent.bench.transport_bench --out $(RESULTS)/transport
+	$(BIN)/python -m slipstream.bench.transport_bench --out $(RESULTS)/transport
 
 bench-server: setup  ## one process vs engine in its own process: tok/s, TTFT, TPOT at 1..1000 streams
-	$(BIN)/python -m slipstream.agent.bench.server_bench --models tiny \
+	$(BIN)/python -m slipstream.bench.server_bench --models tiny \
 	  --concurrency 1 64 256 1000 --out $(RESULTS)/server
-	$(BIN)/python -m slipstream.agent.bench.server_bench --models 100m \
+	$(BIN)/python -m slipstream.bench.server_bench --models 100m \
 	  --prompt-tokens 8 --output-tokens 8 --concurrency 1 64 256 1000 --out $(RESULTS)/server-100m
 
 bench-metrics: setup  ## cost of the per-step metrics on the engine hot path
-	$(BIN)/python -m slipstream.agent.bench.metrics_overhead --out $(RESULTS)/metrics
+	$(BIN)/python -m slipstream.bench.metrics_overhead --out $(RESULTS)/metrics
 
 bench-structured: setup  ## decode tokens/s with a JSON-schema grammar on every request vs none (batch 1, 8)
-	$(BIN)/python -m slipstream.agent.bench.structured_bench --out $(RESULTS)/structured
+	$(BIN)/python -m slipstream.bench.structured_bench --out $(RESULTS)/structured
 
 dashboards: setup
 	cd charts && $(abspath $(BIN))/python -m dashgen
@@ -151,79 +151,79 @@ dashboards: setup
 # Checked-in generated files; unit tests fail when they drift from their sources.
 generate: setup
 	$(BIN)/python -m slipstream.crds.generate
-	$(BIN)/python -m slipstream.agent.server.control_codegen
+	$(BIN)/python -m slipstream.contracts.control_codegen
 
 bench-predictor: setup  ## runtime-predictor accuracy on this machine's CPU engine (held-out batches)
-	$(BIN)/python -m slipstream.agent.bench.predictor_bench --out $(RESULTS)/predictor
+	$(BIN)/python -m slipstream.bench.predictor_bench --out $(RESULTS)/predictor
 
 bench-policy-live: setup  ## LARS vs Medha's LARS, FCFS and EDF on the live CPU engine: goodput, short TTFT (quiet machine, ~10 min)
-	$(BIN)/python -m slipstream.agent.bench.policy_live_bench --out $(RESULTS)/policy-live \
+	$(BIN)/python -m slipstream.bench.policy_live_bench --out $(RESULTS)/policy-live \
 	  --systems fcfs,lars-classic,lars,edf --load 0.25 --profile-grid small $(LIVE_ARGS)
 
 bench-sched: setup  ## schedule() cost per policy, 10,000 waiting + 256 running
-	$(BIN)/python -m slipstream.agent.bench.sched_bench --out $(RESULTS)/sched
+	$(BIN)/python -m slipstream.bench.sched_bench --out $(RESULTS)/sched
 
 bench-sim: bench-sim-medha bench-sim-mooncake bench-sim-azure  ## simulator: Medha's mixed workload, Mooncake, an hour of Azure (docs/scheduling.md)
 
 bench-sim-medha: setup  ## bench-sim's first part: Medha's mixed workload at 0.4, 0.8, 1.2 QPS
-	$(BIN)/python -m slipstream.agent.bench.sim_policies --name medha --recipe medha-mixed \
+	$(BIN)/python -m slipstream.bench.sim_policies --name medha --recipe medha-mixed \
 	  --loads 0.4 0.8 1.2 --spp 2 --duration-s 1800 --horizon-s 2400 --secondary \
 	  --jobs $(SIM_JOBS) --out $(RESULTS)/sim
 
 bench-sim-mooncake: setup  ## bench-sim's second part: the Mooncake trace at 3.4 and 6 QPS
-	$(BIN)/python -m slipstream.agent.bench.sim_policies --name mooncake --trace mooncake \
+	$(BIN)/python -m slipstream.bench.sim_policies --name mooncake --trace mooncake \
 	  --loads 3.4 6 --spp 2 --duration-s 1800 --horizon-s 2400 --long-prompt-tokens 32768 \
 	  --jobs $(SIM_JOBS) --out $(RESULTS)/sim
 
 bench-sim-azure: setup  ## bench-sim's third part: an hour of the Azure conversation trace
-	$(BIN)/python -m slipstream.agent.bench.sim_policies --name azure --trace azure --spp 1 \
+	$(BIN)/python -m slipstream.bench.sim_policies --name azure --trace azure --spp 1 \
 	  --jobs $(SIM_JOBS) --out $(RESULTS)/sim
 
 bench-prefix: setup  ## prefix caching: Mooncake sim (4 systems, 4 instances) and the live CPU engine (docs/prefix-caching.md)
-	$(BIN)/python -m slipstream.agent.bench.prefix_bench --out $(RESULTS)/prefix
+	$(BIN)/python -m slipstream.bench.prefix_bench --out $(RESULTS)/prefix
 
 bench-kv-tiers: setup  ## KV tiers: Mooncake sim (no tier, 1 TiB host, + disk, unlimited) and a follow-up over an evicted 16K document on the CPU engine (docs/kv-tiers.md)
-	$(BIN)/python -m slipstream.agent.bench.kv_tiers_bench --out $(RESULTS)/kv-tiers
+	$(BIN)/python -m slipstream.bench.kv_tiers_bench --out $(RESULTS)/kv-tiers
 
 bench-pools: setup  ## pools vs unified instances in the simulator (docs/pools.md)
-	$(BIN)/python -m slipstream.agent.bench.pools_study --only mooncake --mooncake-qps 20 \
+	$(BIN)/python -m slipstream.bench.pools_study --only mooncake --mooncake-qps 20 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
-	$(BIN)/python -m slipstream.agent.bench.pools_study --only medha-mixed --medha-qps 3.2 \
+	$(BIN)/python -m slipstream.bench.pools_study --only medha-mixed --medha-qps 3.2 \
 	  --duration-s 600 --horizon-s 900 --out $(RESULTS)/pools
 
 bench-autoscale: setup  ## autoscaled vs static fleets in the simulator: instance-hours, SLO (docs/autoscaling.md)
-	$(BIN)/python -m slipstream.agent.bench.autoscale_study --jobs $(SIM_JOBS) --out $(RESULTS)/autoscale
+	$(BIN)/python -m slipstream.bench.autoscale_study --jobs $(SIM_JOBS) --out $(RESULTS)/autoscale
 
 bench-pd: setup transfer-engine-libs  ## prefill/decode disaggregation vs mixed in the simulator, live KV transfer (docs/disaggregation.md)
-	$(BIN)/python -m slipstream.agent.bench.pd_study --live --out $(RESULTS)/pd
+	$(BIN)/python -m slipstream.bench.pd_study --live --out $(RESULTS)/pd
 
 bench-pd-overlap: setup transfer-engine-libs  ## streaming KV hand-off vs pull at end, live CPU, Mooncake TCP (docs/disaggregation.md)
-	$(BIN)/python -m slipstream.agent.bench.pd_overlap --out $(RESULTS)/pd-overlap
+	$(BIN)/python -m slipstream.bench.pd_overlap --out $(RESULTS)/pd-overlap
 
 bench-tenant-flood: setup  ## a tenant flooding slo.ttft_s 0.001 vs another's short-request p99 TTFT: no flood, tenants off, tenants on (live CPU, ~8 min; docs/tenancy.md)
-	$(BIN)/python -m slipstream.agent.bench.tenant_flood --out $(RESULTS)/tenant-flood
+	$(BIN)/python -m slipstream.bench.tenant_flood --out $(RESULTS)/tenant-flood
 
 bench-sim-vs-live: setup  ## live CPU engine vs the simulator on the engine's own profile (tiny, 100m)
-	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
-	$(BIN)/python -m slipstream.agent.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live
+	$(BIN)/python -m slipstream.bench.sim_vs_live --model-preset tiny --out $(RESULTS)/sim-vs-live
+	$(BIN)/python -m slipstream.bench.sim_vs_live --model-preset 100m --out $(RESULTS)/sim-vs-live
 
 bench-cuda-graphs: setup  ## short-prefill latency per (length, batch) bucket, eager vs CUDA graph (GPU only)
-	$(BIN)/python -m slipstream.agent.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs
+	$(BIN)/python -m slipstream.bench.cuda_graph_bench --out $(RESULTS)/cuda-graphs
 
 bench-first-start: setup default-model  ## how long serve's first start spends profiling (tiny, SmolLM2) and the second reading it (docs/scheduling.md)
-	$(BIN)/python -m slipstream.agent.bench.first_start --out $(RESULTS)/first-start
+	$(BIN)/python -m slipstream.bench.first_start --out $(RESULTS)/first-start
 
 bench-decode-step: setup default-model  ## one engine decode step of SmolLM2 at 1/8/32 sequences, oneDNN-reordered vs plain torch matmuls: wall, forward, the rest (docs/engine.md)
-	$(BIN)/python -m slipstream.agent.bench.decode_step_bench --rounds 3 --out $(RESULTS)/decode-step
+	$(BIN)/python -m slipstream.bench.decode_step_bench --rounds 3 --out $(RESULTS)/decode-step
 
 bench-long-prefill-memory: setup  ## server memory growth while one 32K-token prompt is prefilled in 8,192-token chunks (CPU, tiny model; goal +512 MB)
-	$(BIN)/python -m slipstream.agent.bench.long_prefill_memory --out $(RESULTS)/long-prefill-memory
+	$(BIN)/python -m slipstream.bench.long_prefill_memory --out $(RESULTS)/long-prefill-memory
 
 bench-peer: setup default-model  ## Slipstream vs llama.cpp's llama-server, same GGUF, this CPU: tok/s at 1/8/32 streams, convoy TTFT (docs/peers.md; builds llama.cpp once, ~10 min)
-	$(BIN)/python -m slipstream.agent.bench.peer_bench --out $(RESULTS)/peer
+	$(BIN)/python -m slipstream.bench.peer_bench --out $(RESULTS)/peer
 
 bench-router: setup  ## latency the router adds (TTFT, E2E), direct vs through it
-	$(BIN)/python -m slipstream.agent.bench.router_overhead --out $(RESULTS)/router
+	$(BIN)/python -m slipstream.bench.router_overhead --out $(RESULTS)/router
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,7 +27,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from slipstream.agent.bench import local_process
+from slipstream.bench import local_process
 from slipstream.agent.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]

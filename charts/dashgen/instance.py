@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dashgen.grafana import Panel, Target, dashboard, query_variable, table, timeseries
 from dashgen.queries import INSTANCE_FILTER, RATE, mean, quantile
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 
 UID = "slipstream-instance-internals"
 SEL = "{" + INSTANCE_FILTER + "}"

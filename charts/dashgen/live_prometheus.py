@@ -21,9 +21,9 @@ import httpx
 import yaml
 
 from dashgen import inventory
-from slipstream.agent.bench import local_process
+from slipstream.bench import local_process
 from slipstream.agent.parallel.launch import free_port
-from slipstream.agent.server import metric_names
+from slipstream.contracts import metric_names
 
 SCRAPE_INTERVAL = "1s"
 START_TIMEOUT_S = 30.0

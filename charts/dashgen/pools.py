@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dashgen.grafana import Panel, Target, dashboard, query_variable, stat, timeseries
 from dashgen.queries import RATE, REQUEST_FILTER, in_pool, match, quantile, selector
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 
 UID = "slipstream-pools"
 AGENT_FILTER = '{job=~"$job"}'

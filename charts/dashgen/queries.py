@@ -7,7 +7,7 @@ Grafana substitutes ``$job``, ``$pool``, ``$instance`` (template variables, rege
 
 from __future__ import annotations
 
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 
 RATE = "$__rate_interval"
 REQUEST_FILTER = 'job=~"$job", pool=~"$pool"'

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.agent.engine import auto_profile, profiler
+from slipstream.agent.engine.profile import auto_profile, profiler
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.step_calibration import CalibrationLoad
+from slipstream.agent.engine.profile.step_calibration import CalibrationLoad
 from slipstream.agent.scheduler.predictor import (RuntimePredictor, TokenBudgetModel,
-                                                    model_floor_target_ms)
+                                                  model_floor_target_ms)
 from slipstream.agent.config.serve_config import ConfigError, ServeConfig
 from slipstream.agent.server import cli_flags, serve_configs
 
@@ -123,7 +123,7 @@ def test_second_start_reads_the_cache_without_profiling(first_start, cache_dir, 
     assert any("(cached; the time-budget packer is on)" in record.getMessage()
                for record in caplog.records)
     assert not any(record.levelno >= logging.WARNING for record in caplog.records
-                   if record.name.startswith("slipstream.agent.engine.auto_profile"))
+                   if record.name.startswith("slipstream.agent.engine.profile.auto_profile"))
     assert seconds < first_start[1]
 
 
@@ -202,7 +202,7 @@ def test_a_corrupt_or_stale_entry_is_profiled_again_after_one_warning(
         key = json.loads((entry / "key.json").read_text())
         (entry / "key.json").write_text(json.dumps({**key, "engine_version": "slipstream 0.0"}))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="slipstream.agent.engine.auto_profile"):
+    with caplog.at_level(logging.INFO, logger="slipstream.agent.engine.profile.auto_profile"):
         again = auto_profile.ensure_profile(model_dir, device="cpu", root=root, grid="test")
     assert again == entry
     [warning] = [record.getMessage() for record in caplog.records

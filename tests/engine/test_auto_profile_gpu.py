@@ -26,7 +26,7 @@ pytestmark = [
 SCRIPT = """
 import json, sys
 from pathlib import Path
-from slipstream.agent.engine.auto_profile import ensure_profile
+from slipstream.agent.engine.profile.auto_profile import ensure_profile
 model, root = Path(sys.argv[1]), Path(sys.argv[2])
 overheads = []
 for name in ("first", "second"):

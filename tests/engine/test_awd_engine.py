@@ -17,8 +17,8 @@ import pytest
 from slipstream.agent.engine.async_engine import AsyncEngine
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling_params import SamplingParams
-from slipstream.agent.engine.stats import StepStats
+from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.agent.engine.step.stats import StepStats
 from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from slipstream.agent.engine import auto_profile
+from slipstream.agent.engine.profile import auto_profile
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.loader import load_model
-from slipstream.agent.engine.model_runner import ModelRunner
+from slipstream.agent.engine.models.loader import load_model
+from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.cpu_matmul import (
     ReorderedLinear, onednn_available, pack_cpu_matmuls, resolve_cpu_matmul)
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")
@@ -124,7 +124,7 @@ def test_a_profile_of_one_matmul_is_not_used_for_the_other(tiny_model_dir):
 
 
 def test_decode_step_bench_times_both_paths_side_by_side(tiny_model_dir, tmp_path):
-    from slipstream.agent.bench import decode_step_bench
+    from slipstream.bench import decode_step_bench
 
     assert decode_step_bench.main(["--model", str(tiny_model_dir), "--batches", "1,3",
                                    "--steps", "2", "--prompt-tokens", "8",

@@ -17,9 +17,9 @@ import torch
 from slipstream.agent.engine.config import EngineConfig, ModelConfig, ShortPrefillBuckets
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.model_runner import ModelRunner
-from slipstream.agent.engine.prefill_buckets import PrefillBucket
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.step.model_runner import ModelRunner
+from slipstream.agent.engine.step.prefill_buckets import PrefillBucket
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
 
 pytestmark = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.agent.engine.config import ModelConfig
-from slipstream.agent.engine.loader import load_model
+from slipstream.agent.engine.models.loader import load_model
 from slipstream.agent.engine.models.llama import LlamaForCausalLM, fuse_projections
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.kernels.attention import AttentionMetadata

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.agent.engine.gguf_model import (
+from slipstream.agent.engine.models.gguf_model import (
     STAMP_FILE, build_tokenizer, cached_model_dir, packaged_default_gguf, read_metadata)
 
 GGUF = packaged_default_gguf()
@@ -129,7 +129,7 @@ def test_conversion_is_cached_and_keeps_the_metadata(model_dir, tmp_path):
 
 def test_prefill_and_decode_logits_match_transformers(model_dir, prompts, reference):
     from slipstream.agent.engine.config import EngineConfig, ModelConfig
-    from slipstream.agent.engine.model_runner import ModelRunner
+    from slipstream.agent.engine.step.model_runner import ModelRunner
     from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=32),
@@ -151,7 +151,7 @@ def test_greedy_tokens_match_transformers_chat_and_completion_batched(model_dir,
                                                                      reference):
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.sampling_params import SamplingParams
+    from slipstream.agent.engine.sampling.params import SamplingParams
 
     # Eight requests of at most 64 prompt + 64 new tokens: 8 x 8 blocks of 16, and spare ones.
     assert max(len(prompt) for prompt in prompts) + NEW_TOKENS <= 8 * 16

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from slipstream.agent.engine.gguf_model import packaged_default_gguf, unpermute_rope_rows
-from slipstream.agent.engine.gguf_weights import read_gguf_weights
+from slipstream.agent.engine.models.gguf_model import packaged_default_gguf, unpermute_rope_rows
+from slipstream.agent.engine.models.gguf_weights import read_gguf_weights
 from slipstream.agent.engine.models.quant_kernels import Int4PackedCPU, TwoInt4Planes
 from slipstream.agent.engine.models.weight_formats import Int4Weight, Int8GroupWeight
 
@@ -150,10 +150,10 @@ def transformers_reference(smollm2_model_dir):
 def test_smollm2_served_as_q4_1_against_transformers(transformers_reference):
     from slipstream.agent.engine.config import EngineConfig, ModelConfig
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.gguf_model import cached_model_dir
+    from slipstream.agent.engine.models.gguf_model import cached_model_dir
     from slipstream.agent.engine.models.quant_kernels import kernel_of, weight_bytes
-    from slipstream.agent.engine.sampling_params import SamplingParams
-    from slipstream.agent.engine.tiny_model import slipstream_cache_dir
+    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
     from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 
     assert GGUF is not None

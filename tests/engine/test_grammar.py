@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.grammar import json_schema_grammar, lark_grammar
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.grammar import json_schema_grammar, lark_grammar
+from slipstream.agent.engine.sampling.params import SamplingParams
 
 PROMPT = [11, 222, 333, 44]
 
@@ -209,7 +209,7 @@ def test_mask_jobs_give_each_row_its_own_mask_whoever_fills_it(engine):
     import llguidance.torch
     import torch
 
-    from slipstream.agent.engine.grammar import MaskWorkers
+    from slipstream.agent.engine.sampling.grammar import MaskWorkers
 
     grammar = json_schema_grammar(PERSON)
     matchers = [engine.grammar.matcher(grammar) for _ in range(5)]

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.model_runner import ModelRunner
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.step.model_runner import ModelRunner
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 
 PROMPTS = [

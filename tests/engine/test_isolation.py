@@ -9,8 +9,8 @@ import torch
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.errors import REQUEST_FAILED
-from slipstream.agent.engine.sampler import Sampler, filtered_probs
-from slipstream.agent.engine.sampling_params import INT64_MAX, SamplingParams
+from slipstream.agent.engine.sampling.sampler import Sampler, filtered_probs
+from slipstream.agent.engine.sampling.params import INT64_MAX, SamplingParams
 from slipstream.agent.scheduler.batch import Batch, SamplingOptions
 
 PROMPTS = [[11, 222, 3333, 44], [5, 6, 7], list(range(100, 140)), [900] * 20, [1, 2],

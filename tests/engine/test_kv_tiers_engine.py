@@ -12,9 +12,9 @@ import pytest
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.kv_tier_settings import KVTierSettings
-from slipstream.agent.engine.kv_tier_store import DiskTier, KVTierStore
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.kv.tier_settings import KVTierSettings
+from slipstream.agent.engine.kv.tier_store import DiskTier, KVTierStore
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -170,7 +170,7 @@ def test_the_disk_format_is_checked_field_by_field(tmp_path):
     block hash, BLAKE2b-128 of the payload), then the payload; any mismatch is refused."""
     import struct
 
-    from slipstream.agent.engine.kv_tier_store import HEADER, CorruptBlock, checksum
+    from slipstream.agent.engine.kv.tier_store import HEADER, CorruptBlock, checksum
 
     disk = DiskTier(tmp_path, num_blocks=4, payload_bytes=64)
     payload = bytes(range(64))

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from slipstream.agent.engine.kv_transfer.layout import KVLayout, regions_of
-from slipstream.agent.engine.kv_transfer.side_channel import SideChannelClient, SideChannelServer
-from slipstream.agent.engine.kv_transfer.transport import (
+from slipstream.agent.engine.kv.transfer.layout import KVLayout, regions_of
+from slipstream.agent.engine.kv.transfer.side_channel import SideChannelClient, SideChannelServer
+from slipstream.agent.engine.kv.transfer.transport import (
     KVHandle, KVTransferError, make_transport, prompt_digest)
 
 MOONCAKE_WHEEL = sys.platform == "linux" and platform.machine() == "x86_64"

@@ -10,8 +10,9 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampler import GrammarMasks, Sampler, adjust_logits, grammar_penalty
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.sampler import (GrammarMasks, Sampler, adjust_logits,
+                                                      grammar_penalty)
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.batch import SamplingOptions
 
 VOCAB = 50

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.model_runner import ModelRunner
+from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.llama import MIN_CPU_LOGIT_ROWS
 
 

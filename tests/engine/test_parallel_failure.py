@@ -17,7 +17,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.agent.bench import local_process
+from slipstream.bench import local_process
 from slipstream.agent.parallel.launch import free_port
 
 START_TIMEOUT_S = 180.0

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.profiler import ProfileGrid, profile
-from slipstream.agent.engine.step_calibration import (CalibrationLoad, StepTiming,
-                                                      fit_host_overhead, time_engine_steps)
+from slipstream.agent.engine.profile.profiler import ProfileGrid, profile
+from slipstream.agent.engine.profile.step_calibration import (CalibrationLoad, StepTiming,
+                                                              fit_host_overhead, time_engine_steps)
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 
 SMALL_LOAD = CalibrationLoad(waves=(1, 3), prompt_tokens=(16, 64), output_tokens=(4, 8))

@@ -16,7 +16,7 @@ from slipstream.agent.engine.models.quant_kernels import (Fp8ScaledMM, Int4Tinyg
                                                           WeightFormatError, select_kernel)
 from slipstream.agent.engine.models.weight_formats import (
     Int8GroupWeight, quantize_fp8, quantize_int4, quantize_int8, reference_linear, to_device)
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,7 +77,7 @@ def test_fp8_on_an_older_gpu_stops_with_a_message():
 def test_graph_decoding_equals_eager_decoding(tmp_path, quantization):
     if quantization == "fp8" and not fp8_capable():
         pytest.skip("fp8 needs compute capability 8.9+")
-    from slipstream.agent.engine.tiny_model import write_tiny_model
+    from slipstream.agent.engine.models.tiny_model import write_tiny_model
 
     model_dir = tmp_path / "model"
     write_tiny_model(model_dir, "100m", seed=0)  # widths divisible by 64 and 16

@@ -15,11 +15,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.model_runner import ModelRunner
+from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.quant_kernels import WeightFormatError, kernel_of
 from slipstream.agent.engine.models.weight_formats import Fp8Weight, quantize_fp8, quantize_int4
-from slipstream.agent.engine.quantization import read_quantized_checkpoint
-from slipstream.agent.engine.tiny_model import PRESETS, write_tiny_model
+from slipstream.agent.engine.models.quantization import read_quantized_checkpoint
+from slipstream.agent.engine.models.tiny_model import PRESETS, write_tiny_model
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 
 GROUP = 32

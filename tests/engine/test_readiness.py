@@ -42,9 +42,9 @@ def test_warm_up_fails_loudly_when_the_step_fails(tiny_model_dir):
 def test_the_cpu_kv_budget_is_a_share_of_available_memory(tiny_model_dir, monkeypatch):
     import torch
 
-    from slipstream.agent.engine import model_runner
+    from slipstream.agent.engine.step import model_runner
     from slipstream.agent.engine.config import ModelConfig
-    from slipstream.agent.engine.kv_memory import DEFAULT_CPU_FRACTION
+    from slipstream.agent.engine.kv.memory import DEFAULT_CPU_FRACTION
 
     monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 8 * 2**30)
     model = ModelConfig.from_dir(tiny_model_dir)
@@ -65,6 +65,6 @@ def test_the_cpu_kv_budget_is_a_share_of_available_memory(tiny_model_dir, monkey
 def test_available_memory_is_read():
     import torch
 
-    from slipstream.agent.engine.kv_memory import available_memory_bytes
+    from slipstream.agent.engine.kv.memory import available_memory_bytes
 
     assert available_memory_bytes(torch.device("cpu")) > 0

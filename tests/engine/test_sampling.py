@@ -8,7 +8,7 @@ import pytest
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.params import SamplingParams
 
 PROMPT = [11, 222, 3333, 44, 555, 66]
 OTHERS = [[5, 6, 7], list(range(100, 140)), [900] * 20]
@@ -123,7 +123,7 @@ def test_invalid_requests_are_rejected_before_queueing(engine):
 def test_sampling_on_cuda_keeps_the_draw_on_the_device_and_reads_back_once():
     import torch
 
-    from slipstream.agent.engine.sampler import NON_FINITE_ERROR, Sampler
+    from slipstream.agent.engine.sampling.sampler import NON_FINITE_ERROR, Sampler
     from slipstream.agent.scheduler.batch import SamplingOptions
 
     generator = torch.Generator().manual_seed(0)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig, ShortPrefillBuckets
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.model_runner import ModelRunner
-from slipstream.agent.engine.prefill_buckets import PrefillBucket
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.step.model_runner import ModelRunner
+from slipstream.agent.engine.step.prefill_buckets import PrefillBucket
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
@@ -156,7 +156,7 @@ def test_engine_output_is_the_same_with_the_option_on_and_off(tiny_model_dir, le
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_the_cuda_graph_benchmark_refuses_to_run_without_a_gpu(tmp_path, capsys):
-    from slipstream.agent.bench.cuda_graph_bench import EXIT_NO_GPU, main
+    from slipstream.bench.cuda_graph_bench import EXIT_NO_GPU, main
 
     assert main(["--out", str(tmp_path / "out")]) == EXIT_NO_GPU
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slipstream.agent.engine import tiny_model
-from slipstream.agent.engine.tiny_model import (PRESETS, count_parameters, ensure_default_model,
-                                                write_tiny_model)
+from slipstream.agent.engine.models import tiny_model
+from slipstream.agent.engine.models.tiny_model import (PRESETS, count_parameters,
+                                                       ensure_default_model, write_tiny_model)
 from slipstream.cli import main as cli_main
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -16,17 +16,17 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.loader import WeightSource, load_model
-from slipstream.agent.engine.model_runner import ModelRunner
+from slipstream.agent.engine.models.loader import WeightSource, load_model
+from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.quant_kernels import (
     Int4PackedCPU, Int8PackedMM, QuantEmbedding, QuantLinear, WeightFormatError, kernel_of,
     weight_bytes)
 from slipstream.agent.engine.models.weight_formats import (
     Int4Weight, concat_rows, quantize, quantize_fp8, quantize_int4, quantize_int8,
     reference_linear)
-from slipstream.agent.engine.quantization import QuantizationError, resolve_quantization
-from slipstream.agent.engine.sampling_params import SamplingParams
-from slipstream.agent.engine.tiny_model import PRESETS, write_tiny_model
+from slipstream.agent.engine.models.quantization import QuantizationError, resolve_quantization
+from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.agent.engine.models.tiny_model import PRESETS, write_tiny_model
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 
 CPU = torch.device("cpu")
@@ -174,7 +174,7 @@ def test_int4_serving_equals_float_serving_of_the_same_dequantized_weights(tiny1
     checkpoint of the dequantized weights gives the same logits."""
     from safetensors.torch import load_file, save_file
 
-    from slipstream.agent.engine.quantization import at_load_format
+    from slipstream.agent.engine.models.quantization import at_load_format
 
     dequantized_dir = tmp_path / "dequantized"
     shutil.copytree(tiny192_dir, dequantized_dir)
@@ -258,7 +258,7 @@ def test_start_up_errors_name_the_format_and_what_to_do(tiny_model_dir, tmp_path
 
 
 def test_the_runtime_profile_key_names_the_weight_format(tiny_model_dir, tmp_path):
-    from slipstream.agent.engine import auto_profile
+    from slipstream.agent.engine.profile import auto_profile
 
     def key(**served):
         config = EngineConfig(model_dir=tiny_model_dir, device="cpu", **served)

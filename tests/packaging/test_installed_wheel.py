@@ -42,8 +42,8 @@ def test_simulate_runs_from_an_installed_wheel(tmp_path):
     assert wheel.stat().st_size < WHEEL_LIMIT_BYTES
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert "slipstream/agent/sim/data/traces/mooncake_conversation_trace.jsonl.xz" in names
-    assert "slipstream/agent/sim/data/README.md" in names  # sources and licences travel along
+    assert "slipstream/sim/data/traces/mooncake_conversation_trace.jsonl.xz" in names
+    assert "slipstream/sim/data/README.md" in names  # sources and licences travel along
 
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.agent.bench import local_process
+from slipstream.bench import local_process
 from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.server import cli_flags
 

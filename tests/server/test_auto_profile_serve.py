@@ -1,6 +1,6 @@
 """`slipstream serve` without --no-profile, as a real process: the engine core reads the
 runtime profile from the cache when there is one, and profiles the engine first when there
-is none (the automatic first start, agent/engine/auto_profile.py).
+is none (the automatic first start, agent/engine/profile/auto_profile.py).
 
 Each test points $XDG_CACHE_HOME at a directory of its own. The hit test fills it the way the
 server does (``auto_profile.ensure_profile``, under the key the engine core computes: this
@@ -21,9 +21,9 @@ import httpx
 import psutil
 import pytest
 
-from slipstream.agent.bench import local_process
-from slipstream.agent.engine import auto_profile, profiler
-from slipstream.agent.engine.step_calibration import CalibrationLoad
+from slipstream.bench import local_process
+from slipstream.agent.engine.profile import auto_profile, profiler
+from slipstream.agent.engine.profile.step_calibration import CalibrationLoad
 
 ENGINE_THREADS = 1  # the core's torch threads, part of the profile's key
 # Fills the cache in place of the quick grid (seconds on the tiny model).

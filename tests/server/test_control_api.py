@@ -7,7 +7,7 @@ import threading
 import grpc
 import pytest
 
-from slipstream.agent.server.control import ControlClient
+from slipstream.contracts.control import ControlClient
 
 
 def test_health_names_the_served_model(server):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.agent.bench import device_check, device_report
+from slipstream.bench import device_check, device_probe, device_report
 
 
 def test_the_rehearsal_writes_every_figure(tmp_path):
@@ -76,7 +76,7 @@ def test_junit_counts_read_a_report(tmp_path: Path):
         '<testsuites><testsuite><testcase classname="a" name="ok"/>'
         '<testcase classname="a" name="bad"><failure message="x"/></testcase>'
         '<testcase classname="b" name="gone"><skipped/></testcase></testsuite></testsuites>')
-    counts = device_check.junit_counts(report)
+    counts = device_probe.junit_counts(report)
     assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1)
     assert counts["failures"] == ["a::bad"]
-    assert "none" in device_check.junit_counts(tmp_path / "missing.xml")["report"]
+    assert "none" in device_probe.junit_counts(tmp_path / "missing.xml")["report"]

@@ -71,7 +71,7 @@ def test_completion_top_logprobs_lose_no_entry(server):
 def test_the_gguf_served_as_q4_1_answers_too(tmp_path_factory, serve_model):
     """What `make serve` runs: the GGUF file itself, its weights kept in their 4- and 8-bit
     blocks (docs/quantization.md), and the start-up log says so."""
-    from slipstream.agent.engine.gguf_model import packaged_default_gguf
+    from slipstream.agent.engine.models.gguf_model import packaged_default_gguf
 
     gguf = packaged_default_gguf()
     if gguf is None:

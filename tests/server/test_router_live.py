@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.agent.server import metric_names
+from slipstream.contracts import metric_names
 
 THRESHOLD_TOKENS = 48
 BACKEND_HEADER = "x-slipstream-backend"

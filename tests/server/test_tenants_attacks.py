@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from slipstream.agent.server.control import ControlClient
+from slipstream.contracts.control import ControlClient
 from slipstream.agent.server.tenancy.keys import key_digest, new_key
 
 pytestmark = pytest.mark.timeout(600)

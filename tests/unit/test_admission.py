@@ -12,7 +12,7 @@ import pytest
 from slipstream.agent.engine.async_engine import check_admission, dead_output
 from slipstream.agent.engine.errors import ENGINE_DEAD, EngineDeadError, EngineUnavailable
 from slipstream.agent.engine.limits import RequestLimits
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.params import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, kv_blocks_total=1000)
 

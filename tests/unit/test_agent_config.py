@@ -14,7 +14,7 @@ import pytest
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.config.serve_config import ServeConfig
 from slipstream.agent.server import cli_flags
-from slipstream.agent.server import serve_configs as cli_configs
+from slipstream.agent.server import serve_configs
 from slipstream.crds.agent_config import agent_config
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.operator import builders, naming
@@ -57,19 +57,19 @@ def test_the_spec_reaches_the_engine_scheduler_and_server_configs(tmp_path, monk
     monkeypatch.delenv("SLIPSTREAM_POOL", raising=False)
     args = serve_args_in_pod(SPEC, tmp_path)
 
-    engine = cli_configs.engine_config(args)
+    engine = serve_configs.engine_config(args)
     assert (engine.model_dir, engine.served_model_name, engine.dtype, engine.max_model_len) == \
         (Path("/models/llama"), "llama", "bfloat16", 8192)
     assert engine.parallel == ParallelConfig(tp=4, spp=2, kvp=2, kvp_tokens_per_group=65536)
 
-    scheduler = cli_configs.scheduler_config(args)
+    scheduler = serve_configs.scheduler_config(args)
     assert (scheduler.policy, scheduler.target_batch_time_ms, scheduler.max_space_share_fraction,
             scheduler.long_request_threshold_tokens, scheduler.preemption) == \
         ("edf", 40.0, 0.25, 131072, "swap")
     assert (scheduler.short_prefill_batching, scheduler.awd_max_prompt_tokens,
             scheduler.awd_max_wait_ms, scheduler.awd_max_head_wait_ms) == ("awd", 512, 30.0, 60.5)
 
-    server = cli_configs.server_config(args)
+    server = serve_configs.server_config(args)
     assert (server.host, server.port, server.control_port) == \
         ("10.0.0.7", naming.HTTP_PORT, naming.CONTROL_PORT)
     assert (server.long_prompt_threshold_tokens, server.slo_ttft_s, server.slo_tpot_ms,
@@ -82,10 +82,10 @@ def test_a_spec_with_defaults_only_gives_the_agents_defaults(tmp_path):
         "image": "agent:1"})
     args = serve_args_in_pod(spec, tmp_path)
     plain = cli_flags.parse_serve_config([])
-    assert cli_configs.engine_config(args).model_dir == Path("/models/llama")
-    assert cli_configs.scheduler_config(args) == \
-        cli_configs.scheduler_config(plain)
-    server, plain_server = (cli_configs.server_config(a) for a in (args, plain))
+    assert serve_configs.engine_config(args).model_dir == Path("/models/llama")
+    assert serve_configs.scheduler_config(args) == \
+        serve_configs.scheduler_config(plain)
+    server, plain_server = (serve_configs.server_config(a) for a in (args, plain))
     assert server.long_prompt_threshold_tokens == plain_server.long_prompt_threshold_tokens
     assert server.slo_attainment_target == plain_server.slo_attainment_target
 
@@ -134,7 +134,7 @@ def test_disaggregation_reaches_each_roles_agent(tmp_path, monkeypatch, pool, ro
     monkeypatch.setenv("POD_IP", "10.0.0.7")
     monkeypatch.delenv("SLIPSTREAM_ROLE", raising=False)
     args = serve_args_in_pod(DISAGGREGATED, tmp_path, pool=pool)
-    disagg = cli_configs.engine_config(args).disagg
+    disagg = serve_configs.engine_config(args).disagg
     assert (disagg.role, disagg.transport, disagg.host, disagg.hold_timeout_s,
             disagg.blocks_per_read) == (role, "zmq", "10.0.0.7", 45.0, 4)
     # Prefill instances listen for decode instances on the port their pod declares.
@@ -219,9 +219,9 @@ def test_the_weight_format_reaches_the_engine_and_is_left_out_when_default(tmp_p
         **SPEC.to_api(), "parallelism": {"tp": 1},
         "model": {"name": "llama", "source": {"hostPath": {"path": "/models/llama"}},
                   "quantization": "int4", "quantizationGroupSize": 32}})
-    engine = cli_configs.engine_config(serve_args_in_pod(spec, tmp_path))
+    engine = serve_configs.engine_config(serve_args_in_pod(spec, tmp_path))
     assert (engine.quantization, engine.quantization_group_size) == ("int4", 32)
     model_file = agent_config(SPEC, "/models/llama").to_tree(only_set=True)["model"]
     assert "quantization" not in model_file and "quantizationGroupSize" not in model_file
-    assert cli_configs.engine_config(
+    assert serve_configs.engine_config(
         serve_args_in_pod(SPEC, tmp_path)).quantization == "auto"

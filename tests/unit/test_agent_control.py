@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.engine.stats import EngineStats
-from slipstream.agent.engine.load_window import LoadWindow
-from slipstream.agent.server import control_codegen
+from slipstream.agent.engine.step.stats import EngineStats
+from slipstream.agent.engine.step.load_window import LoadWindow
+from slipstream.contracts import control_codegen
 
 
 def test_utilization_is_the_busy_share_of_the_window():
@@ -92,6 +92,6 @@ def test_queue_backlog_seconds_prices_tokens_at_the_prefill_rate():
 def test_generated_protobuf_module_matches_the_proto(tmp_path):
     pytest.importorskip("grpc_tools")
     for generated in control_codegen.generate(tmp_path):
-        checked_in = control_codegen.SERVER_DIR / generated.name
+        checked_in = control_codegen.HERE / generated.name
         assert checked_in.read_text() == generated.read_text(), \
-            "run python -m slipstream.agent.server.control_codegen"
+            "run python -m slipstream.contracts.control_codegen"

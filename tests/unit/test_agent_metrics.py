@@ -9,11 +9,11 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from slipstream.agent.engine.sampling_params import RequestOutput
-from slipstream.agent.engine.stats import EngineStats, StepStats
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.agent.engine.step.stats import EngineStats, StepStats
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.request import RequestSLO
-from slipstream.agent.server import metric_names
+from slipstream.contracts import metric_names
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.step_metrics import StepMetrics
 

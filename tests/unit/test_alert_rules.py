@@ -55,7 +55,7 @@ def test_every_alert_has_a_runbook_and_is_tested_firing_and_quiet(chart_inventor
 
 
 def test_rules_read_only_exported_metrics(chart_inventory):
-    from slipstream.agent.server import metric_names
+    from slipstream.contracts import metric_names
 
     recorded = chart_inventory.recorded_names()
     for query in chart_inventory.rule_queries():

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream.crds.servingreplica import ServingReplicaSpec
-from slipstream.decisions.autoscale import (
-    AT_MAX, AT_MIN, NO_SIGNALS, SCALE_DOWN, SCALE_UP, STABILIZING, WITHIN_TARGETS, InstanceLoad,
-    ScaleHistory, ScaleSignals, Starting, decide_scale)
+from slipstream.decisions.autoscale import (AT_MAX, AT_MIN, NO_SIGNALS, SCALE_DOWN, SCALE_UP,
+                                            STABILIZING, WITHIN_TARGETS, decide_scale)
+from slipstream.decisions.scale_signals import InstanceLoad, ScaleHistory, ScaleSignals, Starting
 from slipstream.decisions.trend import fit_trend
 
 BASE = {"model": {"name": "m", "source": {"hostPath": {"path": "/m"}}}, "image": "agent:1"}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from slipstream.agent.bench import autoscale_study as study
+from slipstream.bench import autoscale_study as study
 
 
 def args(**changes) -> argparse.Namespace:

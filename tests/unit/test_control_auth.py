@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
-from slipstream.agent.server import control_pb2 as pb
-from slipstream.agent.server.control import (
+from slipstream.contracts import control_pb2 as pb
+from slipstream.contracts.control import (
     SERVICE_NAME, ControlClient, ControlService, start_control_server)
-from slipstream.agent.server.control_auth import ControlToken, derive_control_token
+from slipstream.contracts.control_auth import ControlToken, derive_control_token
 
 TOKEN = "t" * 48
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slipstream.agent.server import metric_names
+from slipstream.contracts import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "slipstream"

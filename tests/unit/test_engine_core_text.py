@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.agent.engine.sampling_params import RequestOutput
+from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.server.engine_core import _add_text
 

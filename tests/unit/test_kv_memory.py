@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.engine.kv_memory import (
+from slipstream.agent.engine.kv.memory import (
     DEFAULT_CPU_FRACTION, KVCacheMemory, KVCacheSizeError, plan_kv_cache)
 
 GiB = 2**30
@@ -90,7 +90,7 @@ def test_default_share_below_one_request_is_raised_to_one_request_when_it_fits()
 def test_cpu_cache_pages_are_only_backed_once_written():
     import torch
 
-    from slipstream.agent.engine.kv_memory import allocate_kv_tensor, available_memory_bytes
+    from slipstream.agent.engine.kv.memory import allocate_kv_tensor, available_memory_bytes
 
     def resident_bytes() -> int:
         with open("/proc/self/statm") as statm:

@@ -285,7 +285,7 @@ class _EveryEighth(set):
 # -- flags and the CRD ------------------------------------------------------------------------
 
 def test_sizes_parse_with_their_unit_and_the_crd_rule_uses_the_same_pattern():
-    from slipstream.agent.engine.kv_tier_settings import SIZE_PATTERN, parse_size_bytes
+    from slipstream.agent.engine.kv.tier_settings import SIZE_PATTERN, parse_size_bytes
     from slipstream.crds.servingreplica import KV_SIZE_PATTERN
 
     assert parse_size_bytes("1TiB") == 2**40 and parse_size_bytes("1.5GB") == 1_500_000_000

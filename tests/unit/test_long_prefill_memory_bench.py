@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from slipstream.agent.bench import long_prefill_memory as bench
-from slipstream.agent.engine.tiny_model import PRESETS
+from slipstream.bench import long_prefill_memory as bench
+from slipstream.agent.engine.models.tiny_model import PRESETS
 
 
 def test_the_kv_cache_of_a_32k_prompt_on_the_tiny_model_is_32_mib():

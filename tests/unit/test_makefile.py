@@ -28,4 +28,4 @@ def test_make_bench_lists_every_benchmark_with_what_it_measures():
 def test_make_bench_with_a_name_runs_that_benchmark():
     dry_run = make("-n", "bench", "NAME=sched")
     assert "make --no-print-directory bench-sched" in dry_run
-    assert "-m slipstream.agent.bench.sched_bench" in make("-n", "bench-sched")
+    assert "-m slipstream.bench.sched_bench" in make("-n", "bench-sched")

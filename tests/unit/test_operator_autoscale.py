@@ -8,8 +8,8 @@ import asyncio
 
 from slipstream.crds.replica_status import AutoscalingStatus, ServingReplicaStatus
 from slipstream.crds.servingreplica import ServingReplicaSpec
-from slipstream.decisions.autoscale import (
-    SCALE_DOWN, WITHIN_TARGETS, InstanceLoad, ScaleDecision, ScaleHistory)
+from slipstream.decisions.autoscale import SCALE_DOWN, WITHIN_TARGETS
+from slipstream.decisions.scale_signals import InstanceLoad, ScaleDecision, ScaleHistory
 from slipstream.operator import builders, naming
 from slipstream.operator.handle_autoscale import scale_signals, with_autoscaling
 from slipstream.operator.handle_rebalance import every_period, scaling_in_progress

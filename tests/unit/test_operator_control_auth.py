@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.server.control_auth import derive_control_token
+from slipstream.contracts.control_auth import derive_control_token
 from slipstream.operator import agent_client, builders, handle_reconcile, naming, router
 from slipstream.operator.control_credentials import ControlCredentials
 from slipstream.operator.placement import NodeShare

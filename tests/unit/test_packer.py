@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR
+from slipstream.sim.datasets import H100_LLAMA3_8B_TP8_DIR
 from slipstream.agent.scheduler.packer import FLOAT_SLACK, PackerConfig, PrefillBudget, largest_chunk_tokens
 from slipstream.agent.scheduler.predictor import AnalyticModel, RuntimePredictor
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from slipstream.agent.engine.sampler import GrammarMasks, grammar_penalty
+from slipstream.agent.engine.sampling.sampler import GrammarMasks, grammar_penalty
 from slipstream.agent.parallel.transport import (
     decode_batch, decode_masks, encode_batch, encode_masks)
 from slipstream.agent.parallel.wire import BatchDiffer, WorkerTables

@@ -2,7 +2,7 @@
 
 import pytest
 
-from slipstream.agent.bench import pd_overlap
+from slipstream.bench import pd_overlap
 
 
 def test_a_prompt_that_fits_one_chunk_is_refused(tmp_path, capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.agent.bench import peer_bench
+from slipstream.bench import peer_bench
 
 
 def test_convoy_workload_has_steady_shorts_and_long_documents_in_the_first_half():
@@ -82,7 +82,7 @@ def test_slipstream_threads_can_differ_from_llamacpp(monkeypatch, tmp_path):
 
 
 def test_agreement_counts_equal_tokens_and_the_first_divergence():
-    from slipstream.agent.bench.gguf_agreement import compare
+    from slipstream.bench.gguf_agreement import compare
 
     ours = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
     theirs = [[1, 2, 3, 4], [5, 0, 7, 8], [9, 9, 9]]

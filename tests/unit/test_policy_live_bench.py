@@ -1,7 +1,7 @@
 """The live policy benchmark's summary: SLO goodput counted against each request's deadline,
 and the table with the issue's live goals (docs/scheduling.md)."""
 
-from slipstream.agent.bench.policy_live_bench import summarize, table
+from slipstream.bench.policy_live_bench import summarize, table
 
 
 def records(ttfts: list[float], long_ttft: float) -> dict[str, dict]:

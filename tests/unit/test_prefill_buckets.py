@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.agent.engine.config import EngineConfig, ShortPrefillBuckets
-from slipstream.agent.engine.prefill_buckets import (
+from slipstream.agent.engine.step.prefill_buckets import (
     PrefillBucket, all_buckets, select_bucket, short_prefill_lengths)
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.batch import ScheduledChunk

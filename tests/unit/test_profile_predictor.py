@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slipstream.agent.sim.datasets import H100_LLAMA3_8B_TP8_DIR
+from slipstream.sim.datasets import H100_LLAMA3_8B_TP8_DIR
 from slipstream.agent.scheduler.predictor import (
     BatchTimeEstimate,
     RuntimePredictor,

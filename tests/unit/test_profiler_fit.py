@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slipstream.agent.engine.profile_fit import fit_overhead, lower_envelope
+from slipstream.agent.engine.profile.fit import fit_overhead, lower_envelope
 
 
 def test_fit_recovers_the_line_despite_slowed_outliers():

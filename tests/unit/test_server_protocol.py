@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from slipstream.agent.server.errors import from_validation_error
-from slipstream.agent.server.protocol import (
-    ChatChunkChoice, ChatCompletionRequest, ChatDelta, CompletionRequest)
+from slipstream.contracts.errors import from_validation_error
+from slipstream.agent.server.protocol import ChatCompletionRequest, CompletionRequest
+from slipstream.agent.server.responses import ChatChunkChoice, ChatDelta
 
 
 def _error(model, data) -> dict:

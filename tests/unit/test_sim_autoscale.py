@@ -9,10 +9,10 @@ import pytest
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.sim.autoscale import simulate_fleet
-from slipstream.agent.sim.instance import InstanceConfig
-from slipstream.agent.sim.simulator import SimConfig
-from slipstream.agent.sim.traces import (
+from slipstream.sim.autoscale import simulate_fleet
+from slipstream.sim.instance import InstanceConfig
+from slipstream.sim.simulator import SimConfig
+from slipstream.sim.traces import (
     TraceRequest, diurnal_rate, merge_streams, step_rate, warp_to_rate)
 from slipstream.crds.servingreplica import ServingReplicaSpec
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.sim.instance import InstanceConfig
-from slipstream.agent.sim.report import summarize
-from slipstream.agent.sim.simulator import SimConfig, simulate
-from slipstream.agent.sim.traces import TraceRequest, synthesize
+from slipstream.sim.instance import InstanceConfig
+from slipstream.sim.report import summarize
+from slipstream.sim.simulator import SimConfig, simulate
+from slipstream.sim.traces import TraceRequest, synthesize
 
 MODEL = AnalyticModel(ms_per_token=0.01, ms_per_attended_pair=1e-7,
                       ms_per_decode_kv_token=1e-5, iteration_overhead_ms=0.2)

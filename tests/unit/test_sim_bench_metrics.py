@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.bench.serve_metrics import RequestTiming, parse_goodput, serving_metrics
+from slipstream.bench.serve_metrics import RequestTiming, parse_goodput, serving_metrics
 
 
 def stream(send_s: float, chunk_times_s: list[float], output_tokens: int,

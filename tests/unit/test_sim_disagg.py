@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.sim.disagg import DisaggConfig, equal_gpu_split, simulate_disagg
-from slipstream.agent.sim.pools import PoolsConfig
-from slipstream.agent.sim.report import summarize, tpot_s, ttft_s
-from slipstream.agent.sim.simulator import simulate
-from slipstream.agent.sim.traces import synthesize
+from slipstream.sim.disagg import DisaggConfig, equal_gpu_split, simulate_disagg
+from slipstream.sim.pools import PoolsConfig
+from slipstream.sim.report import summarize, tpot_s, ttft_s
+from slipstream.sim.simulator import simulate
+from slipstream.sim.traces import synthesize
 
 from tests.unit.test_sim_simulator import LENGTHS, MODEL, config
 

@@ -7,10 +7,10 @@ import pytest
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.sim.instance import InstanceConfig
-from slipstream.agent.sim.report import summarize
-from slipstream.agent.sim.simulator import SimConfig, simulate
-from slipstream.agent.sim.traces import TraceRequest
+from slipstream.sim.instance import InstanceConfig
+from slipstream.sim.report import summarize
+from slipstream.sim.simulator import SimConfig, simulate
+from slipstream.sim.traces import TraceRequest
 
 MODEL = AnalyticModel(ms_per_token=0.05, ms_per_attended_pair=1e-7, ms_per_decode_kv_token=1e-5,
                       iteration_overhead_ms=0.5)
@@ -61,7 +61,7 @@ def test_simulate_flags_size_the_tiers_in_blocks_of_the_profiles_model(tmp_path,
     import argparse
     import json
 
-    from slipstream.agent.sim import cli
+    from slipstream.sim import cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)

@@ -1,10 +1,10 @@
-"""The policy comparison behind `make bench-sim` (agent/bench/sim_policies.py): running its
+"""The policy comparison behind `make bench-sim` (bench/sim_policies.py): running its
 simulations in worker processes gives the same numbers as running them one after another, and
 the results name the commit they came from."""
 
 import json
 
-from slipstream.agent.bench import sim_policies
+from slipstream.bench import sim_policies
 
 ARGS = ["--name", "t", "--recipe", "medha-mixed", "--loads", "0.8", "--duration-s", "20",
         "--horizon-s", "40", "--long-prompt-tokens", "2048"]

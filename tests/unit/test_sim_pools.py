@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.sim.instance import InstanceConfig
-from slipstream.agent.sim.pools import PoolsConfig
-from slipstream.agent.sim.simulator import SimConfig, simulate
-from slipstream.agent.sim.traces import TraceRequest
+from slipstream.sim.instance import InstanceConfig
+from slipstream.sim.pools import PoolsConfig
+from slipstream.sim.simulator import SimConfig, simulate
+from slipstream.sim.traces import TraceRequest
 from slipstream.crds.servingreplica import Rebalance
 
 MODEL = AnalyticModel(ms_per_token=0.01, ms_per_attended_pair=1e-7,

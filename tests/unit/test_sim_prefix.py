@@ -10,11 +10,11 @@ import pytest
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.sim.instance import InstanceConfig, RequestRecord
-from slipstream.agent.sim.report import prefix_hit_bound_tokens, summarize
-from slipstream.agent.sim.simulator import SimConfig, simulate
-from slipstream.agent.sim.traces import TraceRequest
-from slipstream.agent.sim.workloads import WorkloadSpec, build_workload
+from slipstream.sim.instance import InstanceConfig, RequestRecord
+from slipstream.sim.report import prefix_hit_bound_tokens, summarize
+from slipstream.sim.simulator import SimConfig, simulate
+from slipstream.sim.traces import TraceRequest
+from slipstream.sim.workloads import WorkloadSpec, build_workload
 
 MODEL = AnalyticModel(ms_per_token=0.05, ms_per_attended_pair=1e-7, ms_per_decode_kv_token=1e-5,
                       iteration_overhead_ms=0.5)

@@ -6,10 +6,10 @@ import pytest
 
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import AnalyticModel
-from slipstream.agent.sim.instance import InstanceConfig, KvpTimeModel
-from slipstream.agent.sim.report import summarize, ttft_s
-from slipstream.agent.sim.simulator import SimConfig, simulate
-from slipstream.agent.sim.traces import TraceRequest, synthesize
+from slipstream.sim.instance import InstanceConfig, KvpTimeModel
+from slipstream.sim.report import summarize, ttft_s
+from slipstream.sim.simulator import SimConfig, simulate
+from slipstream.sim.traces import TraceRequest, synthesize
 
 # 0.01 ms per token and a little attention: a 512-token chunk takes about 5 ms.
 MODEL = AnalyticModel(ms_per_token=0.01, ms_per_attended_pair=1e-7,

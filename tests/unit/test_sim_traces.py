@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from slipstream.agent.sim.traces import (
+from slipstream.sim.traces import (
     arrival_times,
     mean_qps,
     read_azure_csv,
@@ -15,7 +15,7 @@ from slipstream.agent.sim.traces import (
     read_mooncake_jsonl,
     scale_to_qps,
 )
-from slipstream.agent.sim.workloads import (
+from slipstream.sim.workloads import (
     MEDHA_LONG_MAX_TOKENS,
     MEDHA_LONG_MIN_TOKENS,
     WorkloadSpec,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.agent.bench.sim_vs_live import PRESETS, serving_overhead_ms, workload
+from slipstream.bench.sim_vs_live import PRESETS, serving_overhead_ms, workload
 from slipstream.agent.scheduler.profile_table import ProfileMeta
 
 META = ProfileMeta(num_layers=4, host_overhead_ms=0.2, host_per_sequence_ms=0.01)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from slipstream.agent.server.errors import APIError
+from slipstream.contracts.errors import APIError
 from slipstream.agent.server.tenancy.config import (
     Limits, load_tenants, parse_tenants, tenancy_line)
 from slipstream.agent.server.tenancy.gate import TenancyGate

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from slipstream.agent.engine.tiny_corpus import training_corpus
-from slipstream.agent.engine.tiny_model import build_tokenizer
+from slipstream.agent.engine.models.tiny_corpus import training_corpus
+from slipstream.agent.engine.models.tiny_model import build_tokenizer
 from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 SAMPLE_TEXTS = [

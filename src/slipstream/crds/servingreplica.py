@@ -45,7 +45,7 @@ PREFILL_ROLE, DECODE_ROLE = "prefill", "decode"
 # `slipstream serve --kv-transport` (agent/engine/disagg_config.py; the operator may not import
 # the engine, a unit test keeps the two lists equal).
 KV_TRANSPORTS = ("mooncake", "zmq")
-# `--kv-host-memory` / `--kv-disk-size` (agent/engine/kv_tier_settings.py SIZE_PATTERN; a unit
+# `--kv-host-memory` / `--kv-disk-size` (agent/engine/kv/tier_settings.py SIZE_PATTERN; a unit
 # test keeps the two equal), escaped for a CEL string literal.
 KV_SIZE_PATTERN = r"^[0-9]+(\\.[0-9]+)?(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
 

@@ -3,7 +3,7 @@
     every periodSeconds: agent control API Stats of each instance --> InstanceSignals
       --decide(signals, settings, now_s, last_move_s)--> RebalanceDecision
       --> operator/handle_rebalance.py: relabel the moved instance's pods, Event, status.pools
-      (or, simulated, agent/sim/pools.py: relabel the simulated instance)
+      (or, simulated, sim/pools.py: relabel the simulated instance)
 
 Per instance k, pressure is ``psi_k = alpha*q_k + beta*e_k - gamma*u_k`` (the paper's signs):
 queue backlog ``q`` (seconds of queued prefill work) and SLO deviation ``e`` (how far recent

@@ -16,10 +16,10 @@ import logging
 
 import grpc
 
-from slipstream.agent.server.control import ControlClient
+from slipstream.contracts.control import ControlClient
 from slipstream.operator import naming
 from slipstream.operator.instances import ObservedInstance
-from slipstream.decisions.autoscale import InstanceLoad
+from slipstream.decisions.scale_signals import InstanceLoad
 from slipstream.decisions.pools import InstanceSignals
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The operator's credentials for the agents' gRPC control port (agent/server/control_auth.py).
+"""The operator's credentials for the agents' gRPC control port (contracts/control_auth.py).
 
     chart Secret <release>-control-master (mounted) --ControlCredentials.from_file-->
         token(namespace, replica) = HMAC-SHA256(master key, "namespace/replica")
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from slipstream.agent.server.control_auth import MIN_TOKEN_CHARS, derive_control_token
+from slipstream.contracts.control_auth import MIN_TOKEN_CHARS, derive_control_token
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 from slipstream.crds.replica_status import AutoscalingStatus, ServingReplicaStatus
 from slipstream.crds.servingreplica import ServingReplicaSpec
-from slipstream.decisions.autoscale import (
-    AT_MAX, InstanceLoad, ScaleDecision, ScaleHistory, ScaleSignals, Starting, decide_scale)
+from slipstream.decisions.autoscale import AT_MAX, decide_scale
+from slipstream.decisions.scale_signals import (InstanceLoad, ScaleDecision, ScaleHistory,
+                                                ScaleSignals, Starting)
 from slipstream.operator import agent_client, metrics, naming
 from slipstream.operator.handle_reconcile import (
     EventSink, mark_draining, now_rfc3339, replica_lock)

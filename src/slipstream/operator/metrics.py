@@ -3,7 +3,7 @@
     handle_reconcile / handle_rebalance / handle_autoscale --> these counters and gauges
         --> /metrics
 
-Names, types and labels come from ``agent/server/metric_names.py``, the one list that the
+Names, types and labels come from ``contracts/metric_names.py``, the one list that the
 dashboards and alert rules are checked against. Per-replica series carry
 ``replica="<namespace>/<name>"``: a ``namespace`` label would clash with the one Prometheus
 attaches to the operator's own pod. One process runs one operator, so the default registry
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 
 RECONCILE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -38,9 +38,9 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_DEAD, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError, EngineUnavailable)
 from slipstream.agent.engine.limits import RequestLimits
-from slipstream.agent.engine.outputs import error_output
-from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
-from slipstream.agent.engine.stats import EngineStats, StepStats
+from slipstream.agent.engine.step.outputs import error_output
+from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.step.stats import EngineStats, StepStats
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO
 from slipstream.agent.scheduler.config import SchedulerConfig
 

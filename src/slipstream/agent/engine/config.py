@@ -13,8 +13,8 @@ from typing import Any
 from slipstream.agent.config.engine_sections import (
     DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS)
 from slipstream.agent.engine.disagg_config import DisaggConfig
-from slipstream.agent.engine.kv_memory import KVCacheMemory
-from slipstream.agent.engine.kv_tier_settings import KVTierSettings
+from slipstream.agent.engine.kv.memory import KVCacheMemory
+from slipstream.agent.engine.kv.tier_settings import KVTierSettings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import SchedulerConfig
 

@@ -33,9 +33,9 @@ import torch
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.disagg_exports import KVExports
 from slipstream.agent.engine.disagg_imports import KVImport, KVImports
-from slipstream.agent.engine.kv_transfer.layout import KVLayout, regions_of
-from slipstream.agent.engine.kv_transfer.side_channel import SideChannelClient, SideChannelServer
-from slipstream.agent.engine.kv_transfer.transport import (
+from slipstream.agent.engine.kv.transfer.layout import KVLayout, regions_of
+from slipstream.agent.engine.kv.transfer.side_channel import SideChannelClient, SideChannelServer
+from slipstream.agent.engine.kv.transfer.transport import (
     KVHandle, KVTransferError, make_transport, prompt_digest)
 from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_tokens
 from slipstream.agent.scheduler.request import Request

@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slipstream.agent.engine.kv_transfer.side_channel import SideChannelClient
-from slipstream.agent.engine.kv_transfer.transport import KVHandle, KVTransferError, KVTransport
+from slipstream.agent.engine.kv.transfer.side_channel import SideChannelClient
+from slipstream.agent.engine.kv.transfer.transport import KVHandle, KVTransferError, KVTransport
 from slipstream.agent.scheduler.block_manager import (
     BlockManager, blocks_for_tokens, chain_block_hashes)
 from slipstream.agent.scheduler.request import Request

@@ -95,7 +95,7 @@ class DisaggRequests:
         """Fetch the prompt's KV from the prefill instance named in the handle; ValueError
         for a handle that cannot serve this request. ``known``: the request ids in use."""
         from slipstream.agent.engine.disagg_imports import KVImport
-        from slipstream.agent.engine.kv_transfer.transport import KVHandle
+        from slipstream.agent.engine.kv.transfer.transport import KVHandle
 
         imports = self.disagg.imports
         assert imports is not None  # require(..., "decode")

@@ -43,17 +43,17 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.disagg_requests import DisaggRequests, require
 from slipstream.agent.engine.errors import (
     KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError, KVTierLoadError)
-from slipstream.agent.engine.grammar import GrammarCompiler, MaskJob, MaskWorkers
-from slipstream.agent.engine.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
+from slipstream.agent.engine.sampling.grammar import GrammarCompiler, MaskJob, MaskWorkers
+from slipstream.agent.engine.step.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
 from slipstream.agent.engine.limits import RequestLimits
-from slipstream.agent.engine.load_window import LoadWindow
-from slipstream.agent.engine.model_runner import SampledToken
-from slipstream.agent.engine.outputs import (
+from slipstream.agent.engine.step.load_window import LoadWindow
+from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.outputs import (
     OutputState, error_output, final_output, step_output)
-from slipstream.agent.engine.pipeline import InFlightBatches
-from slipstream.agent.engine.runner import Runner
-from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
-from slipstream.agent.engine.stats import EngineStats, StepStats
+from slipstream.agent.engine.step.pipeline import InFlightBatches
+from slipstream.agent.engine.step.runner import Runner
+from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.step.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BlockManager

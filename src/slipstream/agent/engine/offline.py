@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from slipstream.agent.engine.load_window import LoadWindow
-from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
+from slipstream.agent.engine.step.load_window import LoadWindow
+from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
 from slipstream.agent.scheduler.request import FinishReason
 
 if TYPE_CHECKING:

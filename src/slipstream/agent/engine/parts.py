@@ -12,8 +12,8 @@ import dataclasses
 import logging
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.model_runner import ModelRunner
-from slipstream.agent.engine.runner import Runner
+from slipstream.agent.engine.step.model_runner import ModelRunner
+from slipstream.agent.engine.step.runner import Runner
 from slipstream.agent.scheduler.config import SchedulerConfig, fit_target_to_model
 from slipstream.agent.scheduler.kv_tiers import KVTierConfig
 from slipstream.agent.scheduler.predictor import RuntimePredictor

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig, check_parallel_fit
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.loader import check_checkpoint
+from slipstream.agent.engine.models.loader import check_checkpoint
 from slipstream.agent.engine.parts import with_scheduler
 from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.scheduler.scheduler import SchedulerConfig

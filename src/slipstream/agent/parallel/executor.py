@@ -5,7 +5,7 @@
 
 ``execute(batch)`` (submit, then wait) serves the plain engine loop. With SPP the engine keeps
 up to ``pipeline_depth`` batches in flight through ``submit``/``collect``. This is the
-``Runner`` of ``agent/engine/runner.py``.
+``Runner`` of ``agent/engine/step/runner.py``.
 
 Grammars: when a batch has rows under a grammar, the engine passes its mask job. The batch
 goes out first; then the controller finishes the masks (its helper thread started them before
@@ -34,9 +34,9 @@ import torch
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
-from slipstream.agent.engine.kv_tier_settings import KVTierSettings
-from slipstream.agent.engine.model_runner import SampledToken
-from slipstream.agent.engine.sampler import GrammarMasks, MaskSource
+from slipstream.agent.engine.kv.tier_settings import KVTierSettings
+from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.sampling.sampler import GrammarMasks, MaskSource
 from slipstream.agent.parallel.env import NodeEnv
 from slipstream.agent.parallel.launch import LocalWorkers, free_port
 from slipstream.agent.parallel.stage_runner import StageSpan

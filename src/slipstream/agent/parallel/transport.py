@@ -11,7 +11,7 @@
       ERROR text              a worker failed; STOP: shut down
 
 The per-iteration messages (the batch diff, sampled tokens) are msgpack via msgspec: on a
-batch of 32 decodes it encodes and decodes about 6x faster than pickle (see ``agent/bench``).
+batch of 32 decodes it encodes and decodes about 6x faster than pickle (see ``bench``).
 Rare control messages are pickled.
 
 Liveness: both ends watch their socket's monitor for disconnects, and ZMTP heartbeats turn a
@@ -32,8 +32,8 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from slipstream.agent.engine.model_runner import SampledToken
-from slipstream.agent.engine.sampler import GrammarMasks
+from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.sampling.sampler import GrammarMasks
 from slipstream.agent.parallel.wire import WireBatch, WireMasks
 
 HELLO, INIT, READY, BATCH, MASKS, RESULT, TRACE, TRACE_REPLY, ERROR, STOP = (

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.sampler import GrammarMasks
+from slipstream.agent.engine.sampling.sampler import GrammarMasks
 from slipstream.agent.parallel.env import WorkerEnv
 from slipstream.agent.parallel.transport import (
     BATCH, ERROR, HELLO, INIT, MASKS, READY, RESULT, STOP, TRACE, TRACE_REPLY, WorkerSocket,

@@ -36,7 +36,7 @@ from slipstream.agent.router.pod_discovery import PodWatcher
 from slipstream.agent.router.proxy import BACKEND_HEADER, Proxy, forwarded_headers
 from slipstream.agent.router.stats_poller import StatsPoller
 from slipstream.agent.router.tenants import scoped_body, scoped_request
-from slipstream.agent.server.errors import APIError, add_openai_error_handlers
+from slipstream.contracts.errors import APIError, add_openai_error_handlers
 from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.tenancy.gate import TenancyGate
 from slipstream.agent.server.tenancy.identity import caller_of

@@ -74,9 +74,9 @@ from slipstream.agent.router.disagg_answers import (
     PREFILL_BACKEND_HEADER, PrefillEnd, prefill_answer, whole_answer)
 from slipstream.agent.router.instances import InstanceTable
 from slipstream.agent.router.kv_release import release_hold
-from slipstream.agent.router.proxy import (
-    BACKEND_HEADER, EventStream, Proxy, discard)
-from slipstream.agent.server.errors import APIError
+from slipstream.agent.router.proxy import BACKEND_HEADER, Proxy, discard
+from slipstream.agent.router.upstream_events import EventStream
+from slipstream.contracts.errors import APIError
 
 log = logging.getLogger(__name__)
 # On a response a prefill or mixed instance served whole although decode instances are

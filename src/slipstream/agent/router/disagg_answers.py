@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from slipstream.agent.router.classify import CHAT
 from slipstream.agent.router.proxy import BACKEND_HEADER, SSE_HEADERS
-from slipstream.agent.server.errors import APIError
+from slipstream.contracts.errors import APIError
 
 PREFILL_BACKEND_HEADER = "x-slipstream-prefill-backend"
 

@@ -17,7 +17,7 @@ from prometheus_client import (
 
 from slipstream.agent.router.config import POOLS, REQUEST_CLASSES
 from slipstream.agent.router.instances import InstanceTable
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 from slipstream.agent.server.step_metrics import log_spaced_buckets
 
 LATENCY_BUCKETS_S = log_spaced_buckets(0.005, 60.0)

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.agent.router.instances import (
     LATE, NOT_SERVING, SERVING, AgentReport, Instance, InstanceTable)
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 
 log = logging.getLogger(__name__)
 KV_BLOCK_TOKENS = 16  # the agents' paged KV block size

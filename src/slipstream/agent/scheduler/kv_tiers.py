@@ -10,7 +10,7 @@
                      host
 
 Pure Python, like the block manager: this is the index of the lower tiers, keyed by the same
-chained block hashes; the engine's ``KVTierStore`` (agent/engine/kv_tier_store.py) owns the
+chained block hashes; the engine's ``KVTierStore`` (agent/engine/kv/tier_store.py) owns the
 bytes and executes the copies a batch lists (``TierOps``), in this order: ``spill`` (host ->
 disk, the host slot is read at once), ``offload`` (device -> host), then the batch's
 swap-ins, then ``fetch`` starts (disk -> host, asynchronous), then ``load`` (host -> device).

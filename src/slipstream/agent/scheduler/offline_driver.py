@@ -3,7 +3,7 @@
     arrivals --> drive() --> Scheduler.schedule() --> FakeKvRunner.execute() --> update/finish
                   clock += the batch's predicted time
 
-For unit tests, benchmarks and quick what-ifs; the discrete-event simulator (``agent/sim``)
+For unit tests, benchmarks and quick what-ifs; the discrete-event simulator (``sim``)
 is the full version. The fake runner keeps a "KV cache" of device and host blocks holding
 ``(request_id, position, token)`` per slot: a canary of what the real KV would hold. It
 applies swap copies, writes each chunk's tokens into its block table, and before sampling

@@ -90,7 +90,7 @@ class ProfileMeta:
         return cls(**{key: value for key, value in data.items() if key in known})
 
 
-# Llama-3-8B at TP 8 on H100 (project-vajra's Vidur predictions, shipped in agent/sim/data/perf/).
+# Llama-3-8B at TP 8 on H100 (project-vajra's Vidur predictions, shipped in sim/data/perf/).
 VIDUR_H100_LLAMA3_8B_TP8 = ProfileMeta(
     num_layers=32,
     device="h100",

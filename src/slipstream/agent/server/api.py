@@ -26,14 +26,15 @@ from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server.chat import create_chat_completion
 from slipstream.agent.server.completions import create_completion
 from slipstream.agent.server.config import ServerConfig
-from slipstream.agent.server.errors import (
+from slipstream.contracts.errors import (
     APIError, add_openai_error_handlers, bad_request, error_response, from_validation_error)
 from slipstream.agent.server.generation import ClientDisconnected
 from slipstream.agent.server.limits import parse_json, read_body
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.prepare import ServingContext
-from slipstream.agent.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, KvReleaseRequest, ModelCard, ModelList)
+from slipstream.agent.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              KvReleaseRequest)
+from slipstream.agent.server.responses import ModelCard, ModelList
 from slipstream.agent.server.tenancy.gate import TenancyGate
 from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 

@@ -22,17 +22,19 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from slipstream.agent.engine.grammar import lark_grammar
-from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
-from slipstream.agent.server.errors import bad_request
+from slipstream.agent.engine.sampling.grammar import lark_grammar
+from slipstream.agent.engine.sampling.params import RequestOutput, TokenLogprob
+from slipstream.contracts.errors import bad_request
 from slipstream.agent.server.generation import Choices, collect_choices, start_choices
 from slipstream.agent.server.prepare import ServingContext, check_model, prepare, tokenize
 from slipstream.agent.server.sse import (
     SSE_HEADERS, kv_handle_event, sse_event, stream_events, with_kv_transfer)
-from slipstream.agent.server.protocol import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, FunctionCallDelta,
-    ToolCallDelta, TopLogprob, Usage, unix_time_s)
+from slipstream.agent.server.protocol import ChatCompletionRequest
+from slipstream.agent.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                               ChatCompletionChunk, ChatCompletionResponse,
+                                               ChatDelta, ChatLogprobs, ChatTokenLogprob,
+                                               FunctionCallDelta, ToolCallDelta, TopLogprob, Usage,
+                                               unix_time_s)
 from slipstream.agent.server.structured import checked_grammar, response_format_grammar
 from slipstream.agent.server.tenancy.identity import caller_of
 from slipstream.agent.server.tool_parsers import ToolParser, new_call_id, resolve_parser

@@ -41,7 +41,7 @@ from slipstream.agent.server.config import ServerConfig
 
 if TYPE_CHECKING:
     from slipstream.agent.server.api_processes import ApiProcesses
-    from slipstream.agent.server.control import PoolHolder
+    from slipstream.contracts.control import PoolHolder
     from slipstream.agent.server.engine_core import ServingEngine
 
 __all__ = ["AGENT_KEEPALIVE_S", "EXIT_ENGINE_DEAD", "add_arguments", "run"]
@@ -141,7 +141,7 @@ def _serve(config: ServeConfig, server_config: ServerConfig, shared_dir: Path | 
             EXIT_GRACE_S, ApiProcesses, PoolEverywhere)
         from slipstream.agent.server.engine_core import EngineCoreClient
 
-        assert isinstance(engine, EngineCoreClient)  # check_api_processes made sure
+        assert isinstance(engine, EngineCoreClient)  # the config checked apiProcesses
         extra = ApiProcesses(config.server.api_processes - 1, engine, engine_settings,
                              shared_dir)
         engine.before_shutdown = lambda: extra.wait(server_config.drain_timeout_s +
@@ -149,8 +149,8 @@ def _serve(config: ServeConfig, server_config: ServerConfig, shared_dir: Path | 
         others, pool_holder = extra, PoolEverywhere(metrics, engine)
     control_server = None
     if server_config.control_port:
-        from slipstream.agent.server.control import ControlService, start_control_server
-        from slipstream.agent.server.control_auth import ControlToken
+        from slipstream.contracts.control import ControlService, start_control_server
+        from slipstream.contracts.control_auth import ControlToken
 
         try:
             token = None if server_config.control_token_file is None else \
@@ -208,7 +208,7 @@ def _start_engine(config: ServeConfig, engine_settings: EngineConfig) -> Serving
         return EngineCoreClient(engine_settings, serve_configs.scheduler_config(config),
                                 threads=config.engine.threads, wait=False)
     from slipstream.agent.engine.async_engine import AsyncEngine
-    from slipstream.agent.engine.auto_profile import with_runtime_profile
+    from slipstream.agent.engine.profile.auto_profile import with_runtime_profile
     from slipstream.agent.parallel.compose import build_engine
 
     logging.getLogger(__name__).info("the engine runs on a thread of this process "

@@ -15,16 +15,16 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from slipstream.agent.engine.sampling_params import RequestOutput, TokenLogprob
-from slipstream.agent.server.errors import bad_request
+from slipstream.agent.engine.sampling.params import RequestOutput, TokenLogprob
+from slipstream.contracts.errors import bad_request
 from slipstream.agent.server.generation import Choices, collect_choices, start_choices
 from slipstream.agent.server.prepare import ServingContext, check_model, prepare, tokenize
 from slipstream.agent.server.sse import (
     SSE_HEADERS, kv_handle_event, sse_event, stream_events, with_kv_transfer)
 from slipstream.agent.server.tenancy.identity import caller_of
-from slipstream.agent.server.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage,
-    unix_time_s)
+from slipstream.agent.server.protocol import CompletionRequest
+from slipstream.agent.server.responses import (CompletionChoice, CompletionLogprobs,
+                                               CompletionResponse, Usage, unix_time_s)
 
 
 async def create_completion(ctx: ServingContext, http_request: Request,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import msgspec
 
 from slipstream.agent.engine.limits import RequestLimits
-from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
-from slipstream.agent.engine.stats import EngineStats, StepSummary
+from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.step.stats import EngineStats, StepSummary
 from slipstream.agent.scheduler.request import RequestSLO
 
 class Add(msgspec.Struct, tag="add", array_like=True):

@@ -20,9 +20,9 @@ from slipstream.agent.engine.async_engine import DRAINED_MESSAGE, IDLE_CHECK_S
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import (
     DRAINED, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError)
-from slipstream.agent.engine.outputs import error_output
-from slipstream.agent.engine.sampling_params import RequestOutput
-from slipstream.agent.engine.stats import StepStats, StepSummary
+from slipstream.agent.engine.step.outputs import error_output
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.agent.engine.step.stats import StepStats, StepSummary
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.request import FinishReason
 from slipstream.agent.server.core_messages import (
@@ -72,15 +72,15 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
     engine: LLMEngine | None = None
     failure = ""
     try:
-        from slipstream.agent.engine.auto_profile import with_runtime_profile
+        from slipstream.agent.engine.profile.auto_profile import with_runtime_profile
 
         # A first start profiles here, in the process and with the threads the steps use;
         # its progress lines are worth showing at this process's WARNING level.
-        logging.getLogger("slipstream.agent.engine.auto_profile").setLevel(logging.INFO)
+        logging.getLogger("slipstream.agent.engine.profile.auto_profile").setLevel(logging.INFO)
         # So is the one line that says how large a KV cache was chosen, and why.
-        logging.getLogger("slipstream.agent.engine.model_runner").setLevel(logging.INFO)
+        logging.getLogger("slipstream.agent.engine.step.model_runner").setLevel(logging.INFO)
         # And the weight formats the model is served in, with the kernel each runs on.
-        logging.getLogger("slipstream.agent.engine.loader").setLevel(logging.INFO)
+        logging.getLogger("slipstream.agent.engine.models.loader").setLevel(logging.INFO)
         config = with_runtime_profile(config, core_threads(threads))
         engine = build_engine(config, scheduler_config, output_text=False)
     except Exception as error:  # noqa: BLE001 - tell the API process why, then exit

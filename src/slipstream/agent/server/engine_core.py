@@ -44,9 +44,9 @@ from slipstream.agent.engine.async_engine import (
     IDLE_CHECK_S, check_admission, dead_output, stream_outputs)
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
-from slipstream.agent.engine.grammar import GrammarCompiler
-from slipstream.agent.engine.sampling_params import RequestOutput, SamplingParams
-from slipstream.agent.engine.stats import EngineStats, StepStats, StepSummary
+from slipstream.agent.engine.sampling.grammar import GrammarCompiler
+from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.step.stats import EngineStats, StepStats, StepSummary
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.request import FinishReason, RequestSLO

@@ -32,8 +32,8 @@ from starlette.requests import Request
 
 from slipstream.agent.engine import errors
 from slipstream.agent.engine.errors import EngineUnavailable
-from slipstream.agent.engine.sampling_params import RequestOutput
-from slipstream.agent.server.errors import APIError, bad_request
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.contracts.errors import APIError, bad_request
 from slipstream.agent.server.metrics import RequestTimer
 from slipstream.agent.server.prepare import PreparedRequest, ServingContext
 

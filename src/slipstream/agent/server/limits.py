@@ -25,7 +25,7 @@ from starlette.requests import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from slipstream.agent.server.config import DEFAULT_REQUEST_READ_TIMEOUT_S
-from slipstream.agent.server.errors import APIError, bad_request
+from slipstream.contracts.errors import APIError, bad_request
 
 # The defaults live in config.py: 4 MiB of body (a full 128k-token prompt as text or as token
 # ids fits several times over), and 30 s for the request line, the headers and the body each,

@@ -33,10 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from slipstream.agent.engine.sampling_params import RequestOutput
-from slipstream.agent.engine.stats import EngineStats
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.agent.engine.step.stats import EngineStats
 from slipstream.agent.scheduler.request import RequestSLO
-from slipstream.agent.server import metric_names as names
+from slipstream.contracts import metric_names as names
 from slipstream.agent.server.step_metrics import StepMetrics, log_spaced_buckets
 
 # Request-level latencies: TTFT SLOs run from ~100 ms (chat) to tens of seconds (1M-token

@@ -17,10 +17,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from slipstream.agent.engine.sampling_params import SamplingParams
+from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.request import RequestSLO
 from slipstream.agent.server.config import ServerConfig
-from slipstream.agent.server.errors import APIError, bad_request, model_not_found
+from slipstream.contracts.errors import APIError, bad_request, model_not_found
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.protocol import SloSpec, _GenerationRequest
 from slipstream.agent.server.tenancy.identity import Caller

@@ -27,7 +27,7 @@ from slipstream.agent.config.serve_config import ServeConfig
 from slipstream.agent.config.sizes import KVCacheMemory, parse_size_bytes
 from slipstream.agent.engine.config import EngineConfig, ShortPrefillBuckets
 from slipstream.agent.engine.disagg_config import DisaggConfig
-from slipstream.agent.engine.kv_tier_settings import KVTierSettings
+from slipstream.agent.engine.kv.tier_settings import KVTierSettings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import SchedulerConfig
 
@@ -123,9 +123,10 @@ def resolve_model(model: Path | None, quantization: str = "none"
     (None: the directory's name), and the GGUF file whose quantized tensors are served (None:
     the directory's weights). A GGUF file is converted once into the cache: its configuration
     and tokenizer, plus its tensors dequantized to float32 only for ``--quantization none``."""
-    from slipstream.agent.engine.gguf_model import (
+    from slipstream.agent.engine.models.gguf_model import (
         DEFAULT_MODEL_PACKAGE, cached_model_dir, packaged_default_gguf)
-    from slipstream.agent.engine.tiny_model import ensure_default_model, slipstream_cache_dir
+    from slipstream.agent.engine.models.tiny_model import (
+        ensure_default_model, slipstream_cache_dir)
 
     if model is None:
         model = packaged_default_gguf()

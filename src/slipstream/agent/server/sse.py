@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from slipstream.agent.engine.sampling_params import RequestOutput
+from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.server.generation import Choices, Generation, engine_failure
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slipstream.agent.engine.stats import StepStats, StepSummary
-from slipstream.agent.server import metric_names as names
+from slipstream.agent.engine.step.stats import StepStats, StepSummary
+from slipstream.contracts import metric_names as names
 
 
 def log_spaced_buckets(low: float, high: float, ratio: float = 2 ** 0.5) -> tuple[float, ...]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from slipstream.agent.engine.grammar import json_schema_grammar
-from slipstream.agent.server.errors import bad_request
+from slipstream.agent.engine.sampling.grammar import json_schema_grammar
+from slipstream.contracts.errors import bad_request
 from slipstream.agent.server.prepare import ServingContext
 from slipstream.agent.server.protocol import ResponseFormat
 

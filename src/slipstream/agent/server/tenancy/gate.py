@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from slipstream.agent.server.errors import APIError, bad_request, error_response
+from slipstream.contracts.errors import APIError, bad_request, error_response
 from slipstream.agent.server.tenancy.identity import CALLER_SCOPE_KEY, Caller
 from slipstream.agent.server.tenancy.keys import KeyProblem, bearer_token, credential_in_query
 from slipstream.agent.server.tenancy.registry import (

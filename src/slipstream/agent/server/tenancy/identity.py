@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.agent.server.errors import APIError
+from slipstream.contracts.errors import APIError
 from slipstream.agent.server.tenancy.config import Tenant
 from slipstream.agent.server.tenancy.limits import TenantLimiter
 from slipstream.agent.server.tenancy.slo_policy import RequestedSlo, ResolvedSlo, resolve_slo

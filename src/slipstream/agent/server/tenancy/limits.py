@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from slipstream.agent.server.errors import APIError
+from slipstream.contracts.errors import APIError
 from slipstream.agent.server.tenancy.config import Limits
 
 RATE_LIMITED = "rate_limit_exceeded"

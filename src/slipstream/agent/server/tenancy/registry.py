@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from slipstream.agent.server.errors import APIError
+from slipstream.contracts.errors import APIError
 from slipstream.agent.server.tenancy.config import (
     MAX_LABELLED_TENANTS, ApiKey, Tenant, TenantsFile, load_tenants)
 from slipstream.agent.server.tenancy.identity import FORBIDDEN_TYPE, Caller

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slipstream.agent.server.errors import bad_request
+from slipstream.contracts.errors import bad_request
 from slipstream.agent.server.tenancy.config import Tenant
 
 CLAMPED_HEADER = "x-slipstream-slo-clamped"

@@ -1,0 +1,1 @@
+"""Turning logits into tokens: sampling parameters, the sampler and grammar masks."""

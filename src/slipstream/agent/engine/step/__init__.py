@@ -1,0 +1,2 @@
+"""One engine step: the model runner, the CUDA graphs and short-prefill buckets, the
+pipeline's in-flight batches, and what a step hands back (outputs, stats, load)."""

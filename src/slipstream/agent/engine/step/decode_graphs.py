@@ -1,0 +1,234 @@
+"""Decode steps replayed from CUDA graphs: a step made only of decodes costs one graph launch,
+one copy in and one copy out, whatever the model's depth.
+
+    ModelRunner.execute(batch of n decodes, n <= the largest captured size)
+      -> load(): ids, positions, KV slots, seq_info rows and the flattened block tables of the
+                 n rows, padded to the captured size b >= n, written into one pinned staging
+                 buffer -> one copy into the graphs' static input buffer
+      -> replay(): embedding, every layer (Triton decode attention reading the static
+                 seq_info and block indices), final norm, LM head, then the sampler's common
+                 path: the greedy token and a finite-logits flag per row
+      -> greedy(): one copy of [n, 2] (token, finite) back to the host
+         logits(): the graph's logits [n, vocab] for the eager sampler, when a row samples
+                   with temperature, penalties, logprobs or a grammar
+
+The static input buffer (int64) is laid out for the largest size ``B``::
+
+    [ ids (B) | positions (B) | slots (B) | seq_info (B x 6) | block indices (B x blocks/seq) ]
+
+and the graph of size ``b`` reads the first ``b`` rows of each part; block indices are read at
+each row's offset, so only the ones in use are copied. A padded row has token 0, position 0,
+slot -1 (writes nothing) and no KV (attention output 0): it computes garbage nobody reads.
+
+Sizes follow vLLM's: 1, 2, 4, 8, 16, 32, then every 16 up to ``max_num_seqs``. Graphs are
+captured largest first into one memory pool, after warm-up runs that compile the kernels. On
+a CPU the same static path runs eagerly (``capture=False``), which is how its bookkeeping is
+tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from slipstream.agent.engine.step.graph_capture import capture_graph
+from slipstream.agent.engine.models.llama import KVCache, LlamaForCausalLM
+from slipstream.agent.engine.sampling.sampler import plain_greedy
+from slipstream.agent.scheduler.batch import ScheduledChunk
+from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+from slipstream.kernels.attention import SEQ_INFO_COLUMNS
+
+if TYPE_CHECKING:  # Triton is imported only once decode graphs are built (CUDA, or tests)
+    from slipstream.kernels.triton_backend import StaticDecodeAttention
+
+log = logging.getLogger(__name__)
+
+
+
+def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, 16, 32, then every 16, up to ``max_num_seqs`` (always included)."""
+    sizes = [size for size in (1, 2, 4, 8, 16, 32) if size < max_num_seqs]
+    sizes += list(range(48, max_num_seqs, 16))
+    return tuple(sizes) + (max_num_seqs,)
+
+
+def graph_friendly(chunks: Sequence[ScheduledChunk]) -> bool:
+    """Whether a batch is decodes only: one sampled token per row, each after a prefix."""
+    return all(chunk.num_tokens == 1 and chunk.sample and chunk.start_pos > 0
+               for chunk in chunks)
+
+
+def greedy_only(chunks: Sequence[ScheduledChunk]) -> bool:
+    """Whether the graph's own sampling (argmax) is what every row asks for."""
+    return all(plain_greedy(chunk.sampling) for chunk in chunks)
+
+
+@dataclass
+class _Program:
+    size: int
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: StaticDecodeAttention
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [size, vocab] float32, rewritten by each run
+    result: torch.Tensor | None = None  # [size, 2] int64: greedy token, logits finite
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], max_num_seqs: int,
+                 max_model_len: int, num_kv_heads: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = largest = self.sizes[-1]
+        self.blocks_per_seq = -(-max_model_len // BLOCK_SIZE)
+        # Offsets of the parts of the static input buffer (module docstring).
+        self._seq_info_at = 3 * largest
+        self._blocks_at = self._seq_info_at + SEQ_INFO_COLUMNS * largest
+        total = self._blocks_at + largest * self.blocks_per_seq
+        self._inputs = torch.zeros(total, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host = self._staging.numpy()
+        self._result_host = torch.zeros(largest, 2, dtype=torch.int64,
+                                        pin_memory=device.type == "cuda")
+        self._pad_rows(0, largest)  # warm-up and capture run on padding alone
+        self._inputs.copy_(self._staging)
+        self._programs = {size: self._program(size, num_kv_heads, max_model_len)
+                          for size in self.sizes}
+        self.use_graphs = False
+        self.capture_s: float | None = None
+        self.runs = 0  # steps served from this path since start-up
+
+    def _program(self, size: int, num_kv_heads: int, max_model_len: int) -> _Program:
+        from slipstream.kernels.triton_attention import decode_segments
+        from slipstream.kernels.triton_backend import StaticDecodeAttention
+
+        inputs, largest = self._inputs, self.max_size
+        seq_info = inputs[self._seq_info_at:self._blocks_at].view(largest, SEQ_INFO_COLUMNS)
+        attention = StaticDecodeAttention(
+            slot_mapping=inputs[2 * largest:2 * largest + size], seq_info=seq_info[:size],
+            block_indices=inputs[self._blocks_at:],
+            num_segments=decode_segments(size, num_kv_heads, max_model_len))
+        return _Program(size, inputs[:size], inputs[largest:largest + size], attention)
+
+    def size_for(self, num_rows: int) -> int | None:
+        """The smallest captured size holding ``num_rows`` rows, or None."""
+        return next((size for size in self.sizes if size >= num_rows), None)
+
+    # -- capture -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device; on a CPU the static decode "
+                               "path runs eagerly")
+        started = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            program = self._programs[size]
+            program.graph, _ = capture_graph(functools.partial(self._forward, program),
+                                             self.device, pool)
+        torch.cuda.synchronize(self.device)
+        self.use_graphs = True
+        self.capture_s = time.perf_counter() - started
+        reserved = torch.cuda.memory_reserved(self.device) - reserved_before
+        log.info("captured %d CUDA graphs for decode steps (batch sizes %s) in %.1f s, "
+                 "%.2f GiB reserved", len(self.sizes), _describe(self.sizes), self.capture_s,
+                 reserved / 2**30)
+
+    def _forward(self, program: _Program) -> None:
+        hidden = self.model(program.token_ids, program.positions, self.kv_caches,
+                            program.attention)
+        logits = self.model.compute_logits(hidden)
+        # The sampler's common path, captured with the model: greedy, and whether the row's
+        # logits are finite (both reductions carry a NaN; +-inf lands in one of them).
+        finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
+        program.logits = logits
+        program.result = torch.stack([logits.argmax(dim=-1), finite.long()], dim=1)
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> _Program:
+        """Load the rows and run their size's graph (eagerly without graphs)."""
+        size = self.size_for(len(chunks))
+        if size is None or not graph_friendly(chunks):
+            raise ValueError(f"{len(chunks)} chunks are not a decode batch of at most "
+                             f"{self.max_size} rows")
+        program = self._programs[size]
+        used = self.load(chunks, size)
+        self._inputs[:used].copy_(self._staging[:used], non_blocking=True)
+        if self.use_graphs and program.graph is not None:
+            program.graph.replay()
+        else:
+            with torch.inference_mode():
+                self._forward(program)
+        self.runs += 1
+        return program
+
+    def greedy(self, program: _Program, num_rows: int) -> tuple[list[int], list[bool]]:
+        """The greedy tokens and finite flags of the last run's first ``num_rows`` rows, in
+        one device-to-host copy."""
+        assert program.result is not None
+        host = self._result_host[:num_rows]
+        host.copy_(program.result[:num_rows], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        rows = host.tolist()
+        return [token for token, _ in rows], [bool(ok) for _, ok in rows]
+
+    @staticmethod
+    def logits(program: _Program, num_rows: int) -> torch.Tensor:
+        assert program.logits is not None
+        return program.logits[:num_rows]
+
+    def load(self, chunks: Sequence[ScheduledChunk], size: int) -> int:
+        """Write the rows (and padding up to ``size``) into the staging buffer; returns how
+        many of its leading entries the step needs copied."""
+        host, largest, count = self._host, self.max_size, len(chunks)
+        positions = np.fromiter((c.start_pos for c in chunks), np.int64, count)
+        block_counts = np.fromiter((len(c.block_ids) for c in chunks), np.int64, count)
+        host[:count] = [c.token_ids[0] for c in chunks]
+        host[largest:largest + count] = positions
+        host[2 * largest:2 * largest + count] = [
+            c.block_ids[c.start_pos // BLOCK_SIZE] * BLOCK_SIZE + c.start_pos % BLOCK_SIZE
+            for c in chunks]
+        seq_info = host[self._seq_info_at:self._blocks_at].reshape(largest, SEQ_INFO_COLUMNS)
+        seq_info[:count, 0] = np.arange(count)
+        seq_info[:count, 1] = 1
+        seq_info[:count, 2] = positions
+        seq_info[:count, 3] = positions + 1
+        seq_info[:count, 4] = 0
+        seq_info[0, 5] = 0
+        seq_info[1:count, 5] = np.cumsum(block_counts[:-1])
+        num_blocks = int(block_counts.sum())
+        if num_blocks > largest * self.blocks_per_seq:
+            raise ValueError("the decode batch's block tables outgrow the graph's buffer")
+        host[self._blocks_at:self._blocks_at + num_blocks] = np.fromiter(
+            itertools.chain.from_iterable(c.block_ids for c in chunks), np.int64, num_blocks)
+        self._pad_rows(count, size)
+        return self._blocks_at + num_blocks
+
+    def _pad_rows(self, first: int, end: int) -> None:
+        host, largest = self._host, self.max_size
+        host[first:end] = 0
+        host[largest + first:largest + end] = 0
+        host[2 * largest + first:2 * largest + end] = -1
+        seq_info = host[self._seq_info_at:self._blocks_at].reshape(largest, SEQ_INFO_COLUMNS)
+        seq_info[first:end] = 0
+        seq_info[first:end, 0] = np.arange(first, end)
+        seq_info[first:end, 1] = 1
+
+
+def _describe(sizes: Sequence[int]) -> str:
+    return ", ".join(map(str, sizes)) if len(sizes) <= 8 else \
+        f"{', '.join(map(str, sizes[:6]))}, ..., {sizes[-1]}"

