@@ -12,8 +12,7 @@ import hashlib
 import json
 from typing import Any
 
-from slipstream.agent.config.serve_config import ServeConfig
-from slipstream.crds.agent_config import agent_config as spec_agent_config
+from slipstream.crds import agent_config as agent_file
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.crds.servingreplica import PREFILL_ROLE
 from slipstream.operator import naming
@@ -81,9 +80,9 @@ def model_path(spec: ServingReplicaSpec) -> str:
     return f"{PVC_MOUNT_DIR}/{sub_path}" if sub_path else PVC_MOUNT_DIR
 
 
-def agent_config(spec: ServingReplicaSpec) -> ServeConfig:
+def agent_config(spec: ServingReplicaSpec) -> agent_file.ServeConfig:
     """What every agent of the replica reads at start (``slipstream serve --config``)."""
-    return spec_agent_config(spec, model_path(spec))
+    return agent_file.agent_config(spec, model_path(spec))
 
 
 def template_hash(spec: ServingReplicaSpec) -> str:

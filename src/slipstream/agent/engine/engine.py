@@ -73,8 +73,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
                  runner: Runner | None = None, output_text: bool = True) -> None:
-        config = parts.with_scheduler(config, scheduler_config)
-        self.config = config
+        self.config = config = parts.with_scheduler(config, scheduler_config)
         # False in an engine-core process: the API process turns tokens into text and checks
         # stop strings (agent/server/engine_core.py); outputs then carry no text.
         self.output_text = output_text
