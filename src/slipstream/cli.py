@@ -1,9 +1,9 @@
 """The ``slipstream`` command. Each subcommand lives in its own module, imported lazily so
 that ``slipstream --help`` is instant and the operator image never imports torch.
 
-A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``. One that
-reads a ``--config`` file also defines ``defaults_from_config(path) -> dict``: the file's
-values become the parser's defaults, so flags on the command line still override them.
+A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``. The parsed
+arguments go to ``run`` and no further: ``slipstream serve`` turns them into its config
+(``agent/server/cli_flags.py``), which reads a ``--config`` file itself.
 """
 
 from __future__ import annotations
@@ -63,15 +63,7 @@ def parse_subcommand(argv: list[str]) -> tuple[ModuleType, argparse.Namespace]:
                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                          allow_abbrev=False)
     module.add_arguments(sub_parser)
-    args = sub_parser.parse_args(argv[1:])
-    config_path = getattr(args, "config", None)
-    if config_path is not None and hasattr(module, "defaults_from_config"):
-        try:
-            sub_parser.set_defaults(**module.defaults_from_config(config_path))
-        except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
-            sub_parser.error(f"--config {config_path}: {error}")
-        args = sub_parser.parse_args(argv[1:])
-    return module, args
+    return module, sub_parser.parse_args(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

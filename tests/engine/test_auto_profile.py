@@ -9,7 +9,6 @@ tests that profile a second time use a smaller grid, so the file stays within a 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -25,7 +24,8 @@ from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profile.step_calibration import CalibrationLoad
 from slipstream.agent.scheduler.predictor import (RuntimePredictor, TokenBudgetModel,
                                                   model_floor_target_ms)
-from slipstream.agent.server import cli_configs, cli_flags
+from slipstream.agent.config.serve_config import ConfigError, ServeConfig
+from slipstream.agent.server import cli_flags, serve_configs
 
 TEST_GRID = profiler.ProfileGrid(
     tokens=(1, 16, 128), prefill_kv=(0, 256), prefill_chunk=(32, 128), decode_batch=(1, 8),
@@ -34,17 +34,15 @@ TEST_GRID = profiler.ProfileGrid(
     max_point_ms=20.0)
 
 
-def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli_flags.add_arguments(parser)
-    return parser.parse_args(list(argv))
+def _parse(*argv: str) -> ServeConfig:
+    return cli_flags.parse_serve_config(list(argv))
 
 
-def _engine(args: argparse.Namespace) -> LLMEngine:
+def _engine(args: ServeConfig) -> LLMEngine:
     """What `slipstream serve` builds in the process that runs the engine."""
-    config = auto_profile.with_runtime_profile(cli_configs.engine_config_from_args(args))
+    config = auto_profile.with_runtime_profile(serve_configs.engine_config(args))
     return LLMEngine(dataclasses.replace(config, num_kv_blocks=64),
-                     cli_configs.scheduler_config_from_args(args))
+                     serve_configs.scheduler_config(args))
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +131,8 @@ def test_no_profile_packs_the_fixed_token_budget(tiny_model_dir, tmp_path, monke
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
     args = _parse("--model", str(tiny_model_dir), "--device", "cpu", "--no-profile",
                   "--max-batched-tokens", "300")
-    assert not cli_configs.engine_config_from_args(args).auto_profile
-    assert cli_configs.engine_config_from_args(_parse("--model", str(tiny_model_dir))).auto_profile
+    assert not serve_configs.engine_config(args).auto_profile
+    assert serve_configs.engine_config(_parse("--model", str(tiny_model_dir))).auto_profile
     with caplog.at_level(logging.INFO):
         engine = _engine(args)
     assert isinstance(engine.scheduler.model, TokenBudgetModel)
@@ -157,11 +155,11 @@ def test_a_given_profile_wins_over_the_cache(first_start, cache_dir, tiny_model_
     for path in entry.iterdir():
         (given / path.name).write_bytes(path.read_bytes())
     args = _parse("--model", str(tiny_model_dir), "--device", "cpu", "--profile", str(given))
-    config = cli_configs.engine_config_from_args(args)
+    config = serve_configs.engine_config(args)
     assert not config.auto_profile
     assert auto_profile.with_runtime_profile(config).profile_dir == given
     assert not (tmp_path / "empty-cache").exists()
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="exclude each other"):
         _parse("--profile", str(given), "--no-profile")  # one or the other
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig, ShortPrefillBuckets
+from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.step.prefill_buckets import PrefillBucket
@@ -126,7 +127,7 @@ def test_engine_output_is_the_same_with_graphs_on_and_off(tiny_model_dir):
         engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cuda",
                                         dtype="float32", attention_backend="torch",
                                         num_kv_blocks=NUM_BLOCKS, short_prefill_graphs=cuda_graphs,
-                                        max_batched_tokens=4096))
+                                        scheduler=SchedulerConfig(max_batched_tokens=4096)))
         outputs.append(engine.generate(prompts, params))
         if cuda_graphs:  # 141 tokens in 6 prompts: bucket (64, 8), under the padding cap
             assert engine.runner.short_prefill.num_graphs == ShortPrefillBuckets().num_buckets

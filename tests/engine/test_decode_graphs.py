@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.engine.step.decode_graphs import capture_sizes
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
@@ -39,8 +40,9 @@ def test_capture_sizes_follow_powers_of_two_then_steps_of_16():
 
 
 def engine(model_dir, **overrides) -> LLMEngine:
-    settings = dict(model_dir=model_dir, device=DEVICE, dtype="float32", max_num_seqs=8,
-                    num_kv_blocks=64, max_model_len=512)
+    settings = dict(model_dir=model_dir, device=DEVICE, dtype="float32",
+                    scheduler=SchedulerConfig(max_num_seqs=8), num_kv_blocks=64,
+                    max_model_len=512)
     return LLMEngine(EngineConfig(**{**settings, **overrides}))
 
 
@@ -81,7 +83,8 @@ def test_rows_that_need_the_sampler_take_the_graph_logits(tiny_model_dir):
 @needs_triton
 def test_padding_rows_write_no_kv(tiny_model_dir):
     config = EngineConfig(model_dir=tiny_model_dir, device=DEVICE, dtype="float32",
-                          max_num_seqs=8, num_kv_blocks=32, max_model_len=256,
+                          scheduler=SchedulerConfig(max_num_seqs=8), num_kv_blocks=32,
+                          max_model_len=256,
                           attention_backend="triton", cuda_graphs=True)
     runner = ModelRunner(config, ModelConfig.from_dir(tiny_model_dir))
     # Three decodes (padded to the graph of 4) in blocks 3, 9 and 20.

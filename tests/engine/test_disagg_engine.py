@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 def _engine(model_dir, role="mixed", transport="zmq", max_batched_tokens=64,
             **disagg) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=96,
-                                  max_batched_tokens=max_batched_tokens,
+                                  scheduler=SchedulerConfig(
+                                      max_batched_tokens=max_batched_tokens),
                                   disagg=DisaggConfig(role=role, transport=transport,
                                                       **disagg)))
 

@@ -3,7 +3,6 @@ session. Tests talk to it over HTTP only, with the official ``openai`` client or
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import subprocess
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from slipstream.bench import local_process
 from slipstream.agent.parallel.launch import free_port
-from slipstream.agent.server import cli_configs, cli_flags
+from slipstream.agent.server import cli_flags
 
 MAX_MODEL_LEN_TOKENS = 2048
 NUM_KV_BLOCKS = 512
@@ -139,10 +138,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def _default_layout() -> str:
     """The engine layout ``slipstream serve`` picks without a flag: "process" (the engine core
     in a process of its own) or "thread" (on a thread of the server process)."""
-    parser = argparse.ArgumentParser()
-    cli_flags.add_arguments(parser)
-    flags = argparse.Namespace(engine_process=parser.get_default("engine_process"))
-    return "process" if cli_configs.use_engine_process(flags) else "thread"
+    single = cli_flags.parse_serve_config([]).server.single_process
+    return "thread" if single else "process"
 
 
 DEFAULT_LAYOUT = _default_layout()

@@ -5,7 +5,6 @@ and a dead core fails the streams of both and ends the server with 3."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import threading
@@ -15,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from slipstream.agent.server import cli_configs, cli_flags
+from slipstream.agent.server import cli_flags
 
 NUM_STREAMS = 16  # all on one of the two processes: probability 2**-15
 OUTPUT_TOKENS = 200  # still streaming while the test counts the connections
@@ -183,12 +182,10 @@ def test_a_dead_engine_core_fails_the_streams_of_every_api_process(start_server)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--api-processes", "0"], "1 or more"),
+    (["--api-processes", "0"], "greater than or equal to 1"),
     (["--api-processes", "2", "--single-process"], "process of its own"),
     (["--api-processes", "2", "--role", "prefill"], "mixed role only"),
 ])
 def test_api_processes_that_cannot_be_served_are_refused(flags, message):
-    parser = argparse.ArgumentParser()
-    cli_flags.add_arguments(parser)
     with pytest.raises(ValueError, match=message):
-        cli_configs.check_api_processes(parser.parse_args(flags))
+        cli_flags.parse_serve_config(flags)

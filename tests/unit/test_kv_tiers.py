@@ -294,20 +294,19 @@ def test_sizes_parse_with_their_unit_and_the_crd_rule_uses_the_same_pattern():
     assert KV_SIZE_PATTERN.replace("\\\\", "\\") == SIZE_PATTERN
 
 
-def test_the_crd_fields_reach_the_serve_flags(tmp_path):
-    from slipstream.agent.server.cli_configs import defaults_from_config
-    from slipstream.crds.agent_config import AgentConfig, AgentModel
-    from slipstream.crds.servingreplica import KVTiers
+def test_the_crd_fields_reach_the_serve_config(tmp_path):
+    from slipstream.agent.config.serve_config import ServeConfig
+    from slipstream.agent.server.serve_configs import engine_config
 
-    config = AgentConfig(model=AgentModel(name="m", path="/models/m"),
-                         kv_tiers=KVTiers(host_memory="1TiB", disk_path="/var/cache/kv",
-                                          disk_size="2TiB"))
     path = tmp_path / "engine.yaml"
-    path.write_text(config.to_yaml())
+    path.write_text(ServeConfig.from_layers({
+        "model": {"name": "m", "path": "/models/m"},
+        "kvTiers": {"hostMemory": "1TiB", "diskPath": "/var/cache/kv", "diskSize": "2TiB"},
+    }).to_yaml(only_set=True))
     assert "kvTiers" in path.read_text()
-    defaults = defaults_from_config(path)
-    assert defaults["kv_host_memory"] == "1TiB" and defaults["kv_disk_size"] == "2TiB"
-    assert str(defaults["kv_disk_path"]) == "/var/cache/kv"
+    tiers = engine_config(ServeConfig.load(path)).kv_tiers
+    assert (tiers.host_memory_bytes, tiers.disk_size_bytes) == (2**40, 2 * 2**40)
+    assert str(tiers.disk_path) == "/var/cache/kv"
 
 
 def test_a_load_longer_than_the_target_still_goes_in_beside_running_decodes():

@@ -149,7 +149,7 @@ def test_pod_commands_parse_with_the_agents_own_argument_parsers():
     serve = argparse.ArgumentParser(exit_on_error=False)
     cli_flags.add_arguments(serve)
     args = serve.parse_args(pod(0)["spec"]["containers"][0]["command"][2:])
-    assert args.control_port == naming.CONTROL_PORT
+    assert vars(args)["server.control_port"] == naming.CONTROL_PORT
     worker = argparse.ArgumentParser(exit_on_error=False)
     launch.add_arguments(worker)
     worker.parse_args(pod(1)["spec"]["containers"][0]["command"][2:])
@@ -167,7 +167,7 @@ def test_kv_tiers_reach_the_agent_config_and_mount_the_disk_tier():
                                                 "name": builders.KV_DISK_VOLUME}
     mounts = {m["name"]: m for m in manifest["spec"]["containers"][0]["volumeMounts"]}
     assert mounts[builders.KV_DISK_VOLUME]["mountPath"] == "/var/cache/kv"
-    config = builders.agent_config(tiered).to_api()
+    config = builders.agent_config(tiered).to_tree(only_set=True)
     assert config["kvTiers"] == {"hostMemory": "1TiB", "diskPath": "/var/cache/kv",
                                  "diskSize": "2TiB"}
     assert builders.kubernetes_quantity("500GB") == "500G"

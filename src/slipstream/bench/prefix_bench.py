@@ -172,8 +172,7 @@ def run_live(args: argparse.Namespace) -> dict:
 
     def engine(caching: bool) -> LLMEngine:
         return LLMEngine(EngineConfig(model_dir=model_dir, device="cpu",
-                                      num_kv_blocks=args.live_kv_blocks,
-                                      max_batched_tokens=args.max_batched_tokens),
+                                      num_kv_blocks=args.live_kv_blocks),
                          SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
                                          prefix_caching=caching))
 

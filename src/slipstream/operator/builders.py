@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any
 
-from slipstream.crds.agent_config import AgentConfig
+from slipstream.crds import agent_config as agent_file
 from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.crds.servingreplica import PREFILL_ROLE
 from slipstream.operator import naming
@@ -80,9 +80,9 @@ def model_path(spec: ServingReplicaSpec) -> str:
     return f"{PVC_MOUNT_DIR}/{sub_path}" if sub_path else PVC_MOUNT_DIR
 
 
-def agent_config(spec: ServingReplicaSpec) -> AgentConfig:
+def agent_config(spec: ServingReplicaSpec) -> agent_file.ServeConfig:
     """What every agent of the replica reads at start (``slipstream serve --config``)."""
-    return AgentConfig.from_spec(spec, model_path(spec))
+    return agent_file.agent_config(spec, model_path(spec))
 
 
 def template_hash(spec: ServingReplicaSpec) -> str:
@@ -92,7 +92,7 @@ def template_hash(spec: ServingReplicaSpec) -> str:
     label; a spec change that alters it makes reconcile replace the instances one at a time
     (a rolling update). Fields that only count or move instances (instances, autoscaling,
     pool sizes, rebalance) leave it unchanged, so scaling never restarts anything."""
-    shaping = {"config": agent_config(spec).to_yaml(), "image": spec.image,
+    shaping = {"config": agent_config(spec).to_yaml(only_set=True), "image": spec.image,
                "model": spec.model.model_dump(mode="json", by_alias=True),
                "placement": spec.placement.model_dump(mode="json", by_alias=True)}
     if spec.tenants is not None:  # only when set: existing replicas keep their hash
@@ -107,7 +107,7 @@ def build_config_map_spec(replica: str, namespace: str, spec: ServingReplicaSpec
         "kind": "ConfigMap",
         "metadata": {"name": naming.config_map_name(replica), "namespace": namespace,
                      "labels": naming.common_labels(replica)},
-        "data": {ENGINE_CONFIG_FILE: agent_config(spec).to_yaml()},
+        "data": {ENGINE_CONFIG_FILE: agent_config(spec).to_yaml(only_set=True)},
     }
 
 

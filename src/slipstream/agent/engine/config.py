@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.agent.config.engine_sections import (
+    DEFAULT_SHORT_PREFILL_BATCH_SIZES, DEFAULT_SHORT_PREFILL_LENGTHS_TOKENS)
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv.memory import KVCacheMemory
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
 from slipstream.agent.engine.models.registry import SUPPORTED_MODEL_TYPES, model_type_of
 from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.scheduler.config import SchedulerConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # config.json's layer_types values
 
@@ -256,8 +259,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fixed; default: sized by kv_cache_memory
     # A share of the free memory or a size (see kv_memory.py); default: the device's share.
     kv_cache_memory: KVCacheMemory = field(default_factory=KVCacheMemory)
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 512
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer (kernels/attention.py)
     # Where the weights come from: the checkpoint's safetensors, or "dummy": random weights
@@ -291,6 +292,10 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     # Host-memory and disk tiers under the device KV pool (kv_tier_store.py).
     kv_tiers: KVTierSettings = field(default_factory=KVTierSettings)
+    # The scheduler's settings, the one owner of max_num_seqs (which also caps the KV cache
+    # and sizes the decode graphs) and max_batched_tokens. It travels with the engine config
+    # to the parallel workers, as vLLM's runner reads its scheduler config.
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
@@ -302,8 +307,6 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 2")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
-        if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_batched_tokens must be at least 1")
         if self.quantization not in ("auto", "none", "int8", "int4", "fp8"):
             raise ValueError("quantization must be auto, none, int8, int4 or fp8, got "
                              f"{self.quantization}")

@@ -73,7 +73,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
                  runner: Runner | None = None, output_text: bool = True) -> None:
-        self.config = config
+        self.config = config = parts.with_scheduler(config, scheduler_config)
         # False in an engine-core process: the API process turns tokens into text and checks
         # stop strings (agent/server/engine_core.py); outputs then carry no text.
         self.output_text = output_text
@@ -85,7 +85,7 @@ class LLMEngine:
         self.runner: Runner = runner or parts.make_runner(
             dataclasses.replace(config, max_model_len=self.max_model_len), self.model_config)
         self.pipeline_depth = self.runner.pipeline_depth
-        scheduler_config = parts.scheduler_config(config, scheduler_config)
+        scheduler_config = parts.scheduler_config(config)
         # Swap preemption needs somewhere to put the blocks: a host pool as large as the
         # device one, so that any preempted request fits.
         num_host_blocks = self.runner.num_kv_blocks if scheduler_config.preemption == "swap" else 0

@@ -45,12 +45,20 @@ def make_runner(config: EngineConfig, model_config: ModelConfig) -> Runner:
     return ModelRunner(config, model_config)
 
 
-def scheduler_config(config: EngineConfig,
-                     scheduler_config: SchedulerConfig | None) -> SchedulerConfig:
-    """The scheduler config given (else one from the engine config's limits), with the KVP
-    group size of a KVP layout filled in."""
-    scheduler_config = scheduler_config or SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens)
+def with_scheduler(config: EngineConfig, scheduler_config: SchedulerConfig | None
+                   ) -> EngineConfig:
+    """``config`` with ``scheduler_config`` as its scheduler section, when one is given apart
+    (``LLMEngine(config, scheduler_config)``), so the runner and the scheduler read the same
+    ``max_num_seqs``."""
+    if scheduler_config is None or scheduler_config == config.scheduler:
+        return config
+    return dataclasses.replace(config, scheduler=scheduler_config)
+
+
+def scheduler_config(config: EngineConfig) -> SchedulerConfig:
+    """The engine config's scheduler section, with the KVP group size of a KVP layout filled
+    in."""
+    scheduler_config = config.scheduler
     if config.parallel.kvp > 1 and scheduler_config.kvp_tokens_per_group is None:
         scheduler_config = dataclasses.replace(
             scheduler_config, kvp_tokens_per_group=config.parallel.kvp_tokens_per_group)

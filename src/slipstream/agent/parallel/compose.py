@@ -13,6 +13,7 @@ from collections.abc import Callable
 from slipstream.agent.engine.config import EngineConfig, ModelConfig, check_parallel_fit
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.models.loader import check_checkpoint
+from slipstream.agent.engine.parts import with_scheduler
 from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
@@ -20,8 +21,9 @@ from slipstream.agent.scheduler.scheduler import SchedulerConfig
 def build_engine(config: EngineConfig, scheduler_config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
                  output_text: bool = True) -> LLMEngine:
+    config = with_scheduler(config, scheduler_config)  # the workers size their KV by it
     if config.parallel.is_single_process:
-        return LLMEngine(config, scheduler_config, clock, output_text=output_text)
+        return LLMEngine(config, None, clock, output_text=output_text)
     from slipstream.agent.parallel.executor import ParallelExecutor  # zmq only when needed
 
     # What every worker would find wrong, found once here, before any of them starts.
@@ -31,7 +33,7 @@ def build_engine(config: EngineConfig, scheduler_config: SchedulerConfig | None 
 
     executor = ParallelExecutor(config)
     try:
-        return LLMEngine(config, scheduler_config, clock, runner=executor,
+        return LLMEngine(config, None, clock, runner=executor,
                          output_text=output_text)
     except BaseException:
         executor.close()

@@ -19,7 +19,7 @@ from slipstream.agent.router.config import (
     CONTROLLER_ROLE, DEFAULT_LONG_PREFILL_THRESHOLD_TOKENS, INSTANCE_QUEUE_ORDERS, POOLS,
     ROLE_LABEL, FairnessConfig, KubernetesDiscovery, RouterConfig, StaticBackend)
 from slipstream.agent.server.config import (
-    DEFAULT_HOST, add_request_limit_arguments, add_tenants_argument, bind_host)
+    DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT_S, LOG_LEVELS, bind_host)
 
 EPILOG = """\
 examples:
@@ -104,8 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--host", default=None,
                       help=f"address to bind; default: $POD_IP if set, else {DEFAULT_HOST}")
     http.add_argument("--port", type=int, default=8080, help="TCP port")
-    add_request_limit_arguments(http)
-    add_tenants_argument(http)
+    # The same limits and tenants file as `slipstream serve` (server.* in its config).
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      metavar="BYTES", help="larger request bodies get 413, unread")
+    http.add_argument("--request-read-timeout-s", type=float,
+                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
+                      help="a client must send the request line and headers within this "
+                           "long, and then the body within this long, else 408")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    http.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                      help="tenants YAML (docs/tenancy.md): API keys (as SHA-256 digests), "
+                           "fair-share weights, SLO classes and rate limits; every /v1 request "
+                           "then needs 'Authorization: Bearer KEY'. Without it the API is "
+                           "open to any caller, as the start-up line says")
 
 
 def parse_backend(text: str) -> StaticBackend:
@@ -126,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     kubernetes = None if static or namespace is None else KubernetesDiscovery(
         namespace=namespace, label_selector=args.selector, kubeconfig=args.kubeconfig)
     return RouterConfig(
-        host=bind_host(args), port=args.port,
+        host=bind_host(args.host), port=args.port,
         long_prefill_threshold_tokens=args.long_prefill_threshold_tokens,
         max_in_flight_per_instance=args.max_in_flight_per_instance,
         max_backlog_tokens_per_instance=args.max_backlog_tokens_per_instance,

@@ -1,26 +1,19 @@
 """``slipstream serve``: load a model into the engine and serve it over the OpenAI API.
 
-    [--config FILE: the CRD's AgentConfig --defaults_from_config()--> flag defaults]
-    argv -> EngineConfig + SchedulerConfig + ServerConfig -> serving engine -> build_app() -> uvicorn
+    argv --cli_flags--> ServeConfig (defaults < environment < --config FILE < flags)
+         --serve_configs--> EngineConfig + SchedulerConfig + ServerConfig
+         -> serving engine -> build_app() -> uvicorn
     serving engine: EngineCoreClient, the engine in a process of its own (the default; this
     process never imports torch), or AsyncEngine on a thread here (``--single-process``)
 
-The flags are defined in ``cli_flags`` and turned into settings in ``cli_configs``; this
-module starts the engine, the HTTP and control servers, and exits with the right code.
+The flags are generated from the config's fields in ``cli_flags``; the config's sections
+become the engine's, scheduler's and server's objects in ``serve_configs`` (which also reads
+the environment). This module starts the engine, the HTTP and control servers, and exits
+with the right code. ``--print-config`` prints the resolved config as YAML instead.
 
-In a cluster the operator writes the ServingReplica's engine settings into a ConfigMap, mounts
-it, and starts ``slipstream serve --config /etc/slipstream/engine.yaml`` plus the ports: the
-file's values become the defaults of the flags, so a flag given on the command line
-still wins.
-
-``slipstream serve`` is the one place the server reads environment variables (in
-``cli_configs``, as the fallbacks of flags left out):
-- ``POD_IP``: the address to bind when ``--host`` is not given. In a cluster the pod's own IP
-  comes from the downward API, so an agent is reachable by its pod address and nothing else.
-- ``SLIPSTREAM_POOL``: the ``pool`` metrics label when ``--pool`` is not given (the operator
-  sets it from the instance's pool label).
-Multi-node launch variables (ranks, controller and rendezvous addresses) belong to the
-parallel workers and are read in ``slipstream.agent.parallel.env``.
+In a cluster the operator renders the ServingReplica into the same config file, mounts it,
+and starts ``slipstream serve --config /etc/slipstream/engine.yaml`` plus the ports; a flag
+given on the command line still wins over the file.
 
 With ``--tp/--spp/--kvp`` above 1 the engine starts worker processes. If one dies, in-flight
 requests get a 503 and the process exits with ``EXIT_ENGINE_DEAD`` so it is restarted.
@@ -32,17 +25,17 @@ import argparse
 import dataclasses
 import logging
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.agent.config.serve_config import ConfigError, ServeConfig
 from slipstream.agent.engine.config import EngineConfig
 
-# add_arguments, run and defaults_from_config make this module a `slipstream` subcommand
-# (src/slipstream/cli.py): the flags live in cli_flags, what they turn into in cli_configs.
-from slipstream.agent.server.cli_configs import (
-    check_api_processes, defaults_from_config, engine_config_from_args,
-    scheduler_config_from_args, server_config_from_args, use_engine_process)
-from slipstream.agent.server.cli_flags import add_arguments
+# add_arguments and run make this module a `slipstream` subcommand (src/slipstream/cli.py):
+# the flags live in cli_flags, what the config turns into in serve_configs.
+from slipstream.agent.server.cli_flags import add_arguments, serve_config_from_args
+from slipstream.agent.server import serve_configs
 from slipstream.agent.server.tenancy.config import tenancy_line
 from slipstream.agent.server.config import ServerConfig
 
@@ -51,8 +44,7 @@ if TYPE_CHECKING:
     from slipstream.contracts.control import PoolHolder
     from slipstream.agent.server.engine_core import ServingEngine
 
-__all__ = ["AGENT_KEEPALIVE_S", "EXIT_ENGINE_DEAD", "add_arguments", "defaults_from_config",
-           "run"]
+__all__ = ["AGENT_KEEPALIVE_S", "EXIT_ENGINE_DEAD", "add_arguments", "run"]
 
 EXIT_ENGINE_DEAD = 3  # the engine lost a worker; the supervisor should restart the instance
 # Idle client connections stay open this long. Longer than the router's own idle limit
@@ -62,32 +54,44 @@ AGENT_KEEPALIVE_S = 30
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
+    try:
+        config = serve_config_from_args(args)
+    except ConfigError as error:
+        print(f"slipstream serve: error: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    return serve(config)
+
+
+def serve(config: ServeConfig) -> int:
+    """Serve as ``config`` says until SIGTERM; the process's exit code."""
+    logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger(__name__)
 
     try:
-        server_config = server_config_from_args(args)
-        check_api_processes(args)
-        tenancy_line(server_config.tenants_path)  # a file that does not validate stops here
+        settings = serve_configs.server_config(config)
+        tenancy_line(settings.tenants_path)  # a file that does not validate stops here
     except (ValueError, OSError) as error:
         log.error("cannot start: %s", error)
         return 2
     shared_dir = None
-    if args.api_processes > 1:
+    if config.server.api_processes > 1:
         from slipstream.agent.server.api_processes import make_shared_dir
         from slipstream.agent.server.metrics import merge_across_processes
 
         shared_dir = make_shared_dir()
         merge_across_processes(str(shared_dir))  # before any metric exists
     try:
-        return _serve(args, server_config, shared_dir)
+        return _serve(config, settings, shared_dir)
     finally:
         if shared_dir is not None:
             shutil.rmtree(shared_dir, ignore_errors=True)
 
 
-def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Path | None
+def _serve(config: ServeConfig, server_config: ServerConfig, shared_dir: Path | None
            ) -> int:
     # Heavy imports only once we are really serving; torch and the model code only in the
     # process that runs the engine (the engine core's, unless --single-process).
@@ -109,8 +113,8 @@ def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Pa
             return _port_in_use("--control-port", server_config.host,
                                 server_config.control_port, error)
     try:
-        engine_config = engine_config_from_args(args)
-        engine = _start_engine(args, engine_config)
+        engine_settings = serve_configs.engine_config(config)
+        engine = _start_engine(config, engine_settings)
     except (ValueError, FileNotFoundError, EngineDeadError, RuntimeError) as error:
         # RuntimeError: a KV transfer engine that cannot load (its message says what to do).
         log.error("cannot start: %s", error)
@@ -137,8 +141,9 @@ def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Pa
             EXIT_GRACE_S, ApiProcesses, PoolEverywhere)
         from slipstream.agent.server.engine_core import EngineCoreClient
 
-        assert isinstance(engine, EngineCoreClient)  # check_api_processes made sure
-        extra = ApiProcesses(args.api_processes - 1, engine, engine_config, shared_dir)
+        assert isinstance(engine, EngineCoreClient)  # the config checked apiProcesses
+        extra = ApiProcesses(config.server.api_processes - 1, engine, engine_settings,
+                             shared_dir)
         engine.before_shutdown = lambda: extra.wait(server_config.drain_timeout_s +
                                                     EXIT_GRACE_S)
         others, pool_holder = extra, PoolEverywhere(metrics, engine)
@@ -194,25 +199,23 @@ def _serve(args: argparse.Namespace, server_config: ServerConfig, shared_dir: Pa
     return 0
 
 
-def _start_engine(args: argparse.Namespace, engine_config: EngineConfig) -> ServingEngine:
-    """The serving engine the flags ask for. In two processes this returns once the engine
+def _start_engine(config: ServeConfig, engine_settings: EngineConfig) -> ServingEngine:
+    """The serving engine the config asks for. In two processes this returns once the engine
     core is spawned (``wait_ready`` waits for it to load); in one, once the model is loaded."""
-    if args.engine_threads < 0:
-        raise ValueError("--engine-threads must be 0 (automatic) or more")
-    if use_engine_process(args):
+    if not config.server.single_process:
         from slipstream.agent.server.engine_core import EngineCoreClient
 
-        return EngineCoreClient(engine_config, scheduler_config_from_args(args),
-                                threads=args.engine_threads, wait=False)
+        return EngineCoreClient(engine_settings, serve_configs.scheduler_config(config),
+                                threads=config.engine.threads, wait=False)
     from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.engine.profile.auto_profile import with_runtime_profile
     from slipstream.agent.parallel.compose import build_engine
 
     logging.getLogger(__name__).info("the engine runs on a thread of this process "
                                      "(--single-process)")
-    engine_config = with_runtime_profile(engine_config)
-    return AsyncEngine(engine_config, engine=build_engine(
-        engine_config, scheduler_config_from_args(args)))
+    engine_settings = with_runtime_profile(engine_settings)
+    return AsyncEngine(engine_settings, engine=build_engine(
+        engine_settings, serve_configs.scheduler_config(config)))
 
 
 def _control_access(config: ServerConfig) -> str:

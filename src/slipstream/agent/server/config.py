@@ -5,56 +5,26 @@ test) and passed to ``build_app``.
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Matches the CRD's default pools.longPrefillThresholdTokens, so dashboards and the router
-# agree on what "long" means.
-DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS = 8192
-# A request without max_tokens may use the rest of the context (as vLLM does), but no more
-# than this: an unbounded default lets one careless client hold a long-context model's KV.
-DEFAULT_MAX_TOKENS_CAP = 16_384
-# Limits on one request's body (server/limits.py, shared with the router).
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-DEFAULT_REQUEST_READ_TIMEOUT_S = 30.0
-# On SIGTERM, requests in flight get this long to finish (server/drain.py). Long enough for
-# most streams; the operator gives the pod this plus a margin before SIGKILL.
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The defaults and choices are the serve config's (agent/config); re-exported for the router.
+from slipstream.agent.config.serving_sections import (
+    DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HOST, DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_READ_TIMEOUT_S, LOG_LEVELS,
+    TOOL_CALL_PARSERS)
+
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_HOST", "DEFAULT_LONG_PROMPT_THRESHOLD_TOKENS",
+           "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_TOKENS_CAP", "DEFAULT_REQUEST_READ_TIMEOUT_S",
+           "LOG_LEVELS", "TOOL_CALL_PARSERS", "ServerConfig", "bind_host"]
 
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
-# `slipstream serve` and `slipstream router` alike: where to listen without --host or
-# $POD_IP, and the --log-level choices.
-DEFAULT_HOST = "127.0.0.1"
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def bind_host(args: argparse.Namespace) -> str:
-    """The address to listen on: ``--host``, else the pod's own (``POD_IP``), else loopback."""
-    return args.host or os.environ.get("POD_IP") or DEFAULT_HOST
-
-
-def add_request_limit_arguments(http: argparse._ArgumentGroup) -> None:
-    """The flags of the per-request limits (limits.py) and --log-level, which ``slipstream
-    serve`` and ``slipstream router`` both take."""
-    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                      metavar="BYTES", help="larger request bodies get 413, unread")
-    http.add_argument("--request-read-timeout-s", type=float,
-                      default=DEFAULT_REQUEST_READ_TIMEOUT_S, metavar="S",
-                      help="a client must send the request line and headers within this "
-                           "long, and then the body within this long, else 408")
-    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-
-
-def add_tenants_argument(group: argparse._ArgumentGroup) -> None:
-    """``--tenants FILE``, which ``slipstream serve`` and ``slipstream router`` both take."""
-    group.add_argument("--tenants", type=Path, default=None, metavar="FILE",
-                       help="tenants YAML (docs/tenancy.md): API keys (as SHA-256 digests), "
-                            "fair-share weights, SLO classes and rate limits; every /v1 request "
-                            "then needs 'Authorization: Bearer KEY'. Without it the API is "
-                            "open to any caller, as the start-up line says")
+def bind_host(host: str | None) -> str:
+    """The address ``slipstream router`` listens on: ``--host``, else the pod's own
+    (``POD_IP``), else loopback. (``slipstream serve`` reads its environment with its config,
+    server/serve_configs.py.)"""
+    return host or os.environ.get("POD_IP") or DEFAULT_HOST
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,52 +26,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the flags parse without torch; allocation imports it
     import torch
 
-# Share of the free memory the cache takes by default.
-DEFAULT_CPU_FRACTION = 0.2
-DEFAULT_CUDA_FRACTION = 0.9
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+from slipstream.agent.config.sizes import (  # re-exported: the flags parse it
+    DEFAULT_CPU_FRACTION, DEFAULT_CUDA_FRACTION, KVCacheMemory)
 
 
 class KVCacheSizeError(ValueError):
     """The cache the settings ask for cannot be allocated; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class KVCacheMemory:
-    """``--kv-cache-memory``: a fraction of the free memory (0 < f <= 1) or a size in bytes.
-    Neither set: the device's default fraction."""
-
-    fraction: float | None = None
-    size_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.fraction is not None and self.size_bytes is not None:
-            raise ValueError("give a fraction or a size for the KV cache, not both")
-        if self.fraction is not None and not 0.0 < self.fraction <= 1.0:
-            raise ValueError(f"a KV cache fraction must be in (0, 1], got {self.fraction}")
-        if self.size_bytes is not None and self.size_bytes < 1:
-            raise ValueError(f"a KV cache size must be positive, got {self.size_bytes} bytes")
-
-    @classmethod
-    def parse(cls, text: str) -> KVCacheMemory:
-        """``0.3`` (a fraction of free memory) or a size with a unit: ``4GiB``, ``512MiB``,
-        ``2G``, ``1500MB``."""
-        match = _SIZE.match(text)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"expected a fraction (0.3) or a size with a unit (4GiB, 512MiB), "
-                             f"got {text!r}")
-        value = float(match.group(1))
-        if unit == "":
-            if not 0.0 < value <= 1.0:
-                raise ValueError(f"a bare number is a fraction of free memory in (0, 1]; give "
-                                 f"a size with its unit (4GiB, 512MiB), got {text!r}")
-            return cls(fraction=value)
-        return cls(size_bytes=int(value * _UNITS[unit]))
 
 
 @dataclass(frozen=True)

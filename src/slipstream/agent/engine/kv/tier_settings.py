@@ -7,24 +7,12 @@ device pool, as sizes (pure data; the flags and the CRD parse into it without to
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# A size with its unit, as --kv-host-memory and the CRD's kvTiers fields take it. The CRD's
-# CEL rule uses the same pattern, so the API server refuses what serve would refuse.
-SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$"
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10,
-          "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+from slipstream.agent.config.sizes import SIZE_PATTERN, parse_size_bytes  # re-exported
 
-
-def parse_size_bytes(text: str) -> int:
-    """``512GiB``, ``1TiB``, ``1.5GB``: a size with its unit, in bytes."""
-    match = re.match(SIZE_PATTERN, text.strip())
-    if match is None:
-        raise ValueError(f"expected a size with a unit (512MiB, 8GiB, 1TiB), got {text!r}")
-    unit = match.group(2)
-    return int(float(text.strip()[:-len(unit)]) * _UNITS[unit])
+__all__ = ["SIZE_PATTERN", "KVTierSettings", "parse_size_bytes"]
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,7 @@ def with_runtime_profile(config: EngineConfig, threads: int | None = None) -> En
     will run with (default: the current count)."""
     if not config.auto_profile or config.profile_dir is not None:
         return config
-    budget = f"each iteration packs up to {config.max_batched_tokens} tokens"
+    budget = f"each iteration packs up to {config.scheduler.max_batched_tokens} tokens"
     if not config.parallel.is_single_process:
         log.warning("no runtime profile: the automatic one covers one device, not tp x spp x "
                     "kvp = %d ranks; %s (pass --profile for the time-budget packer)",

@@ -89,7 +89,7 @@ def plan_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torc
     plan = plan_kv_cache(requested=requested, device_type=device.type,
                          available_bytes=available, bytes_per_block=bytes_per_block,
                          block_size=BLOCK_SIZE, max_model_len=max_model_len,
-                         max_num_seqs=config.max_num_seqs)
+                         max_num_seqs=config.scheduler.max_num_seqs)
     log.info("%s", plan.reason)
     return plan
 
@@ -192,7 +192,7 @@ class ModelRunner:
                      "decodes stay eager", self.backend.name)
             return None
         graphs = DecodeGraphs(
-            self.model, self.kv_caches, self.config.max_num_seqs,
+            self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.num_kv_heads, self.device)
         if self.device.type == "cuda":
