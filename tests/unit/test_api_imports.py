@@ -10,7 +10,8 @@ import sys
 API_MODULES = ("slipstream.cli", "slipstream.agent.server.cli", "slipstream.agent.server.api",
                "slipstream.agent.server.drain", "slipstream.agent.server.engine_core",
                "slipstream.agent.server.control", "slipstream.agent.server.api_processes",
-               "slipstream.agent.engine.async_engine", "slipstream.agent.engine.grammar")
+               "slipstream.agent.engine.async_engine", "slipstream.agent.engine.engine_client",
+               "slipstream.agent.engine.engine_loop", "slipstream.agent.engine.grammar")
 HEAVY = ("torch", "transformers", "slipstream.agent.engine.model_runner",
          "slipstream.agent.engine.engine", "slipstream.agent.parallel.compose")
 

@@ -49,7 +49,7 @@ from slipstream.agent.server.config import ServerConfig
 if TYPE_CHECKING:
     from slipstream.agent.server.api_processes import ApiProcesses
     from slipstream.agent.server.control import PoolHolder
-    from slipstream.agent.server.engine_core import ServingEngine
+    from slipstream.agent.engine.engine_client import ServingEngine
 
 __all__ = ["AGENT_KEEPALIVE_S", "EXIT_ENGINE_DEAD", "add_arguments", "defaults_from_config",
            "run"]
