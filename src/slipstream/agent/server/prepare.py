@@ -137,8 +137,7 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     on): the fair queue's tenant, the permitted SLO and the tokens charged come from it."""
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
-    kv_transfer = KVTransfer.from_params(body.kv_transfer_params)
-    if kv_transfer is not None and body.num_choices > 1:
+    if body.kv_transfer_params and body.num_choices > 1:
         raise bad_request("kv_transfer_params needs n=1", param="n")
     params = build_sampling_params(body, resolved_max_tokens, logprobs, grammar)
     if caller is None:
@@ -152,7 +151,7 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
         caller.charge_tokens(len(prompt_token_ids) + resolved_max_tokens * body.num_choices)
     return PreparedRequest(
         EngineRequest(request_id, prompt_token_ids, params, app_id, body.priority, slo,
-                      kv_transfer, share_weight=weight),
+                      KVTransfer.from_params(body.kv_transfer_params), share_weight=weight),
         include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices)
 
 
