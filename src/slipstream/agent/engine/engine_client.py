@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from slipstream.agent.contracts.request import EngineRequest
 from slipstream.agent.engine.engine_loop import Abort, Add, Command, CutInFlight, DropKV
@@ -35,7 +35,9 @@ from slipstream.agent.engine.sampling_params import RequestOutput
 from slipstream.agent.engine.stats import EngineStats, StepStats, StepSummary
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.tokenizer import TextStream
+    from slipstream.agent.engine.config import EngineConfig
+    from slipstream.agent.engine.grammar import GrammarCompiler
+    from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +51,9 @@ class StepObserver(Protocol):
 class ServingEngine(Protocol):
     """The serving engine the HTTP server, the control API and the drain talk to."""
 
-    config: Any  # EngineConfig
-    tokenizer: Any  # Tokenizer
-    grammar: Any  # GrammarCompiler: checks grammars before they reach the engine
+    config: EngineConfig
+    tokenizer: Tokenizer
+    grammar: GrammarCompiler  # checks grammars before they reach the engine
     fatal_error: str | None
     healthy: bool
     draining: bool
