@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.async_engine import AsyncEngine
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
@@ -130,7 +131,7 @@ def test_offline_generate_sleeps_through_the_window_instead_of_spinning(tiny_mod
 
 async def _first_output_after(engine: AsyncEngine, request_id: str, prompt: list[int]):
     submitted = time.monotonic()
-    stream = engine.generate(request_id, prompt, GREEDY)
+    stream = engine.generate(EngineRequest(request_id, prompt, GREEDY))
     first = await stream.__anext__()
     first_token_delay_s = time.monotonic() - submitted
     outputs = [first] + [output async for output in stream]
@@ -171,7 +172,7 @@ def test_aborting_a_held_request_frees_it(tiny_model_dir):
     async def scenario():
         await async_engine.start()
         try:
-            stream = async_engine.generate("doomed", PROMPTS[2], GREEDY)
+            stream = async_engine.generate(EngineRequest("doomed", PROMPTS[2], GREEDY))
             pending = asyncio.ensure_future(stream.__anext__())
             await asyncio.sleep(0.1)
             assert async_engine.stats().num_waiting == 1  # held, not running

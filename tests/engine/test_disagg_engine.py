@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from slipstream.contracts.request import KVTransfer
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.engine import LLMEngine
@@ -20,6 +21,9 @@ from slipstream.agent.engine.sampling.params import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
 
 from tests.engine.test_kv_transfer import TRANSPORTS
+
+
+EXPORT = KVTransfer(remote_decode=True)  # to a prefill instance: hand the KV off
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,7 +78,7 @@ def test_prefill_then_decode_equals_mixed_for_many_prompts(tiny_model_dir, trans
         # All prompts at once on both sides: prefills batch together, decodes batch together
         # while later transfers are still arriving.
         prefill_out: dict = {}
-        ids = {prefill.add_request(p, params, f"p{i}", kv_transfer={"do_remote_decode": True})
+        ids = {prefill.add_request(p, params, f"p{i}", kv_transfer=EXPORT)
                for i, p in enumerate(prompts)}
         _run(prefill, ids, prefill_out)
         decode_out: dict = {}
@@ -83,7 +87,7 @@ def test_prefill_then_decode_equals_mixed_for_many_prompts(tiny_model_dir, trans
             assert final.finish_reason == "length" and final.kv_transfer is not None
             assert final.new_token_ids == [expected[i][0]]
             decode.add_request(prompt, params, f"d{i}",
-                               kv_transfer={**final.kv_transfer, "do_remote_prefill": True})
+                               kv_transfer=KVTransfer(handle=final.kv_transfer))
         _run(decode, {f"d{i}" for i in range(len(prompts))}, decode_out)
         for i in range(len(prompts)):
             tokens = [t for out in decode_out[f"d{i}"] for t in out.new_token_ids]
@@ -94,8 +98,8 @@ def test_prefill_then_decode_equals_mixed_for_many_prompts(tiny_model_dir, trans
         assert decode.block_manager.kv_blocks_used == 0
         _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
                   "the prefill instance to free acknowledged KV", prefill)
-        assert prefill.disagg is not None and prefill.disagg.exports is not None
-        assert len(prefill.disagg.exports) == 0
+        assert prefill.role.disagg is not None and prefill.role.disagg.exports is not None
+        assert len(prefill.role.disagg.exports) == 0
     finally:
         prefill.close()
         decode.close()
@@ -112,12 +116,12 @@ def test_decode_reports_a_dead_prefill_instance_cleanly(tiny_model_dir):
         disagg=DisaggConfig(role="decode", transport="zmq", transfer_timeout_s=0.5)))
     try:
         out: dict = {}
-        prefill.add_request(prompt, params, "p", kv_transfer={"do_remote_decode": True})
+        prefill.add_request(prompt, params, "p", kv_transfer=EXPORT)
         _run(prefill, {"p"}, out)
         handle = out["p"][-1].kv_transfer
         prefill.close()  # the side channel goes with it
         decode_out: dict = {}
-        decode.add_request(prompt, params, "d", kv_transfer={**handle, "do_remote_prefill": True})
+        decode.add_request(prompt, params, "d", kv_transfer=KVTransfer(handle=handle))
         _run(decode, {"d"}, decode_out)
         final = decode_out["d"][-1]
         assert final.finish_reason == "error" and final.error_code == KV_TRANSFER_FAILED
@@ -135,15 +139,15 @@ def test_wrong_role_and_wrong_prompt_are_refused(tiny_model_dir):
     mixed = _engine(tiny_model_dir)
     try:
         with pytest.raises(ValueError, match="--role prefill"):
-            mixed.add_request([5, 6, 7], params, kv_transfer={"do_remote_decode": True})
+            mixed.add_request([5, 6, 7], params, kv_transfer=EXPORT)
         out: dict = {}
-        prefill.add_request([5, 6, 7], params, "p", kv_transfer={"do_remote_decode": True})
+        prefill.add_request([5, 6, 7], params, "p", kv_transfer=EXPORT)
         _run(prefill, {"p"}, out)
         handle = {**out["p"][-1].kv_transfer, "do_remote_prefill": True}
         with pytest.raises(ValueError, match="--role decode"):
-            mixed.add_request([5, 6, 7], params, kv_transfer=handle)
+            mixed.add_request([5, 6, 7], params, kv_transfer=KVTransfer.from_params(handle))
         with pytest.raises(ValueError, match="another prompt"):
-            decode.add_request([5, 6, 8], params, kv_transfer=handle)
+            decode.add_request([5, 6, 8], params, kv_transfer=KVTransfer.from_params(handle))
         assert decode.block_manager.kv_blocks_used == 0 and not decode.has_unfinished()
     finally:
         for engine in (prefill, decode, mixed):
@@ -157,13 +161,13 @@ def test_an_unacknowledged_hold_is_freed_after_its_timeout(tiny_model_dir):
         disagg=DisaggConfig(role="prefill", transport="zmq", hold_timeout_s=0.2)))
     try:
         out: dict = {}
-        prefill.add_request(list(range(3, 60)), params, "p", kv_transfer={"do_remote_decode": True})
+        prefill.add_request(list(range(3, 60)), params, "p", kv_transfer=EXPORT)
         _run(prefill, {"p"}, out)
         assert prefill.block_manager.kv_blocks_used == 4  # 57 prompt tokens, 16 per block
         _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0, "the hold to expire",
                   prefill)
-        assert prefill.disagg is not None and prefill.disagg.exports is not None
-        assert prefill.disagg.exports.num_expired_total == 1
+        assert prefill.role.disagg is not None and prefill.role.disagg.exports is not None
+        assert prefill.role.disagg.exports.num_expired_total == 1
     finally:
         prefill.close()
 
@@ -191,11 +195,11 @@ def test_a_decode_instance_holding_a_prefix_receives_only_the_rest(tiny_model_di
         for name, prompt in prompts.items():  # one after the other: each finds the last's KV
             before = decode.stats()
             out: dict = {}
-            prefill.add_request(prompt, params, f"p-{name}", kv_transfer={"do_remote_decode": True})
+            prefill.add_request(prompt, params, f"p-{name}", kv_transfer=EXPORT)
             _run(prefill, {f"p-{name}"}, out)
             handle = {**out[f"p-{name}"][-1].kv_transfer, "do_remote_prefill": True}
             decode_out: dict = {}
-            decode.add_request(prompt, params, name, kv_transfer=handle)
+            decode.add_request(prompt, params, name, kv_transfer=KVTransfer.from_params(handle))
             _run(decode, {name}, decode_out)
             assert [t for o in decode_out[name] for t in o.new_token_ids] == expected[name], name
             after = decode.stats()
@@ -207,7 +211,7 @@ def test_a_decode_instance_holding_a_prefix_receives_only_the_rest(tiny_model_di
         assert received == {"first": (4, 0), "other": (2, 3), "again": (1, 3)}
         stats = decode.stats()
         assert stats.kv_transfers_completed == 3 and stats.kv_transfers_failed == 0
-        assert stats.kv_transfer_bytes == 7 * decode.disagg.layout.bytes_per_block
+        assert stats.kv_transfer_bytes == 7 * decode.role.disagg.layout.bytes_per_block
         assert decode.block_manager.kv_blocks_used == 0
         _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
                   "the prefill instance to free acknowledged KV", prefill)
@@ -227,11 +231,10 @@ def test_without_prefix_caching_every_block_is_transferred(tiny_model_dir):
     try:
         for name in ("a", "b"):
             out: dict = {}
-            prefill.add_request(prompt, params, f"p{name}", kv_transfer={"do_remote_decode": True})
+            prefill.add_request(prompt, params, f"p{name}", kv_transfer=EXPORT)
             _run(prefill, {f"p{name}"}, out)
             decode.add_request(prompt, params, name,
-                               kv_transfer={**out[f"p{name}"][-1].kv_transfer,
-                                            "do_remote_prefill": True})
+                               kv_transfer=KVTransfer(handle=out[f"p{name}"][-1].kv_transfer))
             _run(decode, {name}, {})
         stats = decode.stats()
         assert (stats.kv_transfer_blocks, stats.kv_transfer_cached_blocks) == (8, 0)
@@ -257,10 +260,12 @@ def _run_both(prefill: LLMEngine, decode: LLMEngine, ids: set[str], outputs: dic
 
 def _start_handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
                    params: SamplingParams, name: str) -> None:
-    prefill.add_request(prompt, params, f"p-{name}", kv_transfer={"do_remote_decode": True})
-    handle = prefill.kv_handle(f"p-{name}")
-    assert handle is not None and handle["streaming"] and handle["block_ids"] == []
-    decode.add_request(prompt, params, name, kv_transfer={**handle, "do_remote_prefill": True})
+    prefill.add_request(prompt, params, f"p-{name}", kv_transfer=EXPORT)
+    announced = prefill.handle_output(f"p-{name}")
+    assert announced is not None and announced.kv_transfer is not None
+    handle = announced.kv_transfer
+    assert handle["streaming"] and handle["block_ids"] == []
+    decode.add_request(prompt, params, name, kv_transfer=KVTransfer(handle=handle))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -290,7 +295,7 @@ def test_streaming_handoff_equals_mixed_for_many_prompts(tiny_model_dir, transpo
         _wait_for(lambda: prefill.block_manager.kv_blocks_used == 0,
                   "the prefill instance to free acknowledged KV", prefill)
         assert prefill.stats().kv_transfers_acknowledged == len(prompts)
-        assert len(prefill.disagg.exports) == 0 and prefill.kv_handle("p-d0") is None
+        assert len(prefill.role.disagg.exports) == 0 and prefill.handle_output("p-d0") is None
     finally:
         prefill.close()
         decode.close()
@@ -309,8 +314,8 @@ def _past_first_chunk(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
     decode side holds that chunk's two blocks."""
     _start_handoff(prefill, decode, prompt, params, "d")
     _step_until_chunk(prefill, "p-d", 32)
-    assert decode.disagg is not None
-    _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 2,
+    assert decode.role.disagg is not None
+    _wait_for(lambda: (decode.step(), decode.role.disagg.blocks_received("d"))[1] == 2,
               "the decode instance to receive the first chunk's two blocks")
 
 
@@ -333,7 +338,7 @@ def test_blocks_arrive_while_later_prefill_chunks_are_still_to_compute(tiny_mode
         request = prefill.scheduler.requests["p-d"]
         assert request.num_computed_tokens < len(prompt)  # later chunks not computed yet
         _step_until_chunk(prefill, "p-d", 96)
-        _wait_for(lambda: (decode.step(), decode.disagg.blocks_received("d"))[1] == 6,
+        _wait_for(lambda: (decode.step(), decode.role.disagg.blocks_received("d"))[1] == 6,
                   "the decode instance to receive the blocks of the next two chunks")
         outputs: dict = {}
         _run_both(prefill, decode, {"d"}, outputs)
@@ -359,7 +364,7 @@ def test_prefill_aborted_mid_prompt_fails_the_decode_side_cleanly(tiny_model_dir
     try:
         _past_first_chunk(prefill, decode, prompt, params)
         prefill.abort("p-d")  # a client gone, or the router gave up on this prefill
-        assert prefill.block_manager.kv_blocks_used == 0 and len(prefill.disagg.exports) == 0
+        assert prefill.block_manager.kv_blocks_used == 0 and len(prefill.role.disagg.exports) == 0
         outputs: dict = {}
         _run(decode, {"d"}, outputs)
         final = outputs["d"][-1]
@@ -400,10 +405,10 @@ def test_decode_side_giving_up_mid_prompt_frees_the_prefill_hold(tiny_model_dir)
     try:
         _past_first_chunk(prefill, decode, prompt, params)
         assert decode.abort("d") is not None
-        _wait_for(lambda: (decode.step(), decode.disagg.num_pending)[1] == 0,
+        _wait_for(lambda: (decode.step(), decode.role.disagg.num_pending)[1] == 0,
                   "the decode side to end its transfer")
         assert decode.block_manager.kv_blocks_used == 0
-        _wait_for(lambda: len(prefill.disagg.exports) == 0, "the acknowledgement", prefill)
+        _wait_for(lambda: len(prefill.role.disagg.exports) == 0, "the acknowledgement", prefill)
         out: dict = {}
         _run(prefill, {"p-d"}, out)
         final = out["p-d"][-1]

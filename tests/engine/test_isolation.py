@@ -135,7 +135,7 @@ def test_a_step_that_raises_fails_only_its_culprit(engine):
     neighbours = [GREEDY, SEEDED] * 4
     alone, _ = run(engine, PROMPTS, neighbours)
     real_runner = engine.runner
-    engine.runner = FailingFor(real_runner, {"culprit"})
+    engine.runner = engine.execution.runner = FailingFor(real_runner, {"culprit"})
     try:
         ids = [engine.add_request(p, params) for p, params in zip(PROMPTS, neighbours)]
         engine.add_request([42, 43], GREEDY, request_id="culprit")
@@ -147,7 +147,7 @@ def test_a_step_that_raises_fails_only_its_culprit(engine):
                 if out.finished:
                     finals[out.request_id] = out
     finally:
-        engine.runner = real_runner
+        engine.runner = engine.execution.runner = real_runner
     assert [tokens[rid] for rid in ids] == alone
     assert all(finals[rid].finish_reason == "length" for rid in ids)
     culprit = finals["culprit"]
@@ -159,7 +159,7 @@ def test_a_step_that_raises_fails_only_its_culprit(engine):
 def test_several_culprits_are_all_found(engine):
     real_runner = engine.runner
     faulty = FailingFor(real_runner, {"bad-1", "bad-2"})
-    engine.runner = faulty
+    engine.runner = engine.execution.runner = faulty
     try:
         good = [engine.add_request(p, GREEDY) for p in PROMPTS[:6]]
         for name in faulty.culprits:
@@ -170,7 +170,7 @@ def test_several_culprits_are_all_found(engine):
                 if out.finished:
                     finals[out.request_id] = out
     finally:
-        engine.runner = real_runner
+        engine.runner = engine.execution.runner = real_runner
     assert {rid for rid, out in finals.items() if out.finish_reason == "error"} == \
         {"bad-1", "bad-2"}
     assert all(finals[rid].finish_reason == "length" for rid in good)

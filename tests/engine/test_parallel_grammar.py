@@ -108,7 +108,7 @@ def test_failed_masks_fail_only_the_guided_requests(tiny_model_dir, single_proce
                                                    monkeypatch):
     engine = make_engine(tiny_model_dir, ParallelConfig(tp=2))
     try:
-        real_mask_job = engine._mask_job
+        real_mask_job = engine.execution.mask_job
 
         def failing_mask_job(chunks):
             job = real_mask_job(chunks)
@@ -120,7 +120,7 @@ def test_failed_masks_fail_only_the_guided_requests(tiny_model_dir, single_proce
                 raise RuntimeError("a mask computation that fails, for the test")
             return masks
 
-        monkeypatch.setattr(engine, "_mask_job", failing_mask_job)
+        monkeypatch.setattr(engine.execution, "mask_job", failing_mask_job)
         _, tokens, finishes, _ = run(engine)
         assert finishes == ["error", "error", "length"]
         assert tokens[2] == single_process[1][2]

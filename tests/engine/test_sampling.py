@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling.params import SamplingParams
@@ -140,3 +141,14 @@ def test_sampling_on_cuda_keeps_the_draw_on_the_device_and_reads_back_once():
     # A seeded row draws the same token at the same position, whatever shares the batch.
     alone = Sampler(1)(logits[:1], [seeded], [3])
     assert alone.tokens[0] == first.tokens[0]
+
+
+def test_the_engine_schedules_the_request_it_was_given(engine):
+    """The scheduler's request holds the ``EngineRequest`` the API built, not a copy."""
+    spec = EngineRequest("held", list(PROMPT), SamplingParams(max_tokens=2), app_id="a")
+    engine.add(spec)
+    try:
+        assert engine.scheduler.requests["held"].spec is spec
+    finally:
+        engine.abort("held")
+    assert not engine.has_unfinished()

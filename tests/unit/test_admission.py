@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
-from slipstream.agent.engine.async_engine import check_admission, dead_output
+from slipstream.contracts.request import EngineRequest
+from slipstream.agent.engine.engine_client import check_admission, dead_output
 from slipstream.agent.engine.errors import ENGINE_DEAD, EngineDeadError, EngineUnavailable
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.sampling.params import SamplingParams
@@ -32,7 +33,7 @@ class Door:
 
 
 def test_a_good_request_is_admitted() -> None:
-    check_admission(Door(), "a", [1, 2, 3], SamplingParams(max_tokens=8))
+    check_admission(Door(), EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8)))
 
 
 @pytest.mark.parametrize(("door", "error", "words"), [
@@ -46,7 +47,8 @@ def test_the_first_failing_check_answers(door: Door, error: type[Exception],
                                          words: str) -> None:
     # A bad prompt too: the engine's state is reported first (a 503 before a 400).
     with pytest.raises(error, match=words):
-        check_admission(door, "a", [] if door.in_flight else [1], SamplingParams(max_tokens=8))
+        check_admission(door, EngineRequest("a", [] if door.in_flight else [1],
+                                            SamplingParams(max_tokens=8)))
 
 
 @pytest.mark.parametrize(("prompt", "params", "words"), [
@@ -59,7 +61,7 @@ def test_requests_that_can_never_be_served_are_refused(prompt: list[int],
                                                        params: SamplingParams,
                                                        words: str) -> None:
     with pytest.raises(ValueError, match=words):
-        check_admission(Door(), "a", prompt, params)
+        check_admission(Door(), EngineRequest("a", prompt, params))
 
 
 def test_limits_cross_to_the_api_process_whole() -> None:

@@ -10,7 +10,8 @@ import sys
 API_MODULES = ("slipstream.cli", "slipstream.agent.server.cli", "slipstream.agent.server.api",
                "slipstream.agent.server.drain", "slipstream.agent.server.engine_core",
                "slipstream.contracts.control", "slipstream.agent.server.api_processes",
-               "slipstream.agent.engine.async_engine", "slipstream.agent.engine.sampling.grammar")
+               "slipstream.agent.engine.async_engine", "slipstream.agent.engine.engine_client",
+               "slipstream.agent.engine.engine_loop", "slipstream.agent.engine.sampling.grammar")
 HEAVY = ("torch", "transformers", "slipstream.agent.engine.step.model_runner",
          "slipstream.agent.engine.engine", "slipstream.agent.parallel.compose")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from slipstream.contracts.request import EngineRequest
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.models.layers import PipelineStage
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.parallel.env import NodeEnv, WorkerEnv, parse_ranks
@@ -67,7 +69,7 @@ def _scheduler(**config) -> Scheduler:
 
 def test_kvp_cap_keeps_every_chunk_inside_one_group():
     scheduler = _scheduler(max_batched_tokens=100, kvp_tokens_per_group=64)
-    scheduler.add(Request("r", list(range(300)), max_tokens=4, arrival_s=0.0))
+    scheduler.add(Request(EngineRequest("r", list(range(300)), SamplingParams(max_tokens=4)), 0.0))
     ends = []
     while scheduler.requests["r"].in_prefill:
         (chunk,) = scheduler.schedule(0.0).chunks
@@ -79,8 +81,8 @@ def test_kvp_cap_keeps_every_chunk_inside_one_group():
 
 def test_in_flight_request_is_not_scheduled_until_cleared():
     scheduler = _scheduler(max_batched_tokens=512)
-    scheduler.add(Request("a", [1, 2, 3], max_tokens=4, arrival_s=0.0))
-    scheduler.add(Request("b", [4, 5, 6], max_tokens=4, arrival_s=1.0))
+    scheduler.add(Request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=4)), 0.0))
+    scheduler.add(Request(EngineRequest("b", [4, 5, 6], SamplingParams(max_tokens=4)), 1.0))
     first = scheduler.schedule(0.0)
     scheduler.update(first, {"a": 7, "b": 8}, 0.0)
     scheduler.requests["a"].in_flight = True

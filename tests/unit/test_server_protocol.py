@@ -115,7 +115,7 @@ def test_user_names_the_tenant_when_app_id_is_absent():
     def tenant(**fields):
         body = CompletionRequest.model_validate({"prompt": "x", **fields})
         return prepare(ctx, "id", body, [1, 2], max_tokens=4, logprobs=None,
-                       prompt_param="prompt").app_id
+                       prompt_param="prompt").request.app_id
 
     assert tenant() == "default"
     assert tenant(user="alice") == "alice"

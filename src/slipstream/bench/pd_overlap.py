@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slipstream.contracts.request import KVTransfer
 from slipstream.agent.engine.models.tiny_model import TinyModelPreset, write_tiny_model
 
 BENCH_PRESET = TinyModelPreset(hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
@@ -69,10 +70,12 @@ def hand_off(prefill, decode, prompt: list[int], mode: str, name: str) -> dict:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     clock = time.perf_counter
     arrived = clock()
-    prefill.add_request(prompt, params, f"p-{name}", kv_transfer={"do_remote_decode": True})
+    prefill.add_request(prompt, params, f"p-{name}", kv_transfer=KVTransfer(remote_decode=True))
     if mode == "overlap":
-        handle = prefill.kv_handle(f"p-{name}")
-        decode.add_request(prompt, params, name, kv_transfer={**handle, "do_remote_prefill": True})
+        announced = prefill.handle_output(f"p-{name}")  # the streaming handle
+        assert announced is not None
+        decode.add_request(prompt, params, name,
+                           kv_transfer=KVTransfer(handle=announced.kv_transfer))
     prefill_done = first_token = None
     first_step_s = 0.0
     deadline = clock() + 300
@@ -86,8 +89,8 @@ def hand_off(prefill, decode, prompt: list[int], mode: str, name: str) -> dict:
                     if output.kv_transfer is None:
                         raise RuntimeError(f"{mode}: the prefill ended without a hand-off")
                     if mode == "pull-at-end":
-                        decode.add_request(prompt, params, name, kv_transfer={
-                            **output.kv_transfer, "do_remote_prefill": True})
+                        decode.add_request(prompt, params, name,
+                                           kv_transfer=KVTransfer(handle=output.kv_transfer))
         step_started = clock()
         for output in decode.step():
             if output.error:
@@ -111,6 +114,8 @@ def hand_off(prefill, decode, prompt: list[int], mode: str, name: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from slipstream.agent.engine.roles.disagg import DisaggRole
+
     model_dir = Path(tempfile.mkdtemp(prefix="slipstream-pd-overlap-"))
     try:
         write_tiny_model(model_dir, preset=BENCH_PRESET, seed=0, force=True)
@@ -138,8 +143,8 @@ def run(args: argparse.Namespace) -> dict:
                           f"{timing['handoff_gap_s'] * 1000:7.1f} ms, TTFT "
                           f"{timing['ttft_s'] * 1000:7.1f} ms (admitting step "
                           f"{timing['admit_step_s'] * 1000:.1f} ms)", flush=True)
-            assert decode.disagg is not None
-            block_bytes = decode.disagg.layout.bytes_per_block
+            assert isinstance(decode.role, DisaggRole)
+            block_bytes = decode.role.disagg.layout.bytes_per_block
             stats = decode.stats()
             keys = ("handoff_gap_s", "kv_wait_s", "admit_step_s", "prefill_s", "ttft_s")
             summary: dict[str, dict[str, Any]] = {mode: {

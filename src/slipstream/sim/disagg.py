@@ -22,9 +22,11 @@ import heapq
 import time
 from dataclasses import dataclass
 
+from slipstream.contracts.request import EngineRequest, RequestSLO
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, blocks_for_tokens
 from slipstream.agent.scheduler.predictor import BatchTimeModel
-from slipstream.agent.scheduler.request import Request, RequestSLO
+from slipstream.agent.scheduler.request import Request
 from slipstream.sim.instance import RequestRecord, SimInstance, records_from
 from slipstream.sim.pools import PoolRouter
 from slipstream.sim.simulator import SimConfig, SimResult, make_scheduler
@@ -81,10 +83,10 @@ class DecodeSimInstance(SimInstance):
             if needed + len(self.scheduler.running) > manager.kv_blocks_free:
                 return
             self.waiting_kv.pop(0)
-            request = Request(request_id=record.request_id,
-                              prompt_token_ids=[0] * record.prompt_tokens,
-                              max_tokens=record.output_tokens, arrival_s=record.arrival_s,
-                              slo=RequestSLO(ttft_s=record.ttft_deadline_s))
+            request = Request(EngineRequest(
+                record.request_id, [0] * record.prompt_tokens,
+                SamplingParams(max_tokens=record.output_tokens),
+                slo=RequestSLO(ttft_s=record.ttft_deadline_s)), record.arrival_s)
             request.output_token_ids.append(0)
             request.num_computed_tokens = record.prompt_tokens
             request.block_ids = manager.device.allocate(needed)

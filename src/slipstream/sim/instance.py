@@ -40,11 +40,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slipstream.contracts.request import EngineRequest, RequestSLO
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.load_window import LoadWindow
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
 from slipstream.agent.scheduler.predictor import BatchTimeModel
-from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
+from slipstream.agent.scheduler.request import FinishReason, Request
 from slipstream.agent.scheduler.scheduler import Scheduler
 from slipstream.sim.traces import HASH_BLOCK_TOKENS, TraceRequest
 
@@ -206,10 +208,10 @@ class SimInstance:
         self._disk_free_s = 0.0
 
     def add(self, record: RequestRecord, ttft_slo_s: float | None) -> None:
-        request = Request(request_id=record.request_id,
-                          prompt_token_ids=record.prompt_token_ids(),
-                          max_tokens=record.output_tokens, arrival_s=record.arrival_s,
-                          slo=RequestSLO(ttft_s=ttft_slo_s))
+        request = Request(EngineRequest(
+            record.request_id, record.prompt_token_ids(),
+            SamplingParams(max_tokens=record.output_tokens), slo=RequestSLO(ttft_s=ttft_slo_s)),
+            record.arrival_s)
         self.scheduler.add(request)
         self.load.record_arrival(record.arrival_s, record.prompt_tokens)
         record.instance = self.index

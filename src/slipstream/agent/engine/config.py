@@ -288,7 +288,7 @@ class EngineConfig:
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     short_prefill_graphs: bool = False
     short_prefill_buckets: ShortPrefillBuckets = field(default_factory=ShortPrefillBuckets)
-    # Prefill/decode disaggregation: the role and the KV transfer (engine/disagg.py).
+    # Prefill/decode disaggregation: the role and the KV transfer (engine/roles/).
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     # Host-memory and disk tiers under the device KV pool (kv_tier_store.py).
     kv_tiers: KVTierSettings = field(default_factory=KVTierSettings)

@@ -1,6 +1,6 @@
 """How an agent takes part in prefill/decode disaggregation (``--role`` and the KV
 transfer knobs). Kept free of torch and zmq: the server's CLI and the engine config read it;
-``disagg.py`` acts on it.
+the roles (``roles/``) act on it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ One step is: schedule, execute, update, then turn sampled tokens into text and d
 requests are finished (EOS, stop tokens, stop strings, max_tokens, the context limit).
 Finished and aborted requests give their KV blocks back before the next step is scheduled.
 
-This class is synchronous and single-threaded; ``AsyncEngine`` runs it on a background thread
-for the HTTP server.
+This class is synchronous and single-threaded; ``EngineLoop`` (engine_loop.py) drives it for
+the HTTP server, on a thread of the server's process or in an engine-core process.
 
 A step can run nothing while requests are unfinished: with short-prefill batching (AWD) the
 scheduler holds new short prompts until their group is due. ``idle_wait_s`` then says how long
@@ -16,17 +16,14 @@ The engine talks to its model runner through the ``Runner`` protocol (runner.py)
 process it builds the in-process ``ModelRunner`` itself; with ``tp x spp x kvp > 1`` the
 caller passes a ``ParallelExecutor`` (worker processes behind ZeroMQ), which
 ``slipstream.agent.parallel.compose.build_engine`` does, so this module never imports
-``agent/parallel``. Requests that leave are ``release``d to the runner. Under SPP the loop
-keeps several batches in flight (``_step_pipelined``): a prefill chunk that samples nothing
-is marked computed as soon as it is sent, so its next chunk can enter stage 1 right behind
-it, while a chunk that samples (the last prefill chunk, a decode) marks its request
-``in_flight`` and the scheduler leaves that request alone until the token is back
-(pipeline.py keeps that bookkeeping).
+``agent/parallel``. Requests that leave are ``release``d to the runner.
 
 Beside this module: parts.py chooses the context length, runner and scheduler config;
-outputs.py turns each sampled token into text, a finish reason and the ``RequestOutput``;
-disagg_requests.py is the per-request side of the prefill and decode roles; offline.py runs
-the warm-up request and offline ``generate``.
+execution.py runs a batch (grammar masks, failure isolation); pipeline.py keeps several
+batches in flight under SPP; outputs.py turns each sampled token into text, a finish reason
+and the ``RequestOutput``; roles/ is the instance's role (mixed, prefill or decode), which the
+engine calls through one hook object (``self.role``); offline.py runs the warm-up request
+and offline ``generate``.
 """
 
 from __future__ import annotations
@@ -35,33 +32,31 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
+from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine import offline, parts
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.disagg_requests import DisaggRequests, require
-from slipstream.agent.engine.errors import (
-    KV_TRANSFER_FAILED, REQUEST_FAILED, EngineDeadError, KVTierLoadError)
-from slipstream.agent.engine.sampling.grammar import GrammarCompiler, MaskJob, MaskWorkers
-from slipstream.agent.engine.step.isolation import REQUEST_FAILED_MESSAGE, isolate_failures
+from slipstream.agent.engine.errors import KV_TRANSFER_FAILED, REQUEST_FAILED
+from slipstream.agent.engine.execution import BatchExecution
+from slipstream.agent.engine.sampling.grammar import GrammarCompiler
+from slipstream.agent.engine.step.isolation import REQUEST_FAILED_MESSAGE
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.step.load_window import LoadWindow
 from slipstream.agent.engine.step.model_runner import SampledToken
 from slipstream.agent.engine.step.outputs import (
     OutputState, error_output, final_output, step_output)
-from slipstream.agent.engine.step.pipeline import InFlightBatches
+from slipstream.agent.engine.step.pipeline import PipelinedSteps
+from slipstream.agent.engine.roles.base import Role, make_role
 from slipstream.agent.engine.step.runner import Runner
 from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
 from slipstream.agent.engine.step.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
-from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager
-from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO, RequestStatus
+from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
 from slipstream.agent.scheduler.scheduler import Scheduler, SchedulerConfig
-
-if TYPE_CHECKING:
-    from slipstream.agent.engine.disagg import Disaggregation
 
 log = logging.getLogger(__name__)
 # After a step that ran nothing while no wakeup time is known (nothing held, nothing runnable,
@@ -117,36 +112,23 @@ class LLMEngine:
             self.model_config.eos_token_ids)
         self.grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                        self.eos_token_ids)
-        self._mask_workers: MaskWorkers | None = None  # started with the first grammar
         self._outputs: dict[str, OutputState] = {}
+        self.execution = BatchExecution(self.runner, self.scheduler,
+                                        self.grammar.lltokenizer.vocab_size, self._matcher_of,
+                                        self.clock)
         self._ids = itertools.count()
         self.load = LoadWindow(start_s=self.clock())
         # Called on the engine thread after each executed batch (metrics); keep it cheap.
         self.on_step: Callable[[StepStats], None] | None = None
-        self._in_flight = InFlightBatches()  # pipelined execution (SPP)
+        self._pipeline = PipelinedSteps(self.runner, self.scheduler, self.execution,
+                                        self.clock) if self.pipeline_depth > 1 else None
         self.last_step_ran_nothing = False  # nothing sent and nothing in flight
-        # Prefill/decode disaggregation (disagg_requests.py): None in the mixed role.
-        self._disagg: DisaggRequests | None = self._make_disagg(config)
+        # Prefill/decode disaggregation (roles/): this instance's part in it, if any.
+        self.role: Role = make_role(config.disagg, self.runner, self.block_manager, self.clock)
 
     @property
     def model_name(self) -> str:
         return self.config.model_name
-
-    @property
-    def disagg(self) -> Disaggregation | None:
-        """The prefill or decode role's transfers (disagg.py); None in the mixed role."""
-        return self._disagg.disagg if self._disagg is not None else None
-
-    def _make_disagg(self, config: EngineConfig) -> DisaggRequests | None:
-        if not config.disagg.enabled:
-            return None
-        from slipstream.agent.engine.disagg import Disaggregation  # zmq, transfer engines
-
-        kv_caches = getattr(self.runner, "kv_caches", None)
-        if kv_caches is None:
-            raise ValueError(f"--role {config.disagg.role} needs the in-process model runner")
-        return DisaggRequests(
-            Disaggregation(config.disagg, kv_caches, self.block_manager, self.clock))
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -160,48 +142,42 @@ class LLMEngine:
         self.limits.validate(prompt_token_ids, params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, *, app_id: str = "default",
-                    priority: int = 0, slo: RequestSLO | None = None,
-                    kv_transfer: dict | None = None,
-                    share_prompt_with: str | None = None, share_weight: float = 1.0) -> str:
-        """Queue a request. ``kv_transfer`` (disaggregation, see disagg.py) is
-        ``{"do_remote_decode": true}`` on a prefill instance, or the handle a prefill instance
-        returned (with ``"do_remote_prefill": true``) on a decode instance.
+                    request_id: str | None = None, **fields: Any) -> str:
+        """Offline use: queue a request of these tokens; ``fields`` are the rest of
+        ``EngineRequest`` (``slo``, ``kv_transfer``, ...). Returns its id."""
+        return self.add(EngineRequest(request_id or f"req-{next(self._ids)}",
+                                      list(prompt_token_ids), params, **fields))
+
+    def add(self, spec: EngineRequest) -> str:
+        """Queue a request (ValueError if it can never be served here). ``kv_transfer``
+        (disaggregation, see roles/) asks a prefill instance to hand the KV off, or a
+        decode instance to fetch it from the prefill instance its handle names.
         ``share_prompt_with`` names a request just added with the same prompt (another choice
         of an ``n > 1`` request): this one waits for its prefill and reuses that KV."""
-        self.validate(prompt_token_ids, params)
+        params = spec.params
+        self.validate(spec.prompt_token_ids, params)
         matcher = self.grammar.matcher(params.grammar) if params.grammar is not None else None
-        request_id = request_id or f"req-{next(self._ids)}"
         now = self.clock()
-        request = Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-            max_tokens=params.max_tokens, arrival_s=now, app_id=app_id, priority=priority,
-            slo=slo or RequestSLO(), sampling=params.options(),
-            share_prompt_with=share_prompt_with, share_weight=share_weight)
-        if kv_transfer and kv_transfer.get("do_remote_prefill"):
-            # Decode role: joins the scheduler once its KV has arrived (``_poll_disagg``).
-            require(self._disagg, "do_remote_prefill", "decode").open_import(
-                request, kv_transfer, self.model_config.vocab_size, self.scheduler.requests)
-        else:
-            if kv_transfer and kv_transfer.get("do_remote_decode"):
-                require(self._disagg, "do_remote_decode", "prefill").open_export(request)
+        request = Request(spec, now)
+        # Decode role: a request whose KV comes from elsewhere joins the scheduler once the
+        # KV has arrived (``_admit_arrivals``).
+        if not self.role.admit(request, spec.kv_transfer, self.model_config.vocab_size,
+                               self.scheduler.requests):
             self.scheduler.add(request)
             # Prefill work arriving here (a remote-prefilled request brings its KV instead).
-            self.load.record_arrival(now, len(prompt_token_ids))
-        self._outputs[request_id] = OutputState(
-            params=params, text=TextStream(self.tokenizer, prompt_token_ids, params.stop),
+            self.load.record_arrival(now, len(spec.prompt_token_ids))
+        self._outputs[spec.request_id] = OutputState(
+            params=params, text=TextStream(self.tokenizer, spec.prompt_token_ids, params.stop),
             arrival_s=now, matcher=matcher)
-        return request_id
+        return spec.request_id
 
-    def _poll_disagg(self) -> list[RequestOutput]:
-        """Free acknowledged exports; admit requests whose KV has arrived (their first
-        token is the first output here) and fail those whose transfer failed."""
-        if self._disagg is None:
-            return []
+    def _admit_arrivals(self) -> list[RequestOutput]:
+        """Admit requests whose KV has arrived from elsewhere (their first token is the first
+        output here) and fail those whose transfer failed."""
         now = self.clock()
         outputs: list[RequestOutput] = []
-        for request, arrived in self._disagg.arrivals(now, self.model_config.vocab_size,
-                                                      self._outputs):
+        for request, arrived in self.role.arrivals(now, self.model_config.vocab_size,
+                                                   self._outputs):
             if not arrived:
                 output = final_output(request, self._outputs.pop(request.request_id), [], "",
                                       error="the KV cache of this request could not be "
@@ -218,18 +194,16 @@ class LLMEngine:
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               error: str | None = None, error_code: str | None = None) -> RequestOutput | None:
-        if self._disagg is not None:
-            item = self._disagg.cancel_import(request_id)
-            if item is not None:  # its blocks are freed when its transfer ends
-                state = self._outputs.pop(request_id, None)
-                if state is None:
-                    return None
-                item.request.status = RequestStatus.FINISHED
-                item.request.finish_reason = reason
-                output = final_output(item.request, state, [], "", error=error)
-                output.error_code = error_code
-                return output
-            self._disagg.end_export(request_id)
+        kept = self.role.cancel(request_id)
+        if kept is not None:  # its blocks are freed when its transfer ends
+            state = self._outputs.pop(request_id, None)
+            if state is None:
+                return None
+            kept.status = RequestStatus.FINISHED
+            kept.finish_reason = reason
+            output = final_output(kept, state, [], "", error=error)
+            output.error_code = error_code
+            return output
         request = self.scheduler.finish(request_id, reason, self.clock())
         state = self._outputs.pop(request_id, None)
         if request is not None:
@@ -240,39 +214,21 @@ class LLMEngine:
         output.error_code = error_code
         return output
 
-    def kv_handle(self, request_id: str) -> dict | None:
-        """Prefill role: the streaming KV handle of a request still prefilling here (a
-        decode instance given it reads each chunk's blocks as they are computed)."""
-        return self._disagg.kv_handles.get(request_id) if self._disagg is not None else None
-
     def handle_output(self, request_id: str) -> RequestOutput | None:
-        """Prefill role: the output a serving loop sends right after adding a request whose
-        KV goes to a decode instance: no tokens, not finished, its streaming handle in
-        ``kv_transfer``. It lets a router start the decode leg while the prompt computes;
-        the final output still carries the complete handle (same hold)."""
-        handle = self.kv_handle(request_id)
+        """The output a serving loop sends right after adding a request, if its role
+        announces one (the prefill role's streaming KV handle, ``Role.handle_output``)."""
         request = self.scheduler.requests.get(request_id)
-        if handle is None or request is None:
-            return None
-        return RequestOutput(request_id=request_id, new_token_ids=[], new_text="",
-                             num_prompt_tokens=request.prompt_len, num_output_tokens=0,
-                             kv_transfer=handle)
+        return None if request is None else self.role.handle_output(request)
 
     def drop_kv(self, transfer_id: str) -> None:
-        """Prefill role: free a hold handed off already (a stop string found after the
-        engine finished the request, by the API process of a two-process server); a
-        decode instance reading it is told it is gone."""
-        if self._disagg is not None:
-            self._disagg.drop_kv(transfer_id)
+        """Prefill role: free a hold handed off already (``Role.drop_kv``)."""
+        self.role.drop_kv(transfer_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (
-            self.disagg is not None and self.disagg.num_pending > 0)
+        return self.scheduler.has_unfinished() or self.role.num_pending > 0
 
     def stats(self) -> EngineStats:
-        transfers: dict[str, float] = {}
-        if self._disagg is not None:
-            transfers.update(self._disagg.transfer_stats())
+        transfers: dict[str, float] = dict(self.role.transfer_stats())
         if self.block_manager.tiers is not None:
             transfers.update(self.runner.kv_tier_counters())
         return EngineStats.of(
@@ -303,12 +259,12 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop worker processes, if any (the in-process runner has nothing to stop)."""
-        if self._mask_workers is not None:
-            self._mask_workers.close()
-        disagg = getattr(self, "_disagg", None)  # None too if __init__ failed before it
-        if disagg is not None:
-            disagg.disagg.close()
-            self._disagg = None
+        execution = getattr(self, "execution", None)  # None if __init__ failed before it
+        if execution is not None:
+            execution.close()
+        role = getattr(self, "role", None)  # None if __init__ failed before it
+        if role is not None:
+            role.close()
         self.runner.close()
 
     def check_alive(self) -> None:
@@ -316,81 +272,42 @@ class LLMEngine:
         self.runner.check_alive()
 
     def step(self) -> list[RequestOutput]:
-        if self._disagg is not None:
-            arrived = self._poll_disagg()
-            return arrived + self._step()
-        return self._step()
+        return self._admit_arrivals() + self._step()
 
     def poll_transfers(self) -> list[RequestOutput]:
         """While idle: free KV that decode instances acknowledged (prefill role)."""
-        return self._poll_disagg()
+        return self._admit_arrivals()
 
     def _step(self) -> list[RequestOutput]:
         if self.block_manager.tiers is not None:  # fetches from disk that ended
             self.scheduler.apply_tier_results(self.runner.poll_kv_tiers(), self.clock())
-        if self.pipeline_depth > 1:
-            return self._step_pipelined()
+        if self._pipeline is not None:
+            return self._step_pipelined(self._pipeline)
         schedule_start_s = self.clock()
         batch = self.scheduler.schedule(schedule_start_s)
         self.last_step_ran_nothing = batch.is_empty
         if batch.is_empty:
             return []
         execute_start_s = self.clock()
-        sampled, failures = self._execute(batch)
+        sampled, failures = self.execution.execute(batch)
         now = self.clock()
-        self.load.record_step(schedule_start_s, now, batch.num_tokens - batch.num_decodes)
+        self._record_step(batch, schedule_start_s, execute_start_s, now)
+        return self._apply(batch, sampled, failures, now)
+
+    def _record_step(self, batch: Batch, schedule_start_s: float, execute_start_s: float,
+                     now: float) -> None:
+        # Pipelined batches overlap, so busy time is over-counted there; utilisation is
+        # clamped to 1 by the load window, and the prefill rate stays a fair estimate. Their
+        # execute time includes the wait in the pipeline.
+        self.load.record_step(execute_start_s if self._pipeline else schedule_start_s, now,
+                              batch.num_tokens - batch.num_decodes)
         if self.on_step is not None:
             self.on_step(StepStats(batch, schedule_start_s, execute_start_s, now,
                                    self.runner.last_forward_s))
-        return self._apply(batch, sampled, failures, now)
 
-    def _execute(self, batch: Batch) -> tuple[dict[str, SampledToken], dict[str, str]]:
-        """Run the batch; if it raises, find the requests that make it fail (isolation.py).
-        Returns the sampled tokens and ``{request_id: why}`` for requests to fail alone."""
-        try:
-            sampled = self._run(batch)
-            failures: dict[str, str] = {}
-        except KVTierLoadError as error:
-            # Their KV did not arrive: recompute them, run the rest as it was.
-            dropped = set(self.scheduler.recompute_after_failed_load(error.device_blocks,
-                                                                     self.clock()))
-            log.warning("%s; recomputing %d requests instead", error, len(dropped))
-            rest = tuple(chunk for chunk in batch.chunks if chunk.request_id not in dropped)
-            return self._execute(Batch(chunks=rest)) if rest else ({}, {})
-        except EngineDeadError:
-            raise
-        except Exception as error:  # noqa: BLE001 - find the culprit, spare the rest
-            log.warning("an engine step of %d requests failed (%s: %s); looking for the "
-                        "request that causes it", len(batch.chunks), type(error).__name__, error)
-            sampled, failures = isolate_failures(
-                lambda chunks: self._run(Batch(chunks=chunks)), batch.chunks, error)
-        return sampled, failures
-
-    def _run(self, batch: Batch) -> dict[str, SampledToken]:
-        """Execute one batch; the masks of its guided rows are computed while it runs."""
-        masks = self._mask_job(batch.chunks)
-        if masks is None:
-            return self.runner.execute(batch)
-        return self.runner.execute(batch, masks)
-
-    def _mask_job(self, chunks: Sequence[ScheduledChunk]) -> MaskJob | None:
-        """Start the grammar masks of the chunks that sample under a grammar; their rows
-        are their places among the sampling chunks, as the runner orders them."""
-        rows = []
-        row = 0
-        for chunk in chunks:
-            if not chunk.sample:
-                continue
-            if chunk.sampling.guided:
-                state = self._outputs.get(chunk.request_id)
-                if state is not None and state.matcher is not None:
-                    rows.append((row, state.matcher))
-            row += 1
-        if not rows:
-            return None
-        if self._mask_workers is None:
-            self._mask_workers = MaskWorkers(self.grammar.lltokenizer.vocab_size)
-        return self._mask_workers.start(rows)
+    def _matcher_of(self, request_id: str) -> Any:
+        state = self._outputs.get(request_id)
+        return None if state is None else state.matcher
 
     def _apply(self, batch: Batch, sampled: dict[str, SampledToken], failures: dict[str, str],
                now: float) -> list[RequestOutput]:
@@ -399,8 +316,7 @@ class LLMEngine:
         outputs = [out for rid, why in failures.items() if (out := self._fail(rid, why))]
         tokens = {rid: s.token_id for rid, s in sampled.items() if rid not in failures}
         self.scheduler.update(batch, tokens, now)
-        if self._disagg is not None and self._disagg.exporting:
-            self._disagg.publish(batch, failures, self.scheduler.requests)
+        self.role.published(batch, failures, self.scheduler.requests)
         for request_id in tokens:
             try:
                 output = self._process(request_id, sampled[request_id], now)
@@ -420,46 +336,14 @@ class LLMEngine:
             output = error_output(request_id, REQUEST_FAILED_MESSAGE, REQUEST_FAILED)
         return output
 
-    def _step_pipelined(self) -> list[RequestOutput]:
-        """Send a batch if the pipeline has room, then take the results that are back."""
-        runner = self.runner
-        sent = False
-        if runner.num_in_flight < self.pipeline_depth:
-            schedule_start_s = self.clock()
-            batch = self.scheduler.schedule(schedule_start_s)
-            if not batch.is_empty:
-                self._dispatch(batch, schedule_start_s)
-                sent = True
-        self.last_step_ran_nothing = not sent and runner.num_in_flight == 0
-        if runner.num_in_flight == 0:
-            return []
-        # Wait only when nothing more could be sent; otherwise just take what has arrived.
-        block = not sent or runner.num_in_flight >= self.pipeline_depth
-        return [output for seq, sampled in runner.collect(block=block)
-                for output in self._complete(seq, sampled)]
-
-    def _dispatch(self, batch: Batch, schedule_start_s: float) -> None:
-        execute_start_s = self.clock()
-        masks = self._mask_job(batch.chunks)
-        seq = self.runner.submit(batch) if masks is None else self.runner.submit(batch, masks)
-        self._in_flight.sent(seq, batch, self.scheduler.requests, schedule_start_s,
-                             execute_start_s)
-        # A chunk that samples nothing needs no result: the next chunk may follow it now.
-        advanced = tuple(chunk for chunk in batch.chunks if not chunk.sample)
-        if advanced:
-            self.scheduler.update(Batch(chunks=advanced), {}, self.clock())
-
-    def _complete(self, seq: int, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        sent, current = self._in_flight.returned(seq, self.scheduler.requests, sampled)
-        batch = sent.batch
-        now = self.clock()
-        # Pipelined batches overlap, so busy time is over-counted here; utilisation is
-        # clamped to 1 by the load window, and the prefill rate stays a fair estimate.
-        self.load.record_step(sent.execute_start_s, now, batch.num_tokens - batch.num_decodes)
-        if self.on_step is not None:  # execute time here includes the wait in the pipeline
-            self.on_step(StepStats(batch, sent.schedule_start_s, sent.execute_start_s, now,
-                                   self.runner.last_forward_s))
-        return self._apply(current, sampled, {}, now)
+    def _step_pipelined(self, pipeline: PipelinedSteps) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for sent, current, sampled in pipeline.step():
+            now = self.clock()
+            self._record_step(sent.batch, sent.schedule_start_s, sent.execute_start_s, now)
+            outputs += self._apply(current, sampled, {}, now)
+        self.last_step_ran_nothing = pipeline.ran_nothing
+        return outputs
 
     def _process(self, request_id: str, sampled: SampledToken, now: float) -> RequestOutput | None:
         request = self.scheduler.requests.get(request_id)
@@ -485,10 +369,8 @@ class LLMEngine:
                                      with_text=self.output_text)
         new_tokens = request.output_token_ids[state.emitted_tokens:]
         state.emitted_tokens = request.num_output_tokens
-        kv_transfer = None
-        if self._disagg is not None and request_id in self._disagg.exporting:
-            # Prefill role: the first token ends the request here (its KV goes on).
-            kv_transfer, reason = self._disagg.hand_off(request, now, reason)
+        # Prefill role: the first token ends a handed-off request here (its KV goes on).
+        kv_transfer, reason = self.role.hand_off(request, now, reason)
         if reason is not None:
             outputs = request.num_output_tokens
             if request.slo.tpot_s is not None and outputs > 1 and state.first_token_s is not None:
@@ -505,11 +387,7 @@ class LLMEngine:
         return step_output(request, new_tokens, text, logprobs)
 
     def warm_up(self, timeout_s: float = offline.WARM_UP_TIMEOUT_S) -> None:
-        """Run one real one-token request through every rank and wait for its token, so that
-        an instance says it is ready only once it has served. Raises ``EngineDeadError`` if a
-        worker is gone, ``RuntimeError`` if the step fails or takes longer than
-        ``timeout_s``. Leaves no trace: step observers are not told, and the load window
-        starts afresh."""
+        """Serve one real one-token request before saying ready (``offline.warm_up``)."""
         offline.warm_up(self, timeout_s)
 
     # -- offline use ------------------------------------------------------------------------

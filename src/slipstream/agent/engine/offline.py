@@ -21,7 +21,11 @@ WARM_UP_TIMEOUT_S = 300.0
 
 
 def warm_up(engine: LLMEngine, timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
-    """``LLMEngine.warm_up``: one one-token request, its token awaited; leaves no trace."""
+    """``LLMEngine.warm_up``: run one real one-token request through every rank and wait
+    for its token, so that an instance says it is ready only once it has served. Raises
+    ``EngineDeadError`` if a worker is gone, ``RuntimeError`` if the step fails or takes
+    longer than ``timeout_s``. Leaves no trace: step observers are not told, and the load
+    window starts afresh."""
     on_step, engine.on_step = engine.on_step, None
     try:
         request_id = engine.add_request([0], SamplingParams(max_tokens=1, temperature=0.0,

@@ -14,39 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slipstream.contracts.sampling import SamplingOptions as SamplingOptions
 from slipstream.agent.scheduler.kv_tiers import TierOps
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingOptions:
-    """What the runner needs to sample a request's next token. Pure data."""
-
-    temperature: float = 1.0
-    top_k: int = -1  # -1 disables
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: int | None = None  # number of top alternatives; None = no logprobs
-    # OpenAI's penalties on tokens already generated, and the multiplicative repetition
-    # penalty (1 disables) on the prompt and generated tokens, as vLLM and transformers apply it.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
-    # The request is constrained by a grammar: the engine supplies each step's token mask.
-    guided: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_output_history(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
-
-    @property
-    def uses_prompt_history(self) -> bool:
-        return self.repetition_penalty != 1.0
 
 
 @dataclass(frozen=True, slots=True)

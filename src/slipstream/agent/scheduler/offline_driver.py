@@ -23,9 +23,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from slipstream.contracts.request import EngineRequest, RequestSLO
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.kv_tiers import TierCopy, TierResults
-from slipstream.agent.scheduler.request import FinishReason, Request, RequestSLO
+from slipstream.agent.scheduler.request import FinishReason, Request
 from slipstream.agent.scheduler.scheduler import Scheduler
 
 
@@ -146,15 +148,10 @@ def make_request(arrival: Arrival) -> Request:
         prompt = list(arrival.prompt)
     else:
         prompt = [sampled_token(arrival.request_id, -1 - i) for i in range(arrival.prompt_tokens)]
-    return Request(
-        request_id=arrival.request_id,
-        prompt_token_ids=prompt,
-        max_tokens=arrival.output_tokens,
-        arrival_s=arrival.arrival_s,
-        app_id=arrival.app_id,
-        slo=RequestSLO(ttft_s=arrival.ttft_s),
-        share_prompt_with=arrival.share_prompt_with,
-    )
+    return Request(EngineRequest(
+        arrival.request_id, prompt, SamplingParams(max_tokens=arrival.output_tokens),
+        app_id=arrival.app_id, slo=RequestSLO(ttft_s=arrival.ttft_s),
+        share_prompt_with=arrival.share_prompt_with), arrival.arrival_s)
 
 
 def drive(scheduler: Scheduler, arrivals: list[Arrival], max_steps: int = 1_000_000,

@@ -17,7 +17,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from slipstream.agent.scheduler.batch import SamplingOptions
+from slipstream.contracts.request import EngineRequest
+from slipstream.contracts.request import RequestSLO as RequestSLO
+from slipstream.contracts.sampling import SamplingOptions
 
 
 class RequestStatus(enum.Enum):
@@ -34,29 +36,16 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the engine failed while the request was in flight
 
 
-@dataclass(frozen=True)
-class RequestSLO:
-    """Per-request service-level objectives; ``None`` means "use the engine default"."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
+_NO_SLO = RequestSLO()
 
 
 @dataclass(eq=False)
 class Request:
     """One request's scheduling state. Mutated only by the scheduler."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
+    spec: EngineRequest  # what was asked for, unchanged (contracts/request.py)
     arrival_s: float
-    app_id: str = "default"
-    priority: int = 0
-    slo: RequestSLO = field(default_factory=RequestSLO)
-    # The fair share of ``app_id`` (a tenant's weight from the tenants file): Justitia's
-    # virtual time charges this request's cost divided by it.
-    share_weight: float = 1.0
-    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    sampling: SamplingOptions = field(init=False)  # the runner's part of ``spec.params``
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -80,10 +69,6 @@ class Request:
     # the pipeline. The engine sets and clears it; the scheduler grants the request nothing
     # while it is set.
     in_flight: bool = False
-    # n > 1 (the API's choices): the id of a request with the same prompt, added just before
-    # this one. While that request prefills, this one is held back; it is queued once those
-    # prompt blocks are in the prefix cache, so the prompt is computed once (scheduler.py).
-    share_prompt_with: str | None = None
     # Set by the scheduler at add(): absolute TTFT deadline and total prefill work (urgency.py).
     ttft_deadline_s: float | None = None
     prefill_work_s: float | None = None
@@ -91,6 +76,46 @@ class Request:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.sampling = self.spec.params.options()
+
+    # What was asked for (``spec``). ``share_prompt_with``: while that request prefills,
+    # this one is held back; it is queued once those prompt blocks are in the prefix cache,
+    # so the prompt is computed once (scheduler.py). ``share_weight``: Justitia's virtual
+    # time charges this request's cost divided by it.
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.spec.prompt_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.spec.params.max_tokens
+
+    @property
+    def app_id(self) -> str:
+        return self.spec.app_id
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
+
+    @property
+    def slo(self) -> RequestSLO:
+        return self.spec.slo or _NO_SLO
+
+    @property
+    def share_prompt_with(self) -> str | None:
+        return self.spec.share_prompt_with
+
+    @property
+    def share_weight(self) -> float:
+        return self.spec.share_weight
 
     @property
     def prompt_len(self) -> int:

@@ -150,7 +150,7 @@ class Scheduler:
 
     def add_running(self, request: Request, now_s: float) -> None:
         """Admit a request whose prompt KV already sits in ``request.block_ids`` (received
-        from a prefill instance, see engine/disagg.py). It must be one token short of its
+        from a prefill instance, see engine/roles/). It must be one token short of its
         next sample, with that token already in ``output_token_ids``; it joins the running
         decodes, and from then on it is scheduled (and may be preempted) like any other."""
         if request.request_id in self.requests:

@@ -39,7 +39,7 @@ from slipstream.agent.server.tenancy.gate import TenancyGate
 from slipstream.agent.server.tenancy.registry import OPEN_LABEL, Tenants
 
 if TYPE_CHECKING:
-    from slipstream.agent.server.engine_core import ServingEngine
+    from slipstream.agent.engine.engine_client import ServingEngine
 
 M = TypeVar("M", bound=BaseModel)
 # nginx's code for "client closed request": logged, never seen by the (gone) client.

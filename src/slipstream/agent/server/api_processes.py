@@ -170,7 +170,7 @@ def run_api_process(address: ClientAddress, engine_config: EngineConfig,
     from slipstream.agent.engine.errors import EngineDeadError
     from slipstream.agent.server.api import build_app
     from slipstream.agent.server.cli import AGENT_KEEPALIVE_S
-    from slipstream.agent.server.core_process import EXIT_CORE_DEAD
+    from slipstream.agent.engine.engine_loop import EXIT_CORE_DEAD
     from slipstream.agent.server.drain import DrainingServer
     from slipstream.agent.server.drain import server_config as server_config_for_uvicorn
     from slipstream.agent.server.engine_core import EngineCoreClient

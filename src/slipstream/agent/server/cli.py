@@ -42,7 +42,7 @@ from slipstream.agent.server.config import ServerConfig
 if TYPE_CHECKING:
     from slipstream.agent.server.api_processes import ApiProcesses
     from slipstream.contracts.control import PoolHolder
-    from slipstream.agent.server.engine_core import ServingEngine
+    from slipstream.agent.engine.engine_client import ServingEngine
 
 __all__ = ["AGENT_KEEPALIVE_S", "EXIT_ENGINE_DEAD", "add_arguments", "run"]
 

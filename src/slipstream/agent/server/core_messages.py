@@ -1,31 +1,21 @@
 """The messages between the API processes and the engine-core process (engine_core.py).
 
-Commands go from an API process to the core (``Command``); the core answers with ``Ready``
-once, then ``Outputs`` after every step, ``WarmedUp``, or ``Dead``. ``SetPool`` and ``Dead``
-also travel from the first API process to the others (``--api-processes``). All are msgspec
-structs sent as msgpack over ZeroMQ; ``array_like`` keeps them small on the wire.
+Commands go from an API process to the core: the loop's own (``Add`` with the request as
+``prepare()`` built it, ``Abort``, ... from engine_loop.py, which the in-process transport
+queues as they are) and ``Attach``. The core answers with ``Ready`` once, then ``Outputs``
+after every step, ``WarmedUp``, or ``Dead``. ``SetPool`` and ``Dead`` also travel from the
+first API process to the others (``--api-processes``). All are msgspec structs sent as
+msgpack over ZeroMQ; ``array_like`` keeps them small on the wire.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from slipstream.agent.engine.engine_loop import Command
 from slipstream.agent.engine.limits import RequestLimits
-from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.engine.step.stats import EngineStats, StepSummary
-from slipstream.agent.scheduler.request import RequestSLO
-
-class Add(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    app_id: str
-    priority: int
-    slo: RequestSLO | None
-    kv_transfer: dict | None = None
-    share_prompt_with: str | None = None
-    client: int = 0  # the API process that sent it (--api-processes); its outputs go there
-    share_weight: float = 1.0  # the tenant's fair share (Request.share_weight)
 
 
 class Attach(msgspec.Struct, tag="attach", array_like=True):
@@ -35,28 +25,6 @@ class Attach(msgspec.Struct, tag="attach", array_like=True):
     client: int
     command_addr: str
     output_addr: str
-
-
-class WarmUp(msgspec.Struct, tag="warm_up", array_like=True):
-    pass
-
-
-class CutInFlight(msgspec.Struct, tag="cut", array_like=True):
-    """The drain period is over: fail every request in flight (``drained``)."""
-
-
-class Abort(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-class DropKV(msgspec.Struct, tag="drop_kv", array_like=True):
-    """Prefill role: a stop string (found here, in the API process) ended requests at their
-    first token after the core had handed their KV off; free those holds."""
-    transfer_ids: list[str]
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):
@@ -87,6 +55,6 @@ class SetPool(msgspec.Struct, tag="set_pool", array_like=True):
 
 
 encoder = msgspec.msgpack.Encoder()
-Command = Add | Abort | Shutdown | WarmUp | CutInFlight | DropKV | Attach
-command_decoder = msgspec.msgpack.Decoder(Command)
+WireCommand = Command | Attach
+command_decoder = msgspec.msgpack.Decoder(WireCommand)
 core_decoder = msgspec.msgpack.Decoder(Ready | Outputs | Dead | WarmedUp | SetPool)

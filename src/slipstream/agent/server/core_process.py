@@ -1,9 +1,11 @@
-"""The engine-core process: builds ``LLMEngine`` and runs its loop (``run_engine_core``).
+"""The engine-core process: builds ``LLMEngine`` and runs ``EngineLoop`` on it
+(``run_engine_core``), the same loop an in-process server runs on a thread.
 
 The loop drains whatever commands have arrived from the API processes (core_messages.py),
-runs one step, and sends that step's outputs, stats and step summaries in one ``Outputs``
-message; it never waits on HTTP. With several API processes (``--api-processes``) each gets
-its own requests' outputs and every step's stats. The API side is engine_core.py.
+runs one step, and this module's port sends that step's outputs, stats and step summaries in
+one ``Outputs`` message; it never waits on HTTP. With several API processes
+(``--api-processes``) each gets its own requests' outputs and every step's stats. The API
+side is engine_core.py.
 """
 
 from __future__ import annotations
@@ -16,25 +18,18 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from slipstream.agent.engine.async_engine import DRAINED_MESSAGE, IDLE_CHECK_S
 from slipstream.agent.engine.config import EngineConfig
-from slipstream.agent.engine.errors import (
-    DRAINED, ENGINE_ERROR, INVALID_REQUEST, EngineDeadError)
-from slipstream.agent.engine.step.outputs import error_output
+from slipstream.agent.engine.engine_loop import Add, Command, EngineLoop
 from slipstream.agent.engine.sampling.params import RequestOutput
-from slipstream.agent.engine.step.stats import StepStats, StepSummary
+from slipstream.agent.engine.step.stats import EngineStats, StepStats, StepSummary
 from slipstream.agent.scheduler.config import SchedulerConfig
-from slipstream.agent.scheduler.request import FinishReason
 from slipstream.agent.server.core_messages import (
-    Abort, Add, Attach, CutInFlight, Dead, DropKV, Outputs, Ready, WarmedUp, WarmUp,
-    command_decoder, encoder)
+    Attach, Dead, Outputs, Ready, WarmedUp, command_decoder, encoder)
 
 if TYPE_CHECKING:
     from slipstream.agent.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-EXIT_CORE_DEAD = 3
 
 
 def core_threads(requested: int = 0) -> int | None:
@@ -106,11 +101,11 @@ def run_engine_core(config: EngineConfig, scheduler_config: SchedulerConfig | No
                 gc.collect()
                 gc.freeze()
                 outputs.send(encoder.encode(_ready(engine)))
-                loop = _CoreLoop(engine, commands, outputs, context)
+                port = _SocketPort(engine, commands, outputs, context)
                 try:
-                    code = loop.run()
+                    code = EngineLoop(engine, port).run()
                 finally:
-                    loop.close_clients()
+                    port.close_clients()
             finally:
                 engine.close()
     finally:
@@ -124,7 +119,10 @@ def _ready(engine: LLMEngine) -> Ready:
     return Ready(engine.model_name, engine.limits, engine.stats(), sorted(engine.eos_token_ids))
 
 
-class _CoreLoop:
+class _SocketPort:
+    """``EngineLoop``'s side of the ZeroMQ transport: commands from every API process,
+    outputs to the one that sent each request, stats and step summaries to all of them."""
+
     def __init__(self, engine: LLMEngine, commands: zmq.Socket, outputs: zmq.Socket,
                  context: zmq.Context) -> None:
         self.engine = engine
@@ -145,45 +143,37 @@ class _CoreLoop:
     def _on_step(self, step: StepStats) -> None:
         self.steps.append(StepSummary.of(step))
 
-    def run(self) -> int:
-        engine = self.engine
+    def receive(self, timeout_s: float) -> list[Command]:
+        if timeout_s > 0:
+            self.poller.poll(int(timeout_s * 1000))
+        commands: list[Command] = []
         while True:
-            timeout_s = IDLE_CHECK_S if not engine.has_unfinished() else engine.idle_wait_s()
-            outputs: list[RequestOutput] = []
-            if timeout_s > 0:
-                self.poller.poll(int(timeout_s * 1000))
-            if not self._drain(outputs):
-                outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
-                self._send(outputs)
-                return 0
             try:
-                if engine.has_unfinished():
-                    outputs += engine.step()
-                else:
-                    engine.check_alive()  # idle: nothing else would notice a dead worker
-                    outputs += engine.poll_transfers()  # acknowledged KV hand-offs
-            except EngineDeadError as error:
-                log.error("the engine is dead: %s", error)
-                dead = encoder.encode(Dead(str(error)))
-                self.outputs.send(dead)
-                for client in self.clients:
-                    self._send_to(client, dead)
-                return EXIT_CORE_DEAD
-            except Exception:  # noqa: BLE001 - fail the requests, keep serving
-                log.exception("engine step failed; failing in-flight requests")
-                outputs += self._fail_all("the engine failed while running this request",
-                                          ENGINE_ERROR)
-            self._send(outputs)
+                raw = self.commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return commands
+            command = command_decoder.decode(raw)
+            if isinstance(command, Attach):
+                self._attach(command)
+            else:
+                commands.append(command)
 
-    def _send(self, outputs: list[RequestOutput]) -> None:
+    def added(self, command: Add, refusal: RequestOutput | None) -> None:
+        if refusal is not None:
+            # To the sender, whoever owns a request of that id.
+            self.refused.setdefault(command.client, []).append(refusal)
+        elif command.client != 0:
+            self.owner[command.request.request_id] = command.client
+
+    def send(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         steps, self.steps = self.steps, []
-        stats = self.engine.stats()
+        by_client, self.refused = self.refused, {}
         if not self.clients:
+            outputs = by_client.get(0, []) + outputs
             self.outputs.send(encoder.encode(Outputs(outputs, stats, steps)))
             return
         # Several API processes: each gets its own requests' outputs, and all of them the
         # same stats and step summaries (each exports the engine-level metrics itself).
-        by_client, self.refused = self.refused, {}
         for output in outputs:
             client = self.owner.get(output.request_id, 0)
             if output.finished:
@@ -193,6 +183,16 @@ class _CoreLoop:
         for client in self.clients:
             self._send_to(client, encoder.encode(Outputs(by_client.get(client, []), stats,
                                                           steps)))
+
+    def warmed_up(self, error: str | None) -> None:
+        self.steps.clear()
+        self.outputs.send(encoder.encode(WarmedUp(error)))
+
+    def dead(self, reason: str) -> None:
+        dead = encoder.encode(Dead(reason))
+        self.outputs.send(dead)
+        for client in self.clients:
+            self._send_to(client, dead)
 
     def _send_to(self, client: int, raw: bytes) -> None:
         """To an API process other than the first: never blocks the loop. A process that
@@ -217,67 +217,3 @@ class _CoreLoop:
         for socket in self.clients.values():
             socket.close(0)
         self.clients.clear()
-
-    def _drain(self, outputs: list[RequestOutput]) -> bool:
-        """Apply every command that has arrived; False on shutdown."""
-        engine = self.engine
-        while True:
-            try:
-                raw = self.commands.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            command = command_decoder.decode(raw)
-            if isinstance(command, Add):
-                try:
-                    engine.add_request(command.prompt_token_ids, command.params,
-                                       command.request_id, app_id=command.app_id,
-                                       priority=command.priority, slo=command.slo,
-                                       kv_transfer=command.kv_transfer,
-                                       share_prompt_with=command.share_prompt_with,
-                                       share_weight=command.share_weight)
-                except ValueError as error:
-                    refusal = error_output(command.request_id, str(error), INVALID_REQUEST)
-                    if command.client == 0:
-                        outputs.append(refusal)
-                    else:  # to the sender, whoever owns a request of that id
-                        self.refused.setdefault(command.client, []).append(refusal)
-                    continue
-                if command.client != 0:
-                    self.owner[command.request_id] = command.client
-                # Prefill role: the streaming KV handle goes out now, not after the step
-                # that computes the first chunk.
-                if (early := engine.handle_output(command.request_id)) is not None:
-                    self._send(outputs + [early])
-                    outputs.clear()
-            elif isinstance(command, Abort):
-                for request_id in command.request_ids:
-                    if (output := engine.abort(request_id)) is not None:
-                        outputs.append(output)
-            elif isinstance(command, Attach):
-                self._attach(command)
-            elif isinstance(command, CutInFlight):
-                outputs += self._fail_all(DRAINED_MESSAGE, DRAINED)
-            elif isinstance(command, DropKV):
-                for transfer_id in command.transfer_ids:
-                    engine.drop_kv(transfer_id)
-            elif isinstance(command, WarmUp):
-                self._warm_up()
-            else:
-                return False
-
-    def _warm_up(self) -> None:
-        try:
-            self.engine.warm_up()
-            error = None
-        except EngineDeadError:
-            raise
-        except Exception as failure:  # noqa: BLE001 - the API process reports it
-            error = str(failure) or type(failure).__name__
-        self.steps.clear()
-        self.outputs.send(encoder.encode(WarmedUp(error)))
-
-    def _fail_all(self, message: str, code: str) -> list[RequestOutput]:
-        engine = self.engine
-        return [output for request_id in list(engine.scheduler.requests)
-                if (output := engine.abort(request_id, FinishReason.ERROR, message, code))]
-

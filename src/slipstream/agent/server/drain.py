@@ -32,7 +32,7 @@ import uvicorn
 from slipstream.agent.server.limits import timed_protocol
 
 if TYPE_CHECKING:
-    from slipstream.agent.server.engine_core import ServingEngine
+    from slipstream.agent.engine.engine_client import ServingEngine
 
 log = logging.getLogger(__name__)
 

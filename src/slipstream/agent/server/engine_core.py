@@ -8,9 +8,10 @@
         <- Outputs (token ids, finish, stats, step summaries) -- PUSH -> PULL ------
         <- Dead (reason) when a worker or the core itself fails
 
-Three modules: this one is the API process's end (``EngineCoreClient`` and the text it adds
-to outputs); core_process.py is the engine-core process (``run_engine_core``, its loop);
-core_messages.py holds the messages between them.
+Three modules: this one is the API process's end (``EngineCoreClient``, the ZeroMQ transport
+of ``EngineClient``, and the text it adds to outputs); core_process.py is the engine-core
+process (``run_engine_core``, which runs ``EngineLoop``, the loop an in-process server runs on
+a thread); core_messages.py holds the messages between them.
 
 Messages are msgpack via msgspec. The core never waits on HTTP: it drains whatever commands
 have arrived, runs a step and sends that step's outputs in one message. Outputs carry token
@@ -19,10 +20,11 @@ ids, not text: the API process turns them into text and checks stop strings
 client at once and tells the core to abort it (the core may have run a step or two more;
 those tokens are dropped), as vLLM v1's output processor does.
 
-Failure: if the core reports a dead worker, or its process exits, every open request gets an
-``engine_dead`` error, ``healthy`` turns false (so /health and new requests answer 503), and
-``on_fatal`` lets the server exit non-zero. The core process dies with its parent
-(``PR_SET_PDEATHSIG``), so it never outlives the API process.
+Failure: if the core reports a dead worker, or its process exits, ``EngineClient``'s one
+failure path runs: every open request gets an ``engine_dead`` error, ``healthy`` turns false
+(so /health and new requests answer 503), and ``on_fatal`` lets the server exit non-zero.
+The core process dies with its parent (``PR_SET_PDEATHSIG``), so it never outlives the API
+process.
 """
 
 from __future__ import annotations
@@ -33,30 +35,29 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import zmq
 
-from slipstream.agent.engine.async_engine import (
-    IDLE_CHECK_S, check_admission, dead_output, stream_outputs)
+from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.config import EngineConfig
+from slipstream.agent.engine.engine_client import EngineClient, StepObserver, put_all
+from slipstream.agent.engine.engine_loop import IDLE_CHECK_S, Abort, DropKV, Shutdown, WarmUp
 from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.sampling.grammar import GrammarCompiler
-from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
-from slipstream.agent.engine.step.stats import EngineStats, StepStats, StepSummary
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.agent.engine.step.stats import EngineStats, StepSummary
 from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
 from slipstream.agent.scheduler.config import SchedulerConfig
-from slipstream.agent.scheduler.request import FinishReason, RequestSLO
+from slipstream.agent.scheduler.request import FinishReason
 from slipstream.agent.server.core_messages import (
-    Abort, Add, Attach, Command, CutInFlight, Dead, DropKV, Outputs, Ready, SetPool, Shutdown,
-    WarmedUp, WarmUp, core_decoder, encoder)
+    Attach, Dead, Outputs, Ready, SetPool, WarmedUp, WireCommand, core_decoder, encoder)
 from slipstream.agent.server.core_process import run_engine_core
 
 if TYPE_CHECKING:
-    from slipstream.agent.engine.async_engine import AsyncEngine
     from slipstream.agent.server.api_processes import ClientAddress
 
 log = logging.getLogger(__name__)
@@ -66,26 +67,7 @@ AUTO_PROFILE_TIMEOUT_S = 3600.0  # added to the start timeout when the core may 
 STOP_TIMEOUT_S = 30.0
 
 
-
-class StepObserver(Protocol):
-    def observe(self, step: StepStats) -> None: ...
-
-    def observe_summary(self, step: StepSummary) -> None: ...
-
-
-class _Stream:
-    """One request's open stream in the API process: where its outputs go, and its text."""
-
-    __slots__ = ("loop", "queue", "text")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[RequestOutput],
-                 text: TextStream) -> None:
-        self.loop = loop
-        self.queue = queue
-        self.text: TextStream | None = text  # None once the final output went out
-
-
-class EngineCoreClient:
+class EngineCoreClient(EngineClient):
     """The serving engine of the API process: same surface as ``AsyncEngine``, with the
     engine in its own process (see the module docstring)."""
 
@@ -100,14 +82,11 @@ class EngineCoreClient:
         With ``attach`` (an API process after the first, ``--api-processes``): spawn
         nothing, bind the two addresses the first process told the core about
         (``attach_api_process``), and serve from the core that process runs."""
+        super().__init__(on_fatal)
         self.config = config
-        self.on_fatal = on_fatal
         self.on_set_pool: Callable[[str], None] | None = None  # attached: pool moves
         # The first of several API processes: waits for the others before the core stops.
         self.before_shutdown: Callable[[], None] | None = None
-        self.fatal_error: str | None = None
-        self.healthy = False
-        self.draining = False  # set by drain(): takes no new requests, finishes the rest
         # A first start may profile the engine before building it (auto_profile.py): minutes
         # on a CPU, more on a loaded one; a start cut short would only profile again.
         if config.auto_profile and config.profile_dir is None:
@@ -115,7 +94,6 @@ class EngineCoreClient:
         self._start_timeout_s = start_timeout_s
         self._ready: Ready | None = None
         self._observer: Callable[[StepSummary], None] | None = None
-        self._streams: dict[str, _Stream] = {}
         self._send_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,22 +226,6 @@ class EngineCoreClient:
                                         daemon=True)
         self._thread.start()
 
-    def drain(self) -> None:
-        """Take no new requests (503) and let the ones in flight finish; any thread."""
-        self.draining = True
-        self.healthy = False
-
-    def cut_in_flight(self) -> None:
-        """End every request still in flight with a ``drained`` error; any thread."""
-        self._send(CutInFlight())
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    def is_in_flight(self, request_id: str) -> bool:
-        return request_id in self._streams
-
     async def shutdown(self) -> None:
         """Let the core fail what is left (drained), then stop it. An attached API process
         leaves the core running: it aborts its own requests, if any are left."""
@@ -299,34 +261,10 @@ class EngineCoreClient:
                 self._outputs.close(0)
                 self._context.term()
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 app_id: str = "default", priority: int = 0,
-                 slo: RequestSLO | None = None,
-                 kv_transfer: dict | None = None,
-                 share_prompt_with: str | None = None,
-                 share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError for bad input), then stream outputs as they are produced."""
-        check_admission(self, request_id, prompt_token_ids, params)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = _Stream(asyncio.get_running_loop(), queue,
-                                            TextStream(self.tokenizer, prompt_token_ids,
-                                                       params.stop))
-        self._send(Add(request_id, list(prompt_token_ids), params, app_id, priority, slo,
-                       kv_transfer, share_prompt_with, self.client, share_weight))
-        if self.fatal_error is not None:  # died after the check above: answer now
-            queue.put_nowait(dead_output(request_id))
-        return stream_outputs(request_id, queue, self._streams,
-                              lambda: self._send(Abort([request_id])))
+    def _text_of(self, request: EngineRequest) -> TextStream:
+        return TextStream(self.tokenizer, request.prompt_token_ids, request.params.stop)
 
-    async def abort(self, request_id: str) -> None:
-        self._send(Abort([request_id]))
-
-    def release_kv(self, transfer_id: str) -> None:
-        """Prefill role: free the KV held under ``transfer_id`` (a router whose decode leg
-        found no decode instance); unknown ids are ignored."""
-        self._send(DropKV([transfer_id]))
-
-    def _send(self, command: Command) -> None:
+    def _send(self, command: WireCommand) -> None:
         raw = encoder.encode(command)
         with self._send_lock:  # the event loop and the output thread both send
             if not self._context.closed:
@@ -384,27 +322,10 @@ class EngineCoreClient:
             self._send(Abort(aborts))
         if drops:
             self._send(DropKV(drops))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+        put_all(by_loop)
 
-    def fail(self, reason: str) -> None:
-        """Treat the engine as dead (another API process of this server died); any thread."""
-        if self.fatal_error is None:
-            self._die(reason)
-
-    def _die(self, reason: str) -> None:
-        log.error("the engine core is dead, failing every request: %s", reason)
-        self.fatal_error = reason
-        self.healthy = False  # before the failures are delivered: they must read as 503
-        self._deliver([dead_output(request_id) for request_id in list(self._streams)])
+    def _relay_dead(self, reason: str) -> None:
         self._relay(Dead(reason))
-        if self.on_fatal is not None:
-            self.on_fatal(reason)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, output in items:
-        queue.put_nowait(output)
 
 
 def _add_text(text: TextStream, output: RequestOutput) -> tuple[RequestOutput, bool]:
@@ -441,7 +362,3 @@ def _add_text(text: TextStream, output: RequestOutput) -> tuple[RequestOutput, b
     output.new_text = "".join(pieces)
     return output, False
 
-
-if TYPE_CHECKING:
-    # What the HTTP layer serves from: the engine on a thread of this process, or in its own.
-    ServingEngine = AsyncEngine | EngineCoreClient

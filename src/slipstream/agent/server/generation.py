@@ -30,6 +30,7 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
+from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine import errors
 from slipstream.agent.engine.errors import EngineUnavailable
 from slipstream.agent.engine.sampling.params import RequestOutput
@@ -71,11 +72,11 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
 class Generation:
     """One request's outputs, from the first (already received) to the last."""
 
-    def __init__(self, ctx: ServingContext, prepared: PreparedRequest,
+    def __init__(self, ctx: ServingContext, request: EngineRequest,
                  outputs: AsyncIterator[RequestOutput], first: RequestOutput,
                  timer: RequestTimer) -> None:
         self._ctx = ctx
-        self._prepared = prepared
+        self._request = request
         self._outputs = outputs
         self._first = first
         self._timer = timer
@@ -103,7 +104,7 @@ class Generation:
             if not finished:
                 self._timer.finish(None, "abort")
                 with anyio.CancelScope(shield=True):
-                    await release(self._ctx, self._prepared.request_id, self._outputs)
+                    await release(self._ctx, self._request.request_id, self._outputs)
 
     async def collect(self) -> list[RequestOutput]:
         async with contextlib.aclosing(self.__aiter__()) as outputs:
@@ -113,7 +114,7 @@ class Generation:
         """Give up on a generation that will not be iterated (another choice failed)."""
         self._timer.finish(None, "abort")
         with anyio.CancelScope(shield=True):
-            await release(self._ctx, self._prepared.request_id, self._outputs)
+            await release(self._ctx, self._request.request_id, self._outputs)
 
 
 class Choices:
@@ -122,7 +123,7 @@ class Choices:
 
     def __init__(self, generations: list[Generation]) -> None:
         self.generations = generations
-        self.index_of = {g._prepared.request_id: i for i, g in enumerate(generations)}
+        self.index_of = {g._request.request_id: i for i, g in enumerate(generations)}
         self.finals: dict[int, RequestOutput] = {}
 
     async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
@@ -194,20 +195,15 @@ async def release(ctx: ServingContext, request_id: str,
 
 
 async def start_generation(ctx: ServingContext, http_request: Request,
-                           prepared: PreparedRequest) -> Generation:
+                           request: EngineRequest) -> Generation:
     """Submit to the engine and wait for its first output (or its refusal)."""
     try:
-        outputs = ctx.engine.generate(prepared.request_id, prepared.prompt_token_ids,
-                                      prepared.params, app_id=prepared.app_id,
-                                      priority=prepared.priority, slo=prepared.slo,
-                                      kv_transfer=prepared.kv_transfer,
-                                      share_prompt_with=prepared.share_prompt_with,
-                                      share_weight=prepared.share_weight)
+        outputs = ctx.engine.generate(request)
     except ValueError as error:
         raise bad_request(str(error)) from None
     except EngineUnavailable as error:
         raise APIError(503, str(error), code="engine_unavailable") from None
-    timer = ctx.metrics.start_request(len(prepared.prompt_token_ids), prepared.slo)
+    timer = ctx.metrics.start_request(len(request.prompt_token_ids), request.slo)
     try:
         first = await run_until_disconnect(http_request, anext(outputs))
     except ValueError as error:
@@ -219,13 +215,13 @@ async def start_generation(ctx: ServingContext, http_request: Request,
     except ClientDisconnected:
         timer.finish(None, "abort")
         with anyio.CancelScope(shield=True):
-            await release(ctx, prepared.request_id, outputs)
+            await release(ctx, request.request_id, outputs)
         raise
     if first.finish_reason == "error":
         # Nothing was sent yet, so even a stream gets a real HTTP error status.
         timer.finish(first, "error")
         raise engine_failure(first)
-    return Generation(ctx, prepared, outputs, first, timer)
+    return Generation(ctx, request, outputs, first, timer)
 
 
 async def start_choices(ctx: ServingContext, http_request: Request,
@@ -233,7 +229,7 @@ async def start_choices(ctx: ServingContext, http_request: Request,
     """Start every choice of a request at once; if any is refused, none is left running."""
     choices = prepared.choices()
     if len(choices) == 1:
-        return Choices([await start_generation(ctx, http_request, prepared)])
+        return Choices([await start_generation(ctx, http_request, choices[0])])
     # gather starts its tasks in order, so choice 0 reaches the engine first and the others
     # (share_prompt_with) wait for its prefill.
     started = await asyncio.gather(*(start_generation(ctx, http_request, choice)

@@ -3,7 +3,8 @@ the context, max_tokens, sampling settings and the SLO, into one ``PreparedReque
 
     body --check_model()--> the served name (404 for another)
     text --tokenize()--> prompt token ids (400 once it cannot fit; long texts off the loop)
-    body + prompt ids --prepare()--> PreparedRequest: SamplingParams, SLO, n choices
+    body + prompt ids --prepare()--> PreparedRequest: the EngineRequest (SamplingParams,
+        SLO, KV transfer) and n choices
 
 Everything here raises ``APIError`` (a 4xx) for what the client must change; nothing
 reaches the engine until it passed. ``generation`` runs what this prepares.
@@ -17,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from slipstream.agent.engine.sampling.params import SamplingParams
-from slipstream.agent.scheduler.request import RequestSLO
+from slipstream.contracts.request import EngineRequest, KVTransfer, RequestSLO
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.server.config import ServerConfig
 from slipstream.contracts.errors import APIError, bad_request, model_not_found
 from slipstream.agent.server.metrics import ServingMetrics
@@ -27,7 +28,7 @@ from slipstream.agent.server.tenancy.identity import Caller
 from slipstream.agent.server.tenancy.slo_policy import RequestedSlo
 
 if TYPE_CHECKING:
-    from slipstream.agent.server.engine_core import ServingEngine
+    from slipstream.agent.engine.engine_client import ServingEngine
 
 # Tokenizing more than this many characters moves to a thread, off the event loop.
 _TOKENIZE_IN_THREAD_CHARS = 16_384
@@ -47,32 +48,32 @@ class ServingContext:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    app_id: str
-    priority: int
-    slo: RequestSLO | None
-    include_usage_in_stream: bool
-    kv_transfer: dict | None = None  # disaggregation (engine/disagg.py)
-    num_choices: int = 1
-    share_prompt_with: str | None = None  # choices 1.. of n > 1: choice 0's request id
-    share_weight: float = 1.0  # the tenant's fair share (1 with tenants off)
+    """A checked request: what the engine takes (``request``), and what only the API
+    reads."""
 
-    def choices(self) -> list[PreparedRequest]:
+    request: EngineRequest
+    include_usage_in_stream: bool
+    num_choices: int = 1
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def choices(self) -> list[EngineRequest]:
         """One engine request per choice. Choice 0 is this request itself (so ``n=1`` is
         unchanged); choice ``i`` gets its own id and, when seeded, its own seed stream, and
         reuses choice 0's prompt KV (the engine computes the prompt once)."""
+        request = self.request
         if self.num_choices == 1:
-            return [self]
+            return [request]
         result = []
         for index in range(self.num_choices):
-            params = self.params
+            params = request.params
             if params.seed is not None and index:
                 params = dataclasses.replace(params, seed=choice_seed(params.seed, index))
             result.append(dataclasses.replace(
-                self, request_id=f"{self.request_id}-{index}", params=params, num_choices=1,
-                share_prompt_with=f"{self.request_id}-0" if index else None))
+                request, request_id=f"{request.request_id}-{index}", params=params,
+                share_prompt_with=f"{request.request_id}-0" if index else None))
         return result
 
 
@@ -136,8 +137,7 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
     on): the fair queue's tenant, the permitted SLO and the tokens charged come from it."""
     resolved_max_tokens = resolve_max_tokens(ctx, len(prompt_token_ids), max_tokens,
                                              prompt_param, max_tokens_param)
-    kv_transfer = body.kv_transfer_params
-    if kv_transfer and body.num_choices > 1:
+    if body.kv_transfer_params and body.num_choices > 1:
         raise bad_request("kv_transfer_params needs n=1", param="n")
     params = build_sampling_params(body, resolved_max_tokens, logprobs, grammar)
     if caller is None:
@@ -150,10 +150,9 @@ def prepare(ctx: ServingContext, request_id: str, body: _GenerationRequest,
         app_id, weight, slo = _tenant_side(ctx, caller, body)
         caller.charge_tokens(len(prompt_token_ids) + resolved_max_tokens * body.num_choices)
     return PreparedRequest(
-        request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-        app_id=app_id, priority=body.priority, slo=slo,
-        include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices,
-        kv_transfer=kv_transfer, share_weight=weight)
+        EngineRequest(request_id, prompt_token_ids, params, app_id, body.priority, slo,
+                      KVTransfer.from_params(body.kv_transfer_params), share_weight=weight),
+        include_usage_in_stream=body.include_usage_in_stream, num_choices=body.num_choices)
 
 
 def _tenant_side(ctx: ServingContext, caller: Caller, body: _GenerationRequest

@@ -1,19 +1,29 @@
-"""Which batches a pipelined runner (SPP) still has in flight, and whose tokens they bring.
+"""``LLMEngine``'s step on a pipelined runner (SPP, ``PipelinedSteps``), and which batches
+are still in flight and whose tokens they bring (``InFlightBatches``).
 
-Under SPP ``LLMEngine`` sends a batch before the previous one's tokens are back. A chunk that
-samples marks its request ``in_flight`` (the scheduler leaves it alone until the token is
-back) and remembers the batch that brings it. A request preempted (or finished) meanwhile
-has moved on: the token that comes back belongs to a discarded past and is dropped.
+Under SPP the engine keeps several batches in flight: it sends a batch before the previous
+one's tokens are back. A prefill chunk that samples nothing is marked computed as soon as it
+is sent, so its next chunk can enter stage 1 right behind it, while a chunk that samples (the
+last prefill chunk, a decode) marks its request ``in_flight`` (the scheduler leaves it alone
+until the token is back) and remembers the batch that brings it. A request preempted (or
+finished) meanwhile has moved on: the token that comes back belongs to a discarded past and
+is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.request import Request
+from slipstream.agent.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.execution import BatchExecution
+    from slipstream.agent.engine.step.model_runner import SampledToken
+    from slipstream.agent.engine.step.runner import Runner
 
 Token = TypeVar("Token")
 
@@ -64,3 +74,48 @@ class InFlightBatches:
             else:
                 sampled.pop(request_id, None)
         return sent, Batch(chunks=tuple(current))
+
+
+class PipelinedSteps:
+    """One engine step on a pipelined runner: send a batch if the pipeline has room, then
+    take the results that are back."""
+
+    def __init__(self, runner: Runner, scheduler: Scheduler, execution: BatchExecution,
+                 clock: Callable[[], float]) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.execution = execution
+        self.clock = clock
+        self.in_flight = InFlightBatches()
+        self.ran_nothing = False  # nothing sent and nothing in flight
+
+    def step(self) -> Iterator[tuple[SentBatch, Batch, dict[str, SampledToken]]]:
+        """Each batch that is back: as sent, the part whose tokens still count, and its
+        tokens. Apply each before taking the next (a request finished by one drops the
+        tokens of the next)."""
+        runner = self.runner
+        depth = runner.pipeline_depth
+        sent = False
+        if runner.num_in_flight < depth:
+            schedule_start_s = self.clock()
+            batch = self.scheduler.schedule(schedule_start_s)
+            if not batch.is_empty:
+                self._dispatch(batch, schedule_start_s)
+                sent = True
+        self.ran_nothing = not sent and runner.num_in_flight == 0
+        if runner.num_in_flight == 0:
+            return
+        # Wait only when nothing more could be sent; otherwise just take what has arrived.
+        for seq, sampled in runner.collect(block=not sent or runner.num_in_flight >= depth):
+            sent_batch, current = self.in_flight.returned(seq, self.scheduler.requests, sampled)
+            yield sent_batch, current, sampled
+
+    def _dispatch(self, batch: Batch, schedule_start_s: float) -> None:
+        execute_start_s = self.clock()
+        seq = self.execution.submit(batch)
+        self.in_flight.sent(seq, batch, self.scheduler.requests, schedule_start_s,
+                            execute_start_s)
+        # A chunk that samples nothing needs no result: the next chunk may follow it now.
+        advanced = tuple(chunk for chunk in batch.chunks if not chunk.sample)
+        if advanced:
+            self.scheduler.update(Batch(chunks=advanced), {}, self.clock())

@@ -16,7 +16,7 @@ that transfer id, so a peer can never read other requests' KV.
 
 The server runs on its own thread; it never touches the block manager. It reports releases
 through ``on_release`` (the engine frees blocks on its own thread) and looks blocks up
-through ``lookup``, both thread-safe on the engine's side (``disagg_exports.KVExports``).
+through ``lookup``, both thread-safe on the engine's side (``roles.exports.KVExports``).
 """
 
 from __future__ import annotations

@@ -1,59 +1,88 @@
-"""``LLMEngine``'s per-request side of prefill/decode disaggregation (disagg.py moves the KV).
+"""The prefill and decode roles (``DisaggRole``): the ``Role`` hooks (base.py) that move a
+request's KV between instances; transfers.py moves the KV itself.
 
 - Prefill role (exports): a request added with ``do_remote_decode`` gets a streaming KV
-  handle at once (``open_export``); every step publishes the blocks its chunks completed
-  (``publish``); its first token hands the KV off (``hand_off``), and a request that ends
-  otherwise frees its hold (``end_export``).
+  handle at once (``admit``); every step publishes the blocks its chunks completed
+  (``published``); its first token hands the KV off (``hand_off``), and a request that ends
+  otherwise frees its hold (``cancel``).
 - Decode role (imports): a request added with a prefill instance's handle waits outside the
-  scheduler until its KV has arrived (``open_import``); ``LLMEngine`` then admits it with its
-  first token.
-
-Imports nothing heavy at run time: the engine builds ``Disaggregation`` (zmq, transfer
-engines) only in a prefill or decode role.
+  scheduler until its KV has arrived (``admit``); ``LLMEngine`` then admits it with its first
+  token (``arrivals``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
+from slipstream.contracts.request import KVTransfer
+from slipstream.agent.engine.kv.transfer.transport import KVHandle
+from slipstream.agent.engine.roles.base import check_kv_transfer
+from slipstream.agent.engine.roles.imports import KVImport
+from slipstream.agent.engine.roles.transfers import Disaggregation
+from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
-
-if TYPE_CHECKING:
-    from slipstream.agent.engine.disagg import Disaggregation
-    from slipstream.agent.engine.disagg_imports import KVImport
 
 log = logging.getLogger(__name__)
 
 
-def require(requests: DisaggRequests | None, flag: str, role: str) -> DisaggRequests:
-    """The engine's disaggregation side, or a ValueError for a request that asks for
-    ``flag`` (``kv_transfer_params``) from an instance not in ``role``."""
-    if requests is None or (requests.disagg.exports if role == "prefill"
-                            else requests.disagg.imports) is None:
-        raise ValueError(f"kv_transfer_params.{flag} needs a {role} instance "
-                         f"(slipstream serve --role {role})")
-    return requests
+class DisaggRole:
+    """The prefill or decode role, as ``LLMEngine`` calls it (``Role``)."""
 
-
-class DisaggRequests:
     def __init__(self, disagg: Disaggregation) -> None:
         self.disagg = disagg
         self.exporting: set[str] = set()  # prefill role: requests whose KV goes elsewhere
         self.kv_handles: dict[str, dict] = {}  # their streaming handles, until they end
+        self._closed = False
+
+    def admit(self, request: Request, kv_transfer: KVTransfer | None, vocab_size: int,
+              known: Container[str]) -> bool:
+        disagg = self.disagg
+        check_kv_transfer(kv_transfer, prefill=disagg.exports is not None,
+                          decode=disagg.imports is not None)
+        if kv_transfer is None:
+            return False
+        if kv_transfer.handle is not None:
+            self._open_import(request, kv_transfer.handle, vocab_size, known)
+            return True
+        if kv_transfer.remote_decode:
+            self._open_export(request)
+        return False
+
+    def handle_output(self, request: Request) -> RequestOutput | None:
+        """Prefill role: no tokens, not finished, the streaming KV handle in
+        ``kv_transfer``. It lets a router start the decode leg while the prompt computes;
+        the final output still carries the complete handle (same hold)."""
+        handle = self.kv_handles.get(request.request_id)
+        if handle is None:
+            return None
+        return RequestOutput(request_id=request.request_id, new_token_ids=[], new_text="",
+                             num_prompt_tokens=request.prompt_len, num_output_tokens=0,
+                             kv_transfer=handle)
+
+    @property
+    def num_pending(self) -> int:
+        return self.disagg.num_pending
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.disagg.close()
 
     # -- prefill role ---------------------------------------------------------------------
 
-    def open_export(self, request: Request) -> None:
+    def _open_export(self, request: Request) -> None:
         self.exporting.add(request.request_id)
         self.kv_handles[request.request_id] = self.disagg.open_export(request).to_json()
 
-    def publish(self, batch: Batch, failures: Container[str],
+    def published(self, batch: Batch, failures: Container[str],
                 requests: Mapping[str, Request]) -> None:
         """The blocks each handed-off prompt completed in this step become readable by its
         decode instance while the next chunks compute."""
+        if not self.exporting:
+            return
         for chunk in batch.chunks:
             if chunk.request_id in self.exporting and chunk.request_id not in failures:
                 request = requests.get(chunk.request_id)
@@ -61,10 +90,12 @@ class DisaggRequests:
                     self.disagg.publish(request, chunk.end_pos)
 
     def hand_off(self, request: Request, now: float, reason: FinishReason | None
-                 ) -> tuple[dict | None, FinishReason]:
-        """The first token ends the request here. Unless it already ended the request
-        (``reason``), its KV goes to a decode instance, which continues from it: returns the
-        handle for the final output, and why the request ends here."""
+                 ) -> tuple[dict[str, Any] | None, FinishReason | None]:
+        """The first token ends a handed-off request here. Unless it already ended the
+        request (``reason``), its KV goes to a decode instance, which continues from it:
+        returns the handle for the final output, and why the request ends here."""
+        if request.request_id not in self.exporting:
+            return None, reason
         kv_transfer = None
         if reason is None:
             handle = self.disagg.export(request, now)
@@ -73,10 +104,10 @@ class DisaggRequests:
             # acknowledged early). Not a natural end either, so a router does not
             # mistake the first token for the whole answer.
             reason = FinishReason.LENGTH if handle is not None else FinishReason.ABORT
-        self.end_export(request.request_id)
+        self._end_export(request.request_id)
         return kv_transfer, reason
 
-    def end_export(self, request_id: str) -> None:
+    def _end_export(self, request_id: str) -> None:
         """The request ends here; a hold it did not hand off is freed."""
         if request_id in self.exporting:
             self.exporting.discard(request_id)
@@ -90,15 +121,12 @@ class DisaggRequests:
 
     # -- decode role ----------------------------------------------------------------------
 
-    def open_import(self, request: Request, kv_transfer: dict, vocab_size: int,
-                    known: Container[str]) -> None:
+    def _open_import(self, request: Request, kv_transfer: dict[str, Any], vocab_size: int,
+                     known: Container[str]) -> None:
         """Fetch the prompt's KV from the prefill instance named in the handle; ValueError
         for a handle that cannot serve this request. ``known``: the request ids in use."""
-        from slipstream.agent.engine.disagg_imports import KVImport
-        from slipstream.agent.engine.kv.transfer.transport import KVHandle
-
         imports = self.disagg.imports
-        assert imports is not None  # require(..., "decode")
+        assert imports is not None  # admit() checked the role
         handle = KVHandle.from_json(kv_transfer)
         self.disagg.check_handle(handle, request.prompt_token_ids)
         if handle.first_token_id >= vocab_size:
@@ -135,12 +163,15 @@ class DisaggRequests:
             request.output_token_ids.append(item.first_token_id)
             yield request, True
 
-    def cancel_import(self, request_id: str) -> KVImport | None:
-        """Stop waiting for a request's KV; None if it is not waiting here. Its blocks are
-        freed when its transfer ends."""
-        if self.disagg.imports is None:
-            return None
-        return self.disagg.imports.cancel(request_id)
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop waiting for a request's KV (its blocks are freed when its transfer ends) and
+        return it; None if it is not waiting here, after freeing a hold it did not hand
+        off."""
+        item = self.disagg.imports.cancel(request_id) if self.disagg.imports else None
+        if item is not None:
+            return item.request
+        self._end_export(request_id)
+        return None
 
     # -- both -----------------------------------------------------------------------------
 

@@ -17,9 +17,9 @@ Both roles still serve ordinary requests: a router that falls back to one instan
 nothing. Everything here that touches the block manager or the scheduler runs on the engine
 thread; the side-channel and transfer threads only hand results over through queues.
 
-This module holds what the engine owns (``Disaggregation``); the prefill side's holds are in
-``disagg_exports.py``, the decode side's imports and their transfer thread in
-``disagg_imports.py``, and the per-request hooks the engine calls in ``disagg_requests.py``.
+This module holds what the role owns (``Disaggregation``); the prefill side's holds are in
+``exports.py``, the decode side's imports and their transfer thread in ``imports.py``, and
+the hooks the engine calls (``DisaggRole``) in ``disagg.py``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from collections.abc import Callable
 import torch
 
 from slipstream.agent.engine.disagg_config import DisaggConfig
-from slipstream.agent.engine.disagg_exports import KVExports
-from slipstream.agent.engine.disagg_imports import KVImport, KVImports
+from slipstream.agent.engine.roles.exports import KVExports
+from slipstream.agent.engine.roles.imports import KVImport, KVImports
 from slipstream.agent.engine.kv.transfer.layout import KVLayout, regions_of
 from slipstream.agent.engine.kv.transfer.side_channel import SideChannelClient, SideChannelServer
 from slipstream.agent.engine.kv.transfer.transport import (

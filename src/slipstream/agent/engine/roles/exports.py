@@ -1,4 +1,4 @@
-"""The prefill role's side of a KV hand-off (``disagg.py``): the blocks of requests whose KV
+"""The prefill role's side of a KV hand-off (``transfers.py``): the blocks of requests whose KV
 a decode instance has yet to read, held under transfer ids until it acknowledges them or the
 hold times out. Called from the engine thread (``open``/``extend``/``finish``/``drop``/
 ``reclaim``) and from the side-channel thread (``lookup``/``progress``/``release``), hence

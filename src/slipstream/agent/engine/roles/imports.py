@@ -1,4 +1,4 @@
-"""The decode role's side of a KV hand-off (``disagg.py``): requests waiting for blocks here,
+"""The decode role's side of a KV hand-off (``transfers.py``): requests waiting for blocks here,
 then for their prompt's KV to arrive from a prefill instance. ``add``/``start_transfers``/
 ``poll``/``cancel`` run on the engine thread; the reads run on one transfer thread, which
 hands finished imports back through a queue.
