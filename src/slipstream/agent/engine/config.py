@@ -13,12 +13,18 @@ from typing import Any
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.kv_tier_settings import KVTierSettings
+from slipstream.agent.engine.moe_config import MoESettings, moe_settings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    # Mixture-of-experts (models/moe.py); their settings parse in moe_config.py.
+    "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
+    "OlmoeForCausalLM": "moe",
 }
 
 
@@ -51,6 +57,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Mixture-of-experts: the router, experts and shared expert (moe_config.py); None for a
+    # dense model.
+    moe: MoESettings | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -102,7 +111,8 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", architecture == "Qwen2ForCausalLM"),
+            attention_bias=raw.get("attention_bias", raw.get(
+                "qkv_bias", architecture == "Qwen2ForCausalLM")),  # Qwen2-MoE: qkv_bias
             rope_scaling=RopeScaling(
                 rope_type=rope_type,
                 factor=rope.get("factor", 1.0),
@@ -115,6 +125,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+            moe=moe_settings(architecture, raw),
         )
 
     @property

@@ -23,6 +23,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
 from slipstream.agent.engine.models.llama import (LlamaForCausalLM, fuse_projections,
                                                    tie_word_embeddings)
+from slipstream.agent.engine.models.moe import MoEForCausalLM, stack_expert_tensors
 from slipstream.agent.engine.models.quant_kernels import install_quantized, prepare_quantized
 from slipstream.agent.engine.models.weight_formats import QuantizedWeight
 from slipstream.agent.engine.quantization import (DEFAULT_GROUP_SIZE, QuantizationError,
@@ -90,18 +91,25 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     if weights.quantized and layers is not None and not isinstance(layers, LocalLayers):
         raise QuantizationError(f"{weights.describe(model_dir)} weights run without tensor "
                                 "parallelism only for now: serve them with --tp 1")
+    if weights.quantized and config.moe is not None:
+        raise QuantizationError(f"{config.architecture}: quantized mixture-of-experts weights "
+                                "are not supported yet (--quantization none)")
+    # The lead's model registry replaces this choice at merge.
+    model_class = MoEForCausalLM if config.moe is not None else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, layers, stage)
+        model = model_class(config, layers, stage)
         # Names of the whole model, to tell another stage's tensors from unknown ones.
         whole_names = set(dict(model.named_parameters())) if stage == PipelineStage.whole(
-            config.num_layers) else set(dict(LlamaForCausalLM(config).named_parameters()))
+            config.num_layers) else set(dict(model_class(config).named_parameters()))
     expected = dict(model.named_parameters())
     tied_apart = config.tie_word_embeddings and "lm_head.weight" in expected \
         and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
     loaded: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
-    for source, name, tensor in _checkpoint_tensors(model_dir, load_format, weights, expected,
-                                                    device, dtype):
+    tensors = _checkpoint_tensors(model_dir, load_format, weights, expected, device, dtype)
+    if config.moe is not None:
+        tensors = stack_expert_tensors(tensors, config.moe.num_experts)
+    for source, name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         target = "lm_head.weight" if tied_apart and name == "model.embed_tokens.weight" \

@@ -14,6 +14,7 @@ build (SPP). A stage that does not own the embedding takes its input as ``hidden
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast, overload
 
 import torch
@@ -32,16 +33,23 @@ from slipstream.kernels.attention import AttentionBackend
 MIN_CPU_LOGIT_ROWS = 4
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer: k, v [num_blocks, block, kv_heads, dim]
+# Builds decoder layer ``index``'s feed-forward block: the dense MLP here, a mixture of experts
+# in models/moe.py. It maps [tokens, hidden] to [tokens, hidden], complete on every TP rank.
+MLPFactory = Callable[[ModelConfig, LayerFactory, int], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, layers: LayerFactory, index: int) -> nn.Module:
+    return LlamaMLP(config, layers)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, layers: LayerFactory | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, *, mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         layers = layers or LocalLayers()
         stage = stage or PipelineStage.whole(config.num_layers)
         self.config = config
-        self.model = LlamaModel(config, layers, stage)
+        self.model = LlamaModel(config, layers, stage, mlp)
         self.lm_head = layers.lm_head(config.hidden_size, config.vocab_size) \
             if stage.is_last else None
         tie_word_embeddings(self, config)
@@ -81,6 +89,9 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
     fused = 0
     for layer in cast(list[LlamaDecoderLayer], list(model.model.layers.values())):
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts stores its own layout
+            fused += _fuse_attention(attn)
+            continue
         parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up: list[nn.Module] = [mlp.gate_proj, mlp.up_proj]
         if not all(type(p) is nn.Linear for p in parts + gate_up):
@@ -100,6 +111,16 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
         mlp.gate_up_weight = _concatenate_rows(gate_up, "weight")
         fused += 1
     return fused
+
+
+def _fuse_attention(attn: LlamaAttention) -> bool:
+    parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biases = [p.bias is not None for p in parts]
+    if not all(type(p) is nn.Linear for p in parts) or (any(biases) and not all(biases)):
+        return False
+    attn.qkv_weight = _concatenate_rows(parts, "weight")
+    attn.qkv_bias = _concatenate_rows(parts, "bias") if all(biases) else None
+    return True
 
 
 def _concatenate_rows(modules: list[nn.Module], name: str) -> torch.Tensor:
@@ -128,13 +149,15 @@ def tie_word_embeddings(model: LlamaForCausalLM, config: ModelConfig) -> None:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory, stage: PipelineStage) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, stage: PipelineStage,
+                 mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = layers.embedding(config.vocab_size, config.hidden_size) \
             if stage.is_first else None
         # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(config, layers)
-                                     for index in stage.layer_indices})
+        self.layers = nn.ModuleDict({
+            str(index): LlamaDecoderLayer(config, layers, mlp(config, layers, index))
+            for index in stage.layer_indices})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
@@ -160,12 +183,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layers)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, layers)
+        self.mlp = mlp
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: KVCache, backend: AttentionBackend
@@ -194,6 +217,14 @@ class LlamaAttention(nn.Module):
         self.k_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
         self.v_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
         self.o_proj = layers.row_linear(config.num_heads * head_dim, hidden, False)
+        # QK-norm (Qwen3-MoE per head, OLMoE over the whole projection) and OLMoE's clamp.
+        qk_norm = config.moe.qk_norm if config.moe is not None else "none"
+        q_width = head_dim if qk_norm == "head" else self.num_heads * head_dim
+        k_width = head_dim if qk_norm == "head" else self.num_kv_heads * head_dim
+        self.qk_norm_per_head = qk_norm == "head"
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if qk_norm != "none" else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if qk_norm != "none" else None
+        self.clip_qkv = config.moe.clip_qkv if config.moe is not None else None
         # Set by fuse_projections(): q, k and v as one matmul (their weights are views of it).
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
@@ -215,9 +246,18 @@ class LlamaAttention(nn.Module):
                 [q_size, kv_size, kv_size], dim=-1)
         else:
             query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        return (query.view(num_tokens, self.num_heads, self.head_dim),
-                key.view(num_tokens, self.num_kv_heads, self.head_dim),
-                value.view(num_tokens, self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_per_head:
+            query, key = self.q_norm(query), self.k_norm(key)
+        if self.clip_qkv is not None:
+            clip = self.clip_qkv
+            query, key, value = (query.clamp(-clip, clip), key.clamp(-clip, clip),
+                                 value.clamp(-clip, clip))
+        return query, key, value
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -231,9 +271,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, intermediate = config.hidden_size, config.intermediate_size
+        hidden, intermediate = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = layers.column_linear(hidden, intermediate, False)
         self.up_proj = layers.column_linear(hidden, intermediate, False)
         self.down_proj = layers.row_linear(intermediate, hidden, False)
