@@ -13,7 +13,7 @@ from typing import Any
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv_memory import KVCacheMemory
 from slipstream.agent.engine.kv_tier_settings import KVTierSettings
-from slipstream.agent.engine.moe_config import MoESettings, moe_settings
+from slipstream.agent.engine.moe_config import MoESettings, check_expert_fit, moe_settings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -186,6 +186,7 @@ def check_parallel_fit(model: ModelConfig, parallel: ParallelConfig) -> None:
             f"{model.num_kv_heads} KV heads and an MLP of {model.intermediate_size}, which "
             f"every TP rank must share equally (--tp may be "
             f"{', '.join(str(d) for d in fitting)})")
+    check_expert_fit(model, parallel)
     if parallel.spp > model.num_layers:
         raise ValueError(f"--spp {parallel.spp} is more pipeline stages than this model has "
                          f"layers ({model.num_layers})")

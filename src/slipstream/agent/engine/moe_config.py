@@ -10,7 +10,11 @@ where the attention's QK-norm sits). A dense model has no MoESettings at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slipstream.agent.engine.config import ModelConfig
+    from slipstream.agent.engine.parallel_config import ParallelConfig
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "OlmoeForCausalLM")
@@ -86,3 +90,28 @@ def moe_settings(architecture: str, raw: dict[str, Any]) -> MoESettings | None:
         decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         qk_norm="head" if architecture == "Qwen3MoeForCausalLM" else "none")
+
+
+def check_expert_fit(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ValueError, in one line naming the flag, when the experts cannot be split as
+    ``--ep`` and ``--tp`` ask (config.check_parallel_fit calls it before workers start)."""
+    moe = model.moe
+    if moe is None:
+        if parallel.ep > 1:
+            raise ValueError(f"--ep {parallel.ep}: {model.architecture} has no experts to "
+                             "split (expert parallelism is for mixture-of-experts models)")
+        return
+    if moe.num_experts % parallel.ep:
+        fitting = [d for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0]
+        raise ValueError(f"--ep {parallel.ep} does not divide this model's {moe.num_experts} "
+                         f"experts (--ep may be {', '.join(map(str, fitting))})")
+    tp = parallel.tp
+    for what, width in (("experts' intermediate size", moe.expert_intermediate_size),
+                        ("shared expert's intermediate size",
+                         moe.shared_expert_intermediate_size)):
+        if width % tp:
+            raise ValueError(f"--tp {tp} does not divide the {what} ({width})")
+    if tp > 1 and moe.qk_norm == "full":
+        raise ValueError(f"--tp {tp}: {model.architecture}'s QK-norm spans every head, which "
+                         "tensor parallelism splits; serve it with --tp 1 (and --ep for "
+                         "the experts)")

@@ -174,7 +174,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         auto_profile=args.profile is None and not args.no_profile,
         cuda_graphs=args.cuda_graphs, short_prefill_graphs=args.short_prefill_graphs,
         short_prefill_buckets=short_prefill_buckets_from_args(args),
-        parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp,
+        parallel=ParallelConfig(tp=args.tp, spp=args.spp, kvp=args.kvp, ep=args.ep,
                                 kvp_tokens_per_group=args.kvp_tokens_per_group),
         disagg=disagg_config_from_args(args),
         kv_tiers=KVTierSettings(host_memory_bytes=args.kv_host_memory or 0,

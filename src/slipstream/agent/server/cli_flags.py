@@ -146,10 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "padded tokens per real token")
 
     parallel = parser.add_argument_group(
-        "parallelism", "An instance is tp x spp x kvp worker processes (one per GPU). On one "
-        "machine they all start here; across nodes see `slipstream worker --help`.")
+        "parallelism", "An instance is tp x ep x spp x kvp worker processes (one per GPU). On "
+        "one machine they all start here; across nodes see `slipstream worker --help`.")
     parallel.add_argument("--tp", type=int, default=1, metavar="N",
                           help="tensor-parallel degree (within a node)")
+    parallel.add_argument("--ep", type=int, default=1, metavar="N",
+                          help="expert-parallel degree, for mixture-of-experts models: each "
+                               "rank holds 1/N of the experts (attention is replicated); "
+                               "combines with --tp, --spp and --kvp")
     parallel.add_argument("--spp", type=int, default=1, metavar="N",
                           help="stream-pipeline-parallel stages: a prefill's chunks flow "
                                "through the stages back to back")
