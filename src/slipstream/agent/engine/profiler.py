@@ -39,7 +39,9 @@ from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv_tier_store import (
     measure_disk_read_gb_per_s, measure_host_load_gb_per_s)
 from slipstream.agent.engine.model_runner import ModelRunner, resolve_device
-from slipstream.agent.engine.models.llama import LlamaDecoderLayer, apply_rotary
+from slipstream.agent.engine.models.llama import LlamaDecoderLayer, LlamaMLP, apply_rotary
+from slipstream.agent.engine.moe_profile import (DENSE_MLP_OPS, MOE_OP, mlp_op_counts,
+                                                 moe_model_fields)
 from slipstream.agent.engine.profile_fit import fit_overhead, lower_envelope
 from slipstream.agent.engine.step_calibration import (CalibrationLoad, fit_host_overhead,
                                                      fit_runner_overhead, time_engine_steps)
@@ -108,12 +110,16 @@ class Profiler:
         come from memory, not from the cache a repeated single-layer call keeps them in, and
         some small-batch matmul kernels re-read their weights (cold, two or three tokens can
         cost twice one)."""
-        attn, mlp = self.layer.self_attn, self.layer.mlp
+        attn = self.layer.self_attn
+        # A mixture of experts times its sparse layers whole (moe_profile.py), on the layers
+        # that have them; the dense MLP ops run on the dense layers.
+        dense = [layer for layer in self.layers if isinstance(layer.mlp, LlamaMLP)]
+        sparse = [layer for layer in self.layers if not isinstance(layer.mlp, LlamaMLP)]
         x = self._hidden(tokens)
         q, k, _ = attn.qkv(x)
         positions = torch.arange(tokens, device=self.device)
         cos, sin = self.runner.model.model.rotary(positions, x.dtype)
-        gate, _ = mlp.gate_up(x)
+        gate, _ = cast(LlamaMLP, dense[0].mlp).gate_up(x) if dense else (x, x)
         attn_out = torch.randn(tokens, attn.num_heads * attn.head_dim, device=self.device,
                                dtype=x.dtype)
         intermediate = torch.randn_like(gate)
@@ -127,15 +133,20 @@ class Profiler:
             "mlp_act": lambda _: F.silu(gate) * intermediate,
             "mlp_down_proj": lambda layer: layer.mlp.down_proj(intermediate),
             "add": lambda _: (x + x, x + x),
+            MOE_OP: lambda layer: layer.mlp(x),
         }
-        layers = self.layers
 
-        def on_every_layer(op: Callable[[LlamaDecoderLayer], object]) -> Callable[[], object]:
+        def layers_of(name: str) -> list[LlamaDecoderLayer]:
+            return dense if name in DENSE_MLP_OPS else sparse if name == MOE_OP \
+                else self.layers
+
+        def on_layers(op: Callable[[LlamaDecoderLayer], object],
+                      layers: list[LlamaDecoderLayer]) -> Callable[[], object]:
             return lambda: [op(layer) for layer in layers]
 
-        return {name: best_ms(on_every_layer(op), self.device, self.repeats,
-                              max_ms=self.max_point_ms) / len(layers)
-                for name, op in ops.items()}
+        return {name: best_ms(on_layers(op, layers_of(name)), self.device, self.repeats,
+                              max_ms=self.max_point_ms) / len(layers_of(name))
+                for name, op in ops.items() if layers_of(name)}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
         """Per-layer attention time for chunks given as (kv_before, query_len)."""
@@ -369,7 +380,9 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
                        model={"name": model_dir.name, "hidden_size": model_config.hidden_size,
                               "num_attention_heads": model_config.num_heads,
                               "num_key_value_heads": model_config.num_kv_heads,
-                              "intermediate_size": model_config.intermediate_size},
+                              "intermediate_size": model_config.intermediate_size,
+                              **moe_model_fields(model_config)},
+                       op_counts_per_layer=mlp_op_counts(model_config),
                        linear_profiled_max_tokens=max(grid.tokens),
                        # KV tiers: host -> device copies, and reads from the cache's disk.
                        host_load_gb_per_s=measure_host_load_gb_per_s(runner.device,

@@ -37,6 +37,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "model.quantizationGroupSize": "quantization_group_size",
     "model.maxModelLen": "max_model_len",
     "parallelism.tp": "tp",
+    "parallelism.ep": "ep",
     "parallelism.spp": "spp",
     "parallelism.kvp": "kvp",
     "parallelism.kvpTokensPerGroup": "kvp_tokens_per_group",
