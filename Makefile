@@ -228,5 +228,5 @@ bench-router: setup  ## latency the router adds (TTFT, E2E), direct vs through i
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-bench-moe: setup  ## mixture of experts: batch-32 decode vs transformers, simulator vs live step (docs/models.md)
+bench-moe: setup  ## mixture of experts: batch-32 decode vs transformers, simulator vs live step (docs/moe.md)
 	$(BIN)/python -m slipstream.agent.bench.moe_bench --out $(RESULTS)/moe

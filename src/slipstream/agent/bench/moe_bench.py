@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from slipstream.agent.bench.engine_bench import hf_decode, make_engine, ours_decode, prompts_for
-from slipstream.agent.bench.sim_vs_live import cached_profile
+from slipstream.agent.bench.sim_vs_live import cached_profile, wait_for_quiet_machine
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv_memory import KVCacheMemory
@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", default="quick", choices=("quick", "small", "full"),
                         help="profile grid (slipstream profile --grid)")
     parser.add_argument("--refresh-profile", action="store_true")
+    parser.add_argument("--max-load", type=float, default=1.5,
+                        help="wait for a 1-minute load average at most this before starting")
+    parser.add_argument("--quiet-patience-s", type=float, default=300.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = moe_model_dir(args.family)
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
         parameters = sum(math.prod(weights.get_slice(name).get_shape())
                          for name in weights.keys())
+    # Other processes on a shared machine slow whatever runs beside them: start quiet.
+    load_before = wait_for_quiet_machine(args.max_load, args.quiet_patience_s)
     profile = cached_profile(model_dir, args.grid, args.threads, args.refresh_profile)
     # The live steps right after the profile, so both see the same machine load.
     sim_vs_live = predicted_vs_live(model_dir, profile, args)
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                "active_parameters_per_token": active_parameters_per_token(config),
                "threads": args.threads, "profile_grid": args.grid,
                "machine": platform.processor() or platform.machine(),
-               "load_average": os.getloadavg(),
+               "load_average_before": load_before, "load_average_after": os.getloadavg(),
                "throughput": throughput(model_dir, args), "sim_vs_live": sim_vs_live}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe_bench.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -129,9 +129,9 @@ class Profiler:
             "attn_pre_proj": lambda layer: layer.self_attn.qkv(x),
             "attn_rope": lambda _: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
             "attn_post_proj": lambda layer: layer.self_attn.o_proj(attn_out),
-            "mlp_up_proj": lambda layer: layer.mlp.gate_up(x),
+            "mlp_up_proj": lambda layer: cast(LlamaMLP, layer.mlp).gate_up(x),
             "mlp_act": lambda _: F.silu(gate) * intermediate,
-            "mlp_down_proj": lambda layer: layer.mlp.down_proj(intermediate),
+            "mlp_down_proj": lambda layer: cast(LlamaMLP, layer.mlp).down_proj(intermediate),
             "add": lambda _: (x + x, x + x),
             MOE_OP: lambda layer: layer.mlp(x),
         }

@@ -37,7 +37,7 @@ def tiny_moe_config(family: str, size: str = "tiny") -> Any:
                   num_experts_per_tok=top_k)
     if family == "mixtral":
         return transformers.MixtralConfig(**common, intermediate_size=expert_width,
-                                          num_local_experts=experts, rope_theta=10000.0)
+                                          num_local_experts=experts)
     if family == "qwen2_moe":  # a shared expert, and one dense layer among the sparse ones
         return transformers.Qwen2MoeConfig(
             **common, intermediate_size=2 * expert_width, moe_intermediate_size=expert_width,
@@ -46,7 +46,7 @@ def tiny_moe_config(family: str, size: str = "tiny") -> Any:
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
             **common, intermediate_size=2 * expert_width, moe_intermediate_size=expert_width,
-            num_experts=experts, norm_topk_prob=True, head_dim=hidden // 4)
+            num_experts=experts, norm_topk_prob=True)
     if family == "olmoe":
         return transformers.OlmoeConfig(**common, intermediate_size=expert_width,
                                         num_experts=experts, norm_topk_prob=False,

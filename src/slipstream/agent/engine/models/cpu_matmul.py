@@ -128,7 +128,7 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
     model = cast(LlamaForCausalLM, model)
     layers = cast(list[LlamaDecoderLayer], list(model.model.layers.values()))
     first = layers[0].mlp if layers else None
-    if first is not None and getattr(first, "gate_up_weight", None) is not None:
+    if isinstance(first, LlamaMLP) and first.gate_up_weight is not None:
         try:
             agrees = _matches(ReorderedLinear(first.gate_up_weight), first.gate_up_weight, None)
         except (RuntimeError, TypeError) as error:  # a PyTorch whose private ops changed
