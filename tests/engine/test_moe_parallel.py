@@ -30,7 +30,10 @@ def generate(model_dir, parallel: ParallelConfig) -> list[list[int]]:
     ("mixtral", ParallelConfig(tp=2)),
     ("qwen2_moe", ParallelConfig(ep=2)),
     ("qwen2_moe", ParallelConfig(tp=2, ep=2)),
-], ids=["mixtral-ep2", "mixtral-tp2", "qwen2moe-ep2", "qwen2moe-tp2-ep2"])
+    ("mixtral", ParallelConfig(ep=2, spp=2)),
+    ("qwen3_moe", ParallelConfig(ep=2, kvp=2, kvp_tokens_per_group=48)),
+], ids=["mixtral-ep2", "mixtral-tp2", "qwen2moe-ep2", "qwen2moe-tp2-ep2", "mixtral-ep2-spp2",
+        "qwen3moe-ep2-kvp2"])
 def test_parallel_moe_equals_single_process(moe_model_dirs, family, parallel):
     model_dir = moe_model_dirs[family]
     single = generate(model_dir, ParallelConfig())
