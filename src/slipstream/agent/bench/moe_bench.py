@@ -70,6 +70,7 @@ def predicted_vs_live(model_dir: Path, profile: Path, args: argparse.Namespace) 
     # A budget no step reaches: the packer never splits the decodes, and every step still
     # carries the predictor's time.
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", profile_dir=profile,
+                                    max_model_len=4096,
                                     kv_cache_memory=KVCacheMemory(size_bytes=2**30)),
                        SchedulerConfig(max_num_seqs=BATCH, target_batch_time_ms=10_000.0))
     steps: list[StepStats] = []
