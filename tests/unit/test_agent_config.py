@@ -225,3 +225,12 @@ def test_the_weight_format_reaches_the_engine_and_is_left_out_when_default(tmp_p
     assert "quantization" not in model_file and "quantizationGroupSize" not in model_file
     assert serve_configs.engine_config(
         serve_args_in_pod(SPEC, tmp_path)).quantization == "auto"
+
+
+def test_expert_parallelism_reaches_the_engine_and_counts_in_the_world_size(tmp_path):
+    spec = ServingReplicaSpec.model_validate({
+        **SPEC.to_api(), "parallelism": {"tp": 2, "ep": 4}})
+    assert spec.parallelism.gpus_per_instance == 8
+    engine = cli_configs.engine_config_from_args(serve_args_in_pod(spec, tmp_path))
+    assert engine.parallel == ParallelConfig(tp=2, ep=4)
+    assert "ep" not in SPEC.parallelism.to_api()  # unset: the agent's file is unchanged

@@ -165,6 +165,8 @@ INVALID = [
     ("parallelism.spp", 6, "spec.parallelism.spp"),
     ("parallelism.kvp", 0, "spec.parallelism.kvp"),
     ("parallelism.tp", 16, "spec.placement.gpusPerNode"),  # a TP group larger than a node
+    ("parallelism.ep", 3, "spec.parallelism.ep"),
+    ("parallelism.ep", 4, "spec.placement.gpusPerNode"),  # tp 4 x ep 4: an EP group > a node
     ("parallelism.kvpTokensPerGroup", 1000, "spec.parallelism.kvpTokensPerGroup"),
     ("model.source", {"hostPath": {"path": "/m"}, "pvc": {"claimName": "c"}},
      "spec.model.source"),

@@ -158,3 +158,15 @@ def test_pod_gpu_request_reads_whole_quantities(value, expected):
     if value is None:
         pod = {"spec": {"containers": [{}]}}
     assert pod_gpu_request(pod, "nvidia.com/gpu") == expected
+
+
+def test_an_expert_parallel_group_stays_on_one_node_and_stages_may_span_nodes():
+    # tp=2, ep=2: EP groups of 4 GPUs; a node with 3 free cannot take one, though it has a
+    # TP group's worth.
+    outcome = place_instance(request(tp=2, ep=2), [node("a", 3), node("b", 4)])
+    assert shares(outcome) == [("b", 4)]
+    staged = place_instance(request(tp=2, ep=2, spp=2), [node("a", 4), node("b", 6)])
+    assert sorted(shares(staged)) == [("a", 4), ("b", 4)]
+    assert [share.first_rank for share in staged.shares] == [0, 4]
+    short = place_instance(request(tp=2, ep=4), [node("a", 6), node("b", 6)])
+    assert isinstance(short, PlacementFailure) and "8 GPUs (tp=2, ep=4" in short.message

@@ -42,6 +42,7 @@ PRINTER_COLUMNS = [
     {"name": "TP", "type": "integer", "jsonPath": ".spec.parallelism.tp", "priority": 1},
     {"name": "SPP", "type": "integer", "jsonPath": ".spec.parallelism.spp", "priority": 1},
     {"name": "KVP", "type": "integer", "jsonPath": ".spec.parallelism.kvp", "priority": 1},
+    {"name": "EP", "type": "integer", "jsonPath": ".spec.parallelism.ep", "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -100,6 +100,14 @@ class Parallelism(ApiModel):
                      json_schema_extra=rules(power_of_two("spec.parallelism.spp")))
     kvp: int = Field(1, description="KV-cache-parallel groups; may span nodes.",
                      json_schema_extra=rules(power_of_two("spec.parallelism.kvp")))
+    # Written only when set (ApiModel drops None), so replicas without it keep their agent
+    # config and template hash.
+    ep: int | None = Field(None, description="Expert-parallel degree for mixture-of-experts "
+                           "models: each rank holds 1/ep of the experts (attention is "
+                           "replicated); an EP group of tp x ep GPUs stays inside one node. "
+                           "Combines with spp and kvp. The agent refuses a dense model or "
+                           "an expert count ep does not divide.",
+                           json_schema_extra=rules(power_of_two("spec.parallelism.ep")))
     kvp_tokens_per_group: int = Field(
         1_048_576, description="Tokens one KVP group holds before a request takes the next.",
         json_schema_extra=rules(Rule(
@@ -108,8 +116,12 @@ class Parallelism(ApiModel):
             "KV block")))
 
     @property
+    def expert_parallel(self) -> int:
+        return self.ep or 1
+
+    @property
     def gpus_per_instance(self) -> int:
-        return self.tp * self.spp * self.kvp
+        return self.tp * self.expert_parallel * self.spp * self.kvp
 
 
 class Toleration(ApiModel):
@@ -305,6 +317,12 @@ _SPEC_RULES = rules(
     Rule("self.parallelism.tp <= self.placement.gpusPerNode",
          "spec.parallelism.tp must not exceed spec.placement.gpusPerNode: a TP group never "
          "spans nodes", field_path=".parallelism.tp"),
+    # Every sparse layer all-reduces over the EP group, so it stays on one node like TP.
+    Rule("!has(self.parallelism.ep) || "
+         "self.parallelism.tp * self.parallelism.ep <= self.placement.gpusPerNode",
+         "spec.parallelism.tp x spec.parallelism.ep must not exceed "
+         "spec.placement.gpusPerNode: an expert-parallel group never spans nodes",
+         field_path=".parallelism.ep"),
     Rule("!has(self.pools) || " + _AUTOSCALED + " || "
          "self.pools.short <= " + _PREFILL_INSTANCES,
          "spec.pools.short must not exceed spec.instances, or with spec.disaggregation "
@@ -344,13 +362,16 @@ _SPEC_RULES = rules(
          "spec.kvTiers.diskPath and spec.kvTiers.diskSize go together",
          field_path=".kvTiers"),
     Rule("!has(self.kvTiers) || (!has(self.disaggregation) && self.parallelism.tp == 1 && "
-         "self.parallelism.spp == 1 && self.parallelism.kvp == 1)",
-         "spec.kvTiers needs spec.parallelism.tp, spp and kvp of 1 and no "
+         "self.parallelism.spp == 1 && self.parallelism.kvp == 1 && "
+         "(!has(self.parallelism.ep) || self.parallelism.ep == 1))",
+         "spec.kvTiers needs spec.parallelism.tp, ep, spp and kvp of 1 and no "
          "spec.disaggregation (KV tiers run in single-process agents for now)",
          field_path=".kvTiers"),
     Rule("!has(self.disaggregation) || "
-         "(self.parallelism.tp == 1 && self.parallelism.spp == 1 && self.parallelism.kvp == 1)",
-         "spec.disaggregation needs spec.parallelism.tp, spp and kvp of 1 (prefill and decode "
+         "(self.parallelism.tp == 1 && self.parallelism.spp == 1 && self.parallelism.kvp == 1 "
+         "&& (!has(self.parallelism.ep) || self.parallelism.ep == 1))",
+         "spec.disaggregation needs spec.parallelism.tp, ep, spp and kvp of 1 (prefill and "
+         "decode "
          "instances run without worker processes for now)", field_path=".disaggregation"),
 )
 

@@ -194,6 +194,7 @@ def placement_request(spec: ServingReplicaSpec) -> PlacementRequest:
     placement = spec.placement
     return PlacementRequest(
         tp=spec.parallelism.tp, spp=spec.parallelism.spp, kvp=spec.parallelism.kvp,
+        ep=spec.parallelism.expert_parallel,
         gpus_per_node=placement.gpus_per_node, node_selector=dict(placement.node_selector),
         tolerations=toleration_rules([t.to_api() for t in placement.tolerations]))
 

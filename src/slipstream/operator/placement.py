@@ -69,14 +69,22 @@ class PlacementRequest:
     gpus_per_node: int
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: tuple[TolerationRule, ...] = ()
+    ep: int = 1  # expert parallel: ep TP groups that share one node (see node_group)
+
+    @property
+    def node_group(self) -> int:
+        """GPUs that must share a node: a TP group, or under expert parallelism its EP group
+        of ``tp x ep`` (consecutive ranks; parallel_config.py)."""
+        return self.tp * self.ep
 
     @property
     def tp_groups(self) -> int:
+        """Node groups (TP groups, or EP groups under expert parallelism) per instance."""
         return self.spp * self.kvp
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.tp_groups
+        return self.node_group * self.tp_groups
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ def eligible(node: NodeGpus, request: PlacementRequest) -> bool:
 
 def tp_slots(node: NodeGpus, request: PlacementRequest) -> int:
     """Whole TP groups this node can still host for one instance."""
-    return min(node.free_gpus, request.gpus_per_node) // request.tp
+    return min(node.free_gpus, request.gpus_per_node) // request.node_group
 
 
 def place_instance(request: PlacementRequest,
@@ -138,8 +146,9 @@ def place_instance(request: PlacementRequest,
     chosen = _choose_nodes(slots, needed)
     shares, rank = [], 0
     for node_name, groups in chosen:
-        shares.append(NodeShare(node=node_name, gpus=groups * request.tp, first_rank=rank))
-        rank += groups * request.tp
+        shares.append(NodeShare(node=node_name, gpus=groups * request.node_group,
+                                first_rank=rank))
+        rank += groups * request.node_group
     return InstancePlacement(tuple(shares))
 
 
@@ -195,7 +204,9 @@ def _shortage_message(request: PlacementRequest, candidates: list[NodeGpus],
     free = ", ".join(f"{n.name}: {n.free_gpus} free" for n in candidates[:8])
     if len(candidates) > 8:
         free += f", ... ({len(candidates)} nodes)"
+    ep = f", ep={request.ep}" if request.ep > 1 else ""
     return (f"an instance needs {request.gpus} GPUs as {request.tp_groups} TP group(s) of "
-            f"{request.tp} GPUs (tp={request.tp}, spp={request.spp}, kvp={request.kvp}); a TP "
-            f"group cannot span nodes, and the eligible nodes offer only "
+            f"{request.node_group} GPUs (tp={request.tp}{ep}, spp={request.spp}, "
+            f"kvp={request.kvp}); a TP group cannot span nodes, and the eligible nodes offer "
+            f"only "
             f"{sum(slots.values())} whole group(s) ({free})")

@@ -31,7 +31,8 @@ def estimate_kv_blocks(meta: ProfileMeta, tp: int, spp: int, kvp: int,
     layers = meta.num_layers
     per_layer = hidden * (hidden + 2 * kv_heads * head_dim) + hidden * hidden \
         + 3 * hidden * intermediate
-    weight_bytes = (layers * per_layer + 2 * vocab * hidden) * BYTES_PER_VALUE / (tp * spp)
+    weight_bytes = (layers * per_layer + 2 * vocab * hidden + _extra_expert_weights(model)) \
+        * BYTES_PER_VALUE / (tp * spp)
     kv_heads_per_gpu = max(1, kv_heads // tp)
     kv_bytes_per_token = 2 * (layers // spp) * kv_heads_per_gpu * head_dim * BYTES_PER_VALUE
     free_bytes = gpu_memory_gib * 2**30 * memory_utilization - weight_bytes
@@ -39,6 +40,19 @@ def estimate_kv_blocks(meta: ProfileMeta, tp: int, spp: int, kvp: int,
         raise ValueError("the weights do not fit in GPU memory")
     tokens_per_group = free_bytes / kv_bytes_per_token
     return int(tokens_per_group * kvp) // BLOCK_SIZE
+
+
+def _extra_expert_weights(model: dict) -> int:
+    """A mixture of experts' weights beyond one dense MLP per layer: every expert is stored
+    (only top-k are read per token; the profile's moe_block times that), so memory counts all
+    of them, plus the router and the shared expert."""
+    if "num_experts" not in model:
+        return 0
+    hidden, sparse = model["hidden_size"], model.get("num_sparse_layers", 0)
+    experts = model["num_experts"] * 3 * hidden * model["moe_intermediate_size"]
+    shared = 3 * hidden * model.get("shared_expert_intermediate_size", 0)
+    dense = 3 * hidden * model["intermediate_size"]
+    return sparse * (experts + shared + hidden * model["num_experts"] - dense)
 
 
 # KV tier bandwidths for GPU profiles, which measure none: host -> GPU over one PCIe 5 x16

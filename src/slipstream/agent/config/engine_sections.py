@@ -118,10 +118,13 @@ class EngineSettings(Section):
 
 
 class ParallelSettings(Section):
-    """An instance is tp x spp x kvp worker processes (one per GPU). On one machine they all
-    start here; across nodes see `slipstream worker --help`."""
+    """An instance is tp x ep x spp x kvp worker processes (one per GPU). On one machine they
+    all start here; across nodes see `slipstream worker --help`."""
 
     tp: int = setting(1, "tensor-parallel degree (within a node)", metavar="N", ge=1)
+    ep: int = setting(1, "expert-parallel degree, for mixture-of-experts models: each rank "
+                      "holds 1/N of the experts (attention is replicated); combines with --tp, "
+                      "--spp and --kvp", metavar="N", ge=1)
     spp: int = setting(1, "stream-pipeline-parallel stages: a prefill's chunks flow through "
                        "the stages back to back", metavar="N", ge=1)
     kvp: int = setting(1, "KV-cache-parallel groups: a long request's KV spans groups",

@@ -16,6 +16,7 @@ from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.kv.memory import KVCacheMemory
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
 from slipstream.agent.engine.models.registry import SUPPORTED_MODEL_TYPES, model_type_of
+from slipstream.agent.engine.moe_config import MoESettings, check_expert_fit, moe_settings
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.scheduler.config import SchedulerConfig
 
@@ -65,6 +66,9 @@ class ModelConfig:
     # "full_attention"; empty: every layer slides when sliding_window is set (Mistral).
     layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base
+    # Mixture-of-experts: the router, experts and shared expert (moe_config.py); None for a
+    # dense model.
+    moe: MoESettings | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -117,7 +121,8 @@ class ModelConfig:
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", model_type == "qwen2"),
+            attention_bias=raw.get("attention_bias", raw.get(
+                "qkv_bias", model_type == "qwen2")),  # Qwen2-MoE: qkv_bias
             rope_scaling=RopeScaling(
                 rope_type=rope_type,
                 factor=rope.get("factor", 1.0),
@@ -132,6 +137,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             model_type=model_type,
             **family_options(model_type, raw, sliding),
+            moe=moe_settings(architecture, raw),
         )
 
     def sliding_window_of(self, layer: int) -> int | None:
@@ -244,6 +250,7 @@ def check_parallel_fit(model: ModelConfig, parallel: ParallelConfig) -> None:
             f"{model.num_kv_heads} KV heads and an MLP of {model.intermediate_size}, which "
             f"every TP rank must share equally (--tp may be "
             f"{', '.join(str(d) for d in fitting)})")
+    check_expert_fit(model, parallel)
     if parallel.spp > model.num_layers:
         raise ValueError(f"--spp {parallel.spp} is more pipeline stages than this model has "
                          f"layers ({model.num_layers})")

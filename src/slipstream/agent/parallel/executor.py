@@ -65,7 +65,7 @@ class ParallelExecutor:
         node_env = node_env or NodeEnv.from_environ()
         self.world_size = parallel.world_size
         if node_env.world_size not in (None, self.world_size):
-            raise ValueError(f"SLIPSTREAM_WORLD_SIZE={node_env.world_size} but tp*spp*kvp = "
+            raise ValueError(f"SLIPSTREAM_WORLD_SIZE={node_env.world_size} but tp*ep*spp*kvp = "
                              f"{self.world_size}")
         if node_env.controller_addr:
             connect_addr = node_env.controller_addr

@@ -6,6 +6,10 @@ them (through ``TensorParallelLayers``, a ``LayerFactory``) needs no sharding co
     vocab-parallel embedding:         each rank embeds ids in its vocab slice; all-reduce
     vocab-parallel LM head:           each rank scores its vocab slice; all-gather the logits
 
+    experts (models/moe.py):          under TP each expert split like gate/up + down; under EP
+                                      each rank holds num_experts / ep whole experts; the
+                                      routed output is all-reduced over TP, then over EP
+
 A column-parallel layer followed by a row-parallel one needs exactly one all-reduce per pair.
 Each layer cuts its own slice from a full checkpoint tensor (``shard_tensor``), which is how
 the loader stays unaware of sharding rules.
@@ -18,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.agent.engine.models.layers import ExpertShard
 from slipstream.agent.parallel.groups import ProcessGroups
 
 
@@ -113,10 +118,13 @@ class VocabParallelLMHead(_VocabSlice):
 
 
 class TensorParallelLayers:
-    """The ``LayerFactory`` for one rank of a TP group."""
+    """The ``LayerFactory`` for one rank of a TP group (of size 1 under expert parallelism
+    alone) and of its EP group."""
 
     def __init__(self, groups: ProcessGroups) -> None:
         self.tp_rank, self.tp_size, self.group = groups.tp_rank, groups.tp_size, groups.tp_group
+        self.ep_rank, self.ep_size, self.ep_group = groups.ep_rank, groups.ep_size, \
+            groups.ep_group
 
     def embedding(self, vocab_size: int, hidden_size: int) -> nn.Module:
         return VocabParallelEmbedding(vocab_size, hidden_size, self.tp_rank, self.tp_size,
@@ -135,3 +143,19 @@ class TensorParallelLayers:
 
     def local_count(self, total: int) -> int:
         return _split(total, self.tp_size, "attention heads and KV heads")
+
+    def expert_shard(self, num_experts: int) -> ExpertShard:
+        num_local = _split(num_experts, self.ep_size, "experts")
+        groups = [group for group in (self.group, self.ep_group) if group is not None]
+
+        def reduce(partial: torch.Tensor) -> None:
+            # Expert parallelism without data-parallel attention: every EP rank already holds
+            # every token (attention is replicated), so dispatch needs no all-to-all; each
+            # rank runs its experts on the tokens routed to them and one all-reduce (a
+            # reduce-scatter plus an all-gather) combines the partial sums.
+            for group in groups:
+                dist.all_reduce(partial, group=group)
+
+        return ExpertShard(first_expert=self.ep_rank * num_local, num_local=num_local,
+                           tp_rank=self.tp_rank, tp_size=self.tp_size,
+                           reduce=reduce if groups else None)

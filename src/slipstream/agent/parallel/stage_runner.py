@@ -63,7 +63,8 @@ class StageRunner:
         self.hidden_size = model_config.hidden_size
         torch.manual_seed(config.seed)
         self.stage = PipelineStage.split(model_config.num_layers, parallel.spp, coords.stage)
-        layers = TensorParallelLayers(groups) if parallel.tp > 1 else LocalLayers()
+        layers = TensorParallelLayers(groups) if parallel.tp > 1 or parallel.ep > 1 \
+            else LocalLayers()
         self.model = load_model(config.model_dir, device, self.dtype, model_config, layers,
                                 self.stage, load_format=config.load_format,
                                 weights=weight_source(config))

@@ -99,7 +99,8 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         short_prefill_buckets=ShortPrefillBuckets(
             lengths_tokens=engine.cuda_graph_lengths, batch_sizes=engine.cuda_graph_batch_sizes,
             max_padding_factor=engine.cuda_graph_max_padding_factor),
-        parallel=ParallelConfig(tp=parallel.tp, spp=parallel.spp, kvp=parallel.kvp,
+        parallel=ParallelConfig(tp=parallel.tp, ep=parallel.ep, spp=parallel.spp,
+                                kvp=parallel.kvp,
                                 kvp_tokens_per_group=parallel.kvp_tokens_per_group),
         disagg=disagg_config(config),
         kv_tiers=KVTierSettings(

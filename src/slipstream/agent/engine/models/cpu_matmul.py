@@ -122,12 +122,13 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
     down projections, and the LM head. A tied LM head keeps the embedding's dense weight for
     token lookups and gets its own reordered copy (one vocabulary matrix more in memory).
     """
-    from slipstream.agent.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from slipstream.agent.engine.models.llama import (LlamaDecoderLayer, LlamaForCausalLM,
+                                                       LlamaMLP)
 
     model = cast(LlamaForCausalLM, model)
     layers = cast(list[LlamaDecoderLayer], list(model.model.layers.values()))
     first = layers[0].mlp if layers else None
-    if first is not None and first.gate_up_weight is not None:
+    if isinstance(first, LlamaMLP) and first.gate_up_weight is not None:
         try:
             agrees = _matches(ReorderedLinear(first.gate_up_weight), first.gate_up_weight, None)
         except (RuntimeError, TypeError) as error:  # a PyTorch whose private ops changed
@@ -149,6 +150,8 @@ def pack_cpu_matmuls(model: nn.Module) -> int:
         if _plain(attn.o_proj):
             attn.o_proj = _reordered(attn.o_proj)
             packed += 1
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts keeps its expert tensors
+            continue
         if mlp.gate_up_weight is not None:
             mlp.gate_up_fused = ReorderedLinear(mlp.gate_up_weight)
             mlp.gate_up_weight = None

@@ -12,9 +12,11 @@ attention heads live here (``local_count``), because reshapes depend on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import nn
 
 
@@ -34,6 +36,24 @@ class LayerFactory(Protocol):
     def local_count(self, total: int) -> int:
         """How many of ``total`` attention heads (or KV heads) this process holds."""
 
+    def expert_shard(self, num_experts: int) -> ExpertShard:
+        """Which of a mixture's ``num_experts`` experts live here, and how their partial
+        outputs are summed over the ranks (models/moe.py)."""
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """A rank's part of a mixture of experts: experts ``[first_expert, first_expert +
+    num_local)`` (expert parallelism), each with ``1 / tp_size`` of its intermediate width
+    (tensor parallelism). ``reduce`` sums a partial output over the ranks in place; None in
+    one process."""
+
+    first_expert: int
+    num_local: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    reduce: Callable[[torch.Tensor], None] | None = None
+
 
 class LocalLayers:
     """The single-process factory: plain torch layers, everything local."""
@@ -52,6 +72,9 @@ class LocalLayers:
 
     def local_count(self, total: int) -> int:
         return total
+
+    def expert_shard(self, num_experts: int) -> ExpertShard:
+        return ExpertShard(0, num_experts)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import cast
+from typing import cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +39,23 @@ from slipstream.kernels.attention import AttentionBackend
 MIN_CPU_LOGIT_ROWS = 4
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer: k, v [num_blocks, block, kv_heads, dim]
+# Builds decoder layer ``index``'s feed-forward block: the dense MLP here, a mixture of experts
+# in models/moe.py. It maps [tokens, hidden] to [tokens, hidden], complete on every TP rank.
+MLPFactory = Callable[[ModelConfig, LayerFactory, int], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, layers: LayerFactory, index: int) -> nn.Module:
+    return LlamaMLP(config, layers)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, layers: LayerFactory | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, *, mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         layers = layers or LocalLayers()
         stage = stage or PipelineStage.whole(config.num_layers)
         self.config = config
-        self.model = LlamaModel(config, layers, stage)
+        self.model = LlamaModel(config, layers, stage, mlp)
         self.lm_head = layers.lm_head(config.hidden_size, config.vocab_size) \
             if stage.is_last else None
         tie_word_embeddings(self, config)
@@ -94,6 +101,9 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
     fused = 0
     for layer in cast(list[LlamaDecoderLayer], list(model.model.layers.values())):
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts stores its own layout
+            fused += _fuse_attention(attn)
+            continue
         parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up: list[nn.Module] = [mlp.gate_proj, mlp.up_proj]
         if not all(type(p) is nn.Linear for p in parts + gate_up):
@@ -113,6 +123,16 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
         mlp.gate_up_weight = _concatenate_rows(gate_up, "weight")
         fused += 1
     return fused
+
+
+def _fuse_attention(attn: LlamaAttention) -> bool:
+    parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biases = [p.bias is not None for p in parts]
+    if not all(type(p) is nn.Linear for p in parts) or (any(biases) and not all(biases)):
+        return False
+    attn.qkv_weight = _concatenate_rows(parts, "weight")
+    attn.qkv_bias = _concatenate_rows(parts, "bias") if all(biases) else None
+    return True
 
 
 def _concatenate_rows(modules: list[nn.Module], name: str) -> torch.Tensor:
@@ -141,13 +161,14 @@ def tie_word_embeddings(model: LlamaForCausalLM, config: ModelConfig) -> None:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory, stage: PipelineStage) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, stage: PipelineStage,
+                 mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = layers.embedding(config.vocab_size, config.hidden_size) \
             if stage.is_first else None
         # Keyed by the global layer index, so parameter names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(config, layers, index)
-                                     for index in stage.layer_indices})
+        self.layers = nn.ModuleDict({str(index): LlamaDecoderLayer(
+            config, layers, index, mlp(config, layers, index)) for index in stage.layer_indices})
         self.local_rope = [config.uses_local_rope(index) for index in stage.layer_indices]
         self.norm = make_norm(config, config.hidden_size) if stage.is_last else None
         self.embedding_scale = config.embedding_scale
@@ -186,7 +207,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory, index: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory, index: int = 0,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.input_layernorm = make_norm(config, hidden)
@@ -198,7 +220,7 @@ class LlamaDecoderLayer(nn.Module):
             if config.sandwich_norms else None
         self.post_feedforward_layernorm = make_norm(config, hidden) \
             if config.sandwich_norms else None
-        self.mlp = LlamaMLP(config, layers)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, layers)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: KVCache, backend: AttentionBackend
@@ -228,14 +250,21 @@ class LlamaAttention(nn.Module):
         self.scale = config.attention_scale or 1.0 / math.sqrt(head_dim)
         self.sliding_window = config.sliding_window_of(index)
         self.logit_softcap = config.attn_logit_softcap
-        # Qwen3, Gemma 3: each head's q and k normalised over head_dim, before rotary.
-        self.q_norm = make_norm(config, head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, head_dim) if config.qk_norm else None
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = layers.column_linear(hidden, config.num_heads * head_dim, bias)
         self.k_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
         self.v_proj = layers.column_linear(hidden, config.num_kv_heads * head_dim, bias)
         self.o_proj = layers.row_linear(config.num_heads * head_dim, hidden, False)
+        # QK-norm before rotary: per head over head_dim (Qwen3, Qwen3-MoE, Gemma 3), or over
+        # the whole projection (OLMoE); and OLMoE's clamp.
+        qk_norm = config.moe.qk_norm if config.moe is not None else (
+            "head" if config.qk_norm else "none")
+        q_width = head_dim if qk_norm == "head" else self.num_heads * head_dim
+        k_width = head_dim if qk_norm == "head" else self.num_kv_heads * head_dim
+        self.qk_norm_per_head = qk_norm == "head"
+        self.q_norm = make_norm(config, q_width) if qk_norm != "none" else None
+        self.k_norm = make_norm(config, k_width) if qk_norm != "none" else None
+        self.clip_qkv = config.moe.clip_qkv if config.moe is not None else None
         # Set by fuse_projections(): q, k and v as one matmul (their weights are views of it).
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
@@ -257,16 +286,23 @@ class LlamaAttention(nn.Module):
                 [q_size, kv_size, kv_size], dim=-1)
         else:
             query, key, value = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        return (query.view(num_tokens, self.num_heads, self.head_dim),
-                key.view(num_tokens, self.num_kv_heads, self.head_dim),
-                value.view(num_tokens, self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_per_head:
+            query, key = self.q_norm(query), self.k_norm(key)
+        if self.clip_qkv is not None:
+            clip = self.clip_qkv
+            query, key, value = (query.clamp(-clip, clip), key.clamp(-clip, clip),
+                                 value.clamp(-clip, clip))
+        return query, key, value
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv(hidden)
-        if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
         query, key = rotate(query, key, cos, sin)
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, key, value)
@@ -277,9 +313,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, config: ModelConfig, layers: LayerFactory,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, intermediate = config.hidden_size, config.intermediate_size
+        hidden, intermediate = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = layers.column_linear(hidden, intermediate, False)
         self.up_proj = layers.column_linear(hidden, intermediate, False)
         self.down_proj = layers.row_linear(intermediate, hidden, False)

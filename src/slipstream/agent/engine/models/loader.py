@@ -23,6 +23,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.models.layers import LayerFactory, LocalLayers, PipelineStage
 from slipstream.agent.engine.models.llama import (LlamaForCausalLM, fuse_projections,
                                                   tie_word_embeddings)
+from slipstream.agent.engine.models.moe import stack_expert_tensors
 from slipstream.agent.engine.models.quant_kernels import install_quantized, prepare_quantized
 from slipstream.agent.engine.models.registry import model_class
 from slipstream.agent.engine.models.weight_formats import QuantizedWeight
@@ -91,6 +92,9 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     if weights.quantized and layers is not None and not isinstance(layers, LocalLayers):
         raise QuantizationError(f"{weights.describe(model_dir)} weights run without tensor "
                                 "parallelism only for now: serve them with --tp 1")
+    if weights.quantized and config.moe is not None:
+        raise QuantizationError(f"{config.architecture}: quantized mixture-of-experts weights "
+                                "are not supported yet (--quantization none)")
     with torch.device("meta"):
         family = model_class(config)
         model = family(config, layers, stage)
@@ -102,8 +106,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
         and "model.embed_tokens.weight" not in expected  # SPP: head and embedding on two stages
     loaded: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
-    for source, name, tensor in _checkpoint_tensors(model_dir, load_format, weights, expected,
-                                                    device, dtype):
+    tensors = _checkpoint_tensors(model_dir, load_format, weights, expected, device, dtype)
+    if config.moe is not None:
+        tensors = stack_expert_tensors(tensors, config.moe.num_experts)
+    for source, name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         target = "lm_head.weight" if tied_apart and name == "model.embed_tokens.weight" \

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from slipstream.agent.engine.config import ModelConfig
 
 _LLAMA = ("slipstream.agent.engine.models.llama", "LlamaForCausalLM")
+_MOE = ("slipstream.agent.engine.models.moe", "MoEForCausalLM")
 
 MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "llama": _LLAMA,
@@ -24,6 +25,11 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "qwen3": ("slipstream.agent.engine.models.qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("slipstream.agent.engine.models.gemma", "Gemma2ForCausalLM"),
     "gemma3_text": ("slipstream.agent.engine.models.gemma", "Gemma3ForCausalLM"),
+    # Mixture-of-experts: one sparse block for all four (models/moe.py, moe_config.py).
+    "mixtral": _MOE,
+    "qwen2_moe": _MOE,
+    "qwen3_moe": _MOE,
+    "olmoe": _MOE,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(MODEL_CLASSES))
 
@@ -32,6 +38,8 @@ _TYPE_OF_ARCHITECTURE = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
 }
 
 

@@ -39,9 +39,12 @@ from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv.tier_store import (
     measure_disk_read_gb_per_s, measure_host_load_gb_per_s)
 from slipstream.agent.engine.step.model_runner import ModelRunner, resolve_device
-from slipstream.agent.engine.models.llama import LlamaDecoderLayer
+from slipstream.agent.engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from slipstream.agent.engine.models.norm_rope import apply_rotary
+from slipstream.agent.engine.profile.moe_profile import (DENSE_MLP_OPS, MOE_OP, mlp_op_counts,
+                                                 moe_model_fields)
 from slipstream.agent.engine.profile.fit import fit_overhead, lower_envelope
+from slipstream.agent.engine.profile.grids import PROFILE_GRIDS, ProfileGrid
 from slipstream.agent.engine.profile.step_calibration import (CalibrationLoad, fit_host_overhead,
                                                      fit_runner_overhead, time_engine_steps)
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
@@ -52,11 +55,6 @@ from slipstream.agent.scheduler.predictor import (RuntimePredictor, model_floor_
 from slipstream.agent.scheduler.profile_table import ProfileMeta, write_profile
 from slipstream.kernels.attention import AttentionMetadata
 
-TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-PREFILL_KV_GRID = (0, 256, 512, 1024, 2048, 4096)
-PREFILL_CHUNK_GRID = (32, 64, 128, 256, 512, 1024)
-DECODE_BATCH_GRID = (1, 2, 4, 8, 16, 32, 64)
-DECODE_KV_GRID = (256, 1024, 4096, 16384, 32768)
 
 
 def best_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2,
@@ -109,12 +107,16 @@ class Profiler:
         come from memory, not from the cache a repeated single-layer call keeps them in, and
         some small-batch matmul kernels re-read their weights (cold, two or three tokens can
         cost twice one)."""
-        attn, mlp = self.layer.self_attn, self.layer.mlp
+        attn = self.layer.self_attn
+        # A mixture of experts times its sparse layers whole (moe_profile.py), on the layers
+        # that have them; the dense MLP ops run on the dense layers.
+        dense = [layer for layer in self.layers if isinstance(layer.mlp, LlamaMLP)]
+        sparse = [layer for layer in self.layers if not isinstance(layer.mlp, LlamaMLP)]
         x = self._hidden(tokens)
         q, k, _ = attn.qkv(x)
         positions = torch.arange(tokens, device=self.device)
         cos, sin = self.runner.model.model.rotary(positions, x.dtype)
-        gate, _ = mlp.gate_up(x)
+        gate, _ = cast(LlamaMLP, dense[0].mlp).gate_up(x) if dense else (x, x)
         attn_out = torch.randn(tokens, attn.num_heads * attn.head_dim, device=self.device,
                                dtype=x.dtype)
         intermediate = torch.randn_like(gate)
@@ -124,19 +126,24 @@ class Profiler:
             "attn_pre_proj": lambda layer: layer.self_attn.qkv(x),
             "attn_rope": lambda _: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)),
             "attn_post_proj": lambda layer: layer.self_attn.o_proj(attn_out),
-            "mlp_up_proj": lambda layer: layer.mlp.gate_up(x),
+            "mlp_up_proj": lambda layer: cast(LlamaMLP, layer.mlp).gate_up(x),
             "mlp_act": lambda _: F.silu(gate) * intermediate,
-            "mlp_down_proj": lambda layer: layer.mlp.down_proj(intermediate),
+            "mlp_down_proj": lambda layer: cast(LlamaMLP, layer.mlp).down_proj(intermediate),
             "add": lambda _: (x + x, x + x),
+            MOE_OP: lambda layer: layer.mlp(x),
         }
-        layers = self.layers
 
-        def on_every_layer(op: Callable[[LlamaDecoderLayer], object]) -> Callable[[], object]:
+        def layers_of(name: str) -> list[LlamaDecoderLayer]:
+            return dense if name in DENSE_MLP_OPS else sparse if name == MOE_OP \
+                else self.layers
+
+        def on_layers(op: Callable[[LlamaDecoderLayer], object],
+                      layers: list[LlamaDecoderLayer]) -> Callable[[], object]:
             return lambda: [op(layer) for layer in layers]
 
-        return {name: best_ms(on_every_layer(op), self.device, self.repeats,
-                              max_ms=self.max_point_ms) / len(layers)
-                for name, op in ops.items()}
+        return {name: best_ms(on_layers(op, layers_of(name)), self.device, self.repeats,
+                              max_ms=self.max_point_ms) / len(layers_of(name))
+                for name, op in ops.items() if layers_of(name)}
 
     def _attention_ms(self, chunks: list[tuple[int, int]]) -> float:
         """Per-layer attention time for chunks given as (kv_before, query_len)."""
@@ -205,63 +212,6 @@ def predict_ms(predictor: RuntimePredictor, batch: Batch) -> float:
 def measure_execute_ms(runner: ModelRunner, batch: Batch, repeats: int = 5,
                        max_ms: float | None = None) -> float:
     return best_ms(lambda: runner.execute(batch), runner.device, repeats, warmup=1, max_ms=max_ms)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileGrid:
-    tokens: tuple[int, ...] = TOKEN_GRID
-    prefill_kv: tuple[int, ...] = PREFILL_KV_GRID
-    prefill_chunk: tuple[int, ...] = PREFILL_CHUNK_GRID
-    decode_batch: tuple[int, ...] = DECODE_BATCH_GRID
-    decode_kv: tuple[int, ...] = DECODE_KV_GRID
-    calibration_batches: int = 24  # random ModelRunner batches for the runner overhead
-    calibration_repeats: int = 5
-    engine_load: CalibrationLoad = CalibrationLoad()  # engine steps for the host overhead
-    max_point_ms: float | None = None  # stop repeating a grid point after this long (best_ms)
-
-
-# "small" keeps profiling a ~100M-parameter model on a 2-core CPU to a few minutes: fewer
-# grid points (the predictor interpolates between them) and lighter calibration.
-PROFILE_GRIDS = {
-    "full": ProfileGrid(),
-    "small": ProfileGrid(tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
-                         prefill_kv=(0, 512, 2048, 4096), prefill_chunk=(32, 128, 512, 1024),
-                         decode_batch=(1, 4, 16, 64), decode_kv=(256, 2048, 16384),
-                         calibration_batches=16, calibration_repeats=3,
-                         engine_load=CalibrationLoad(waves=(1, 4, 12, 24),
-                                                     prompt_tokens=(16, 200))),
-    # "quick" is what `slipstream serve` measures on its first start (auto_profile.py): what the
-    # time-budget packer needs, as fast as possible. Three points per attention axis (the
-    # predictor interpolates between them and extrapolates past the last), linear ops up to
-    # 512 tokens (beyond, linear in tokens: a 512-token GEMM is compute-bound already), a slow
-    # point timed once after one warm-up, and a lighter calibration. Its engine load still
-    # reaches 32 concurrent requests: with waves of at most 12, the per-sequence overhead was
-    # extrapolated from small batches (SmolLM2 on 2 CPU cores: 7.7 ms per sequence fitted,
-    # about 1 ms measured at 32 decodes), and the packer split batches of 32 decodes.
-    "quick": ProfileGrid(tokens=(1, 8, 32, 128, 512),
-                         prefill_kv=(0, 1024, 4096), prefill_chunk=(32, 128, 512),
-                         decode_batch=(1, 8, 64), decode_kv=(256, 2048, 16384),
-                         calibration_batches=4, calibration_repeats=1,
-                         engine_load=CalibrationLoad(waves=(1, 4, 12, 32),
-                                                     prompt_tokens=(16, 160),
-                                                     output_tokens=(8, 24)),
-                         max_point_ms=200.0),
-    # "quick-gpu" is the first start's grid on CUDA: the same calibration, with the attention
-    # tables reaching the contexts a GPU serves (64K-token prefixes and decode KV)
-    # and prefill chunks of 2K tokens, each point a few milliseconds there. Beyond a table the
-    # predictor extrapolates linearly in attended pairs from its last point, where launch
-    # overhead still dominates on a GPU: from 4K it predicted a 64K prefix far too slow, the
-    # packer cut the prompt into tiny chunks, and a 64K prompt alone took 103 s (H200).
-    "quick-gpu": ProfileGrid(tokens=(1, 8, 32, 128, 512, 2048),
-                             prefill_kv=(0, 4096, 32768, 65536),
-                             prefill_chunk=(32, 256, 2048),
-                             decode_batch=(1, 8, 64, 256), decode_kv=(256, 16384, 65536),
-                             calibration_batches=4, calibration_repeats=1,
-                             engine_load=CalibrationLoad(waves=(1, 4, 12, 32),
-                                                         prompt_tokens=(16, 160),
-                                                         output_tokens=(8, 24)),
-                             max_point_ms=200.0),
-}
 
 
 def measure_tables(profiler: Profiler, grid: ProfileGrid, progress: tqdm) -> dict[str, np.ndarray]:
@@ -370,7 +320,9 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
                        model={"name": model_dir.name, "hidden_size": model_config.hidden_size,
                               "num_attention_heads": model_config.num_heads,
                               "num_key_value_heads": model_config.num_kv_heads,
-                              "intermediate_size": model_config.intermediate_size},
+                              "intermediate_size": model_config.intermediate_size,
+                              **moe_model_fields(model_config)},
+                       op_counts_per_layer=mlp_op_counts(model_config),
                        linear_profiled_max_tokens=max(grid.tokens),
                        # KV tiers: host -> device copies, and reads from the cache's disk.
                        host_load_gb_per_s=measure_host_load_gb_per_s(runner.device,

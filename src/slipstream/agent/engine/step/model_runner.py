@@ -187,6 +187,12 @@ class ModelRunner:
         wanted = self.config.cuda_graphs
         if wanted is False or (wanted is None and self.device.type != "cuda"):
             return None
+        if self.model_config.moe is not None:
+            # The grouped expert computation sizes its matmuls from the routing (a host sync
+            # per sparse layer), which a graph cannot replay.
+            log.info("decode CUDA graphs do not capture mixture-of-experts layers yet; "
+                     "decodes stay eager")
+            return None
         if self.backend.name != "triton":
             log.info("decode CUDA graphs run the Triton attention kernels; with the %s backend "
                      "decodes stay eager", self.backend.name)
