@@ -63,6 +63,7 @@ from slipstream.agent.scheduler.prefix_reuse import (
     hash_blocks, prompt_source, register_blocks, shared_prompt_blocks, take_prefix)
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
+from slipstream.agent.scheduler.shared_steps import SharedSteps
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
 from slipstream.agent.scheduler.short_batching import ShortPrefillHold
 from slipstream.agent.scheduler.tier_admission import (
@@ -104,6 +105,8 @@ class Scheduler:
             reserve_grace=config.lars_reserve_grace,
         ))
         self.queue = PrefillQueue(self.policy)
+        self.shared_steps = SharedSteps(self.urgency, self.packer_config.target_batch_time_ms,
+                                        config.shared_step_fraction, config.shared_step_window_s)
         self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -138,6 +141,7 @@ class Scheduler:
             in_host, on_disk = lookup_prefix(self.block_manager, request)
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
+        self.shared_steps.note_add(request, request.arrival_s)
         source = prompt_source(request, self.requests, self.block_manager)
         if source is not None:
             self.prompt_waiters.setdefault(source.request_id, []).append(request)
@@ -164,6 +168,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.urgency.assign(request)
         self.policy.on_add(request, now_s)
+        self.shared_steps.note_add(request, now_s)
         request.status = RUNNING
         request.first_scheduled_s = now_s
         self.running.append(request)
@@ -195,6 +200,7 @@ class Scheduler:
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.length_predictor.observe(request)
         self.policy.on_finish(request, now_s if now_s is not None else 0.0)
+        self.shared_steps.note_finish(request, now_s if now_s is not None else request.arrival_s)
         return request
 
     def has_unfinished(self) -> bool:
@@ -226,6 +232,7 @@ class Scheduler:
             for request in self.short_prefills.release_due(now_s):
                 self.queue.add_waiting(request, now_s)
         self.policy.on_step(now_s)
+        self.shared_steps.begin_step(now_s)
         self._displace(now_s)
         swap_in = self._swap_in(now_s)
         swap_out: list[BlockCopy] = []
@@ -414,6 +421,7 @@ class Scheduler:
         the rest, so the reserve is a floor and the batch stays full.
         """
         config, manager, policy = self.config, self.block_manager, self.policy
+        shared_steps = self.shared_steps
         block_size = manager.block_size
         caching = manager.prefix_caching
         tiers = manager.tiers
@@ -433,6 +441,7 @@ class Scheduler:
             loads: list[bytes] = []  # host-tier blocks past the device prefix
             load_ms = 0.0
             reviving = 0
+            limit_ms = shared_steps.chunk_limit_ms(request, now_s)
             if not (is_new and (seats <= 0 or waiting_blocked)):
                 if is_new and caching and not request.block_ids:
                     # Start after the longest cached prefix; its free blocks stop being free.
@@ -447,9 +456,9 @@ class Scheduler:
                     * block_size - kv_before
                 slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
-                                        fit_tokens, load_ms)
-            if size <= 0:
-                waiting_blocked |= is_new and policy.head_of_line_blocking
+                                        fit_tokens, load_ms, limit_ms)
+            if size <= 0:  # one that yields to a short step blocks nobody behind it
+                waiting_blocked |= is_new and policy.head_of_line_blocking and limit_ms is None
                 return False
             if prefix or loads:
                 take_prefix(self.block_manager, request, prefix)

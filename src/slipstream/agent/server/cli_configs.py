@@ -124,6 +124,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, target_batch_time_ms=chosen_ms or 50.0,
         raise_target_to_model_floor=not chosen_ms,
         max_space_share_fraction=args.max_space_share_fraction,
+        shared_step_fraction=args.shared_step_fraction,
         long_request_threshold_tokens=args.long_request_threshold_tokens,
         preemption=args.preemption, prefix_caching=args.prefix_caching,
         **short_prefill_settings(args))

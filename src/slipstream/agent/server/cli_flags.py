@@ -247,6 +247,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "for 50 ms on this device to twice its 128-token prefill")
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
                        help="most of the budget a long prefill yields to short ones (Medha)")
+    sched.add_argument("--shared-step-fraction", type=float, default=0.1, metavar="F",
+                       help="while another application (tenant) is active, a prefill with "
+                            "slack to spare adds at most F of the target to each batch, so "
+                            "the others' new requests wait for short steps "
+                            "(docs/tenancy.md); 1 gives every prefill the whole budget")
     sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144,
                        metavar="TOKENS", help="processed KV at which a prefill counts as long")
     sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
