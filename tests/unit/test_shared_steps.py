@@ -1,9 +1,9 @@
 """Short steps while applications share an instance (scheduler/shared_steps.py).
 
 - A tenant sending long prompts with a loose SLO (a flood within its limits) no longer sets
-  another tenant's short-request TTFT: its chunks add to each shared batch at most
-  ``shared_step_fraction`` of the target, so an arrival waits for a short step, under LARS,
-  FCFS and Justitia alike.
+  another tenant's short-request TTFT: it yields, so its chunks add to a batch at most
+  ``shared_step_fraction`` of the target and never join a batch with the other tenant's
+  prefill; an arrival waits for one short step, under LARS, FCFS and Justitia alike.
 - A lone application gets exactly the schedule it had before (its throughput is unchanged),
   and so does everyone once the other application has been quiet for the window.
 - A request whose slack does not cover the slower pace keeps the whole budget.
@@ -58,14 +58,22 @@ def test_a_flood_within_its_limits_no_longer_sets_the_other_tenants_ttft(policy)
     assert len(shared) == len(whole) == len(arrivals)  # everyone finishes, the flood too
     worst_shared, worst_whole = max(ttfts(shared, "victim")), max(ttfts(whole, "victim"))
     # Whole budgets: a victim can wait for a 20 ms flood chunk, then share a batch with the
-    # next one. Short steps: a flood chunk adds at most a quarter of the target to a batch,
-    # so a victim waits for one such step, then its own (its 2.4 ms, a flood chunk, decodes).
+    # next one. Short steps: it waits for at most one flood chunk of a quarter of the target,
+    # then its own step (its 2.4 ms, the decodes, and at most a flood prompt's last short
+    # chunk, which no longer yields).
     assert worst_whole >= 1.5 * TARGET_MS / 1000
     assert worst_shared <= (2 * 0.25 * TARGET_MS + 48 * MS_PER_TOKEN + 1.0) / 1000
     assert worst_shared <= 0.5 * worst_whole
-    # Once the victim's tenant is known, no batch holds more than that of flood prefill.
-    assert max(flood_prefill_ms(batch) for now, batch in shared_batches if now > 0.011) \
-        <= 0.25 * TARGET_MS + 1e-6
+    # Once the victim's tenant is known, no batch holds more than that of flood prefill,
+    # and no victim prefills in a batch with more than a flood prompt's last short chunk.
+    later = [batch for now, batch in shared_batches if now > 0.011]
+    assert max(flood_prefill_ms(batch) for batch in later) <= 0.25 * TARGET_MS + 1e-6
+    beside_victims = [c for batch in later
+                      if any(v.request_id.startswith("victim") and not v.is_decode
+                             for v in batch.chunks)
+                      for c in batch.chunks if c.request_id.startswith("flood")
+                      and not c.is_decode]
+    assert all(c.end_pos == 2000 for c in beside_victims)
     # The flood's prefills take more steps but keep well within their objective.
     assert max(ttfts(shared, "flood")) < 30.0
 

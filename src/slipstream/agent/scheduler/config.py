@@ -51,7 +51,7 @@ class SchedulerConfig:
     # While another application is active (requests in the scheduler, or one arrived or left
     # within shared_step_window_s), a prefill whose slack covers the slower pace adds at most
     # this fraction of the target to a batch (shared_steps.py); 1 turns it off.
-    shared_step_fraction: float = 0.1
+    shared_step_fraction: float = 0.25
     shared_step_window_s: float = 1.0
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so
     # running decodes can grow without an immediate preemption.

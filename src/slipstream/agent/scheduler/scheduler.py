@@ -433,7 +433,7 @@ class Scheduler:
         # Swapped requests resume before anything new is admitted.
         include_waiting = seats > 0 and not self.swapped
 
-        def grant(request: Request) -> bool:
+        def grant(request: Request, limit_ms: float | None = None) -> bool:
             nonlocal seats, free_blocks, waiting_blocked
             is_new = request.status is WAITING
             size = 0
@@ -441,7 +441,6 @@ class Scheduler:
             loads: list[bytes] = []  # host-tier blocks past the device prefix
             load_ms = 0.0
             reviving = 0
-            limit_ms = shared_steps.chunk_limit_ms(request, now_s)
             if not (is_new and (seats <= 0 or waiting_blocked)):
                 if is_new and caching and not request.block_ids:
                     # Start after the longest cached prefix; its free blocks stop being free.
@@ -457,8 +456,8 @@ class Scheduler:
                 slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
                                         fit_tokens, load_ms, limit_ms)
-            if size <= 0:  # one that yields to a short step blocks nobody behind it
-                waiting_blocked |= is_new and policy.head_of_line_blocking and limit_ms is None
+            if size <= 0:
+                waiting_blocked |= is_new and policy.head_of_line_blocking
                 return False
             if prefix or loads:
                 take_prefix(self.block_manager, request, prefix)
@@ -478,18 +477,29 @@ class Scheduler:
             reserved, fraction = reservation
             budget.reserve(fraction, long_slot=budget.is_long(reserved.num_computed_tokens))
         misses = 0
+        yielding: list[tuple[Request, float]] = []  # requests with slack: packed last
         for request in self.queue.candidates(now_s, include_waiting):
             if budget.exhausted:
                 break
             if request.in_flight or request is reserved:
                 continue  # SPP: the token of its last chunk is not back yet; or packed last
-            if not grant(request):
+            limit_ms = shared_steps.chunk_limit_ms(request, now_s)
+            if limit_ms is not None:
+                yielding.append((request, limit_ms))
+            elif not grant(request):
                 misses += 1
                 if misses >= config.max_prefill_candidates:
                     break
         if reserved is not None:
             budget.release_reserve()
             grant(reserved)
+        # Shared steps: a request with slack joins no batch that holds another application's
+        # prefill (that prefill's first token would wait for it), and then only a short chunk.
+        for request, limit_ms in yielding:
+            if budget.exhausted:
+                break
+            if all(other.app_id == request.app_id for other, _ in grants):
+                grant(request, limit_ms)
         return grants
 
     def _reserved_prefill(self, now_s: float, include_waiting: bool

@@ -2,8 +2,9 @@
 
     Scheduler.add / finish --> SharedSteps.note_add / note_finish   (who is active)
     Scheduler.schedule     --> SharedSteps.begin_step(now)
-    Scheduler._pack_prefills --> chunk_limit_ms(request, now)
-                             --> PrefillBudget.chunk_for(..., chunk_limit_ms=...)
+    Scheduler._pack_prefills --> chunk_limit_ms(request, now): None, or the request yields:
+                                 packed after the others, only beside its own application's
+                                 prefills --> PrefillBudget.chunk_for(..., chunk_limit_ms=...)
 
 An iteration cannot be interrupted. A request of one application that arrives while another
 application's 1,000-token chunk runs waits for that chunk to end, and a short prompt packed
@@ -11,12 +12,14 @@ into the same batch as that chunk gets its first token only when the whole batch
 fair queue and LARS decide who is packed first; neither bounds how long the shared step runs,
 so a tenant within its limits still sets the p99 of everyone else's time to first token.
 
-While at least one *other* application is active, a request whose slack covers a slower pace
-is given chunks that add at most ``fraction * target`` to a batch: its prefill takes more,
-shorter steps, and another application's arrival waits for a short step instead of a long
-chunk. Requests packed after it still fill the batch to the target (the policy's order
-decides who comes first, as before), and a request that yields this way does not hold back
-the queue behind it under FCFS or Justitia (their head-of-line rule). "Covers" means its slack is at least its remaining prefill
+While at least one *other* application is active, a request whose prefill is more than one
+short step and whose slack covers a slower pace *yields*: it is packed after every other
+request, only into a batch that holds no other application's prefill, and its chunk adds at
+most ``fraction * target`` to the batch. Its prefill takes more, shorter steps; another
+application's arrival waits for a short step instead of a long chunk, and that arrival's own
+first token is computed in a batch the yielding request stays out of. It does not hold back
+the queue behind it under FCFS or Justitia (their head-of-line rule): it is simply packed
+last. "Covers" means its slack is at least its remaining prefill
 time stretched by ``1 / fraction`` (minus the part it would have spent anyway), so a request
 near its deadline keeps whole budgets. An application is active while it has requests in the
 scheduler and for ``window_s`` after its last one arrived or left: arrivals are what a long
@@ -83,11 +86,14 @@ class SharedSteps:
         return self._active
 
     def chunk_limit_ms(self, request: Request, now_s: float) -> float | None:
-        """The most a chunk of ``request`` may add to a batch's time, or None for the full
-        budget (no other application active, or no slack to spare)."""
+        """The most a chunk of ``request`` may add to a batch's time when it yields, or None
+        for the full budget in the policy's order (no other application active, a prefill
+        that is one short step anyway, or no slack to spare)."""
         if not self.enabled or not self._active - {request.app_id}:
             return None
         remaining_s = self.urgency.remaining_prefill_s(request)
+        if remaining_s * 1000.0 <= self.limit_ms:
+            return None  # its whole prefill is a short step already
         if self.urgency.slack_s(request, now_s) < remaining_s * self.stretch:
             return None
         return self.limit_ms

@@ -247,7 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "for 50 ms on this device to twice its 128-token prefill")
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
                        help="most of the budget a long prefill yields to short ones (Medha)")
-    sched.add_argument("--shared-step-fraction", type=float, default=0.1, metavar="F",
+    sched.add_argument("--shared-step-fraction", type=float, default=0.25, metavar="F",
                        help="while another application (tenant) is active, a prefill with "
                             "slack to spare adds at most F of the target to each batch, so "
                             "the others' new requests wait for short steps "
