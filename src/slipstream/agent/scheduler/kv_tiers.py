@@ -67,7 +67,7 @@ class KVTierConfig:
     # A block loaded back to the device leaves the host tier (see the module docstring).
     exclusive_host: bool = True
     # Share of the host tier kept for blocks that were reused (tier_index.py); 0: plain LRU.
-    host_protected_fraction: float = 0.2
+    host_protected_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.host_blocks < 0 or self.disk_blocks < 0:
