@@ -51,6 +51,7 @@ import httpx
 import numpy as np
 
 from slipstream.agent.bench import local_process
+from slipstream.agent.bench.tenant_flood_plot import plot
 from slipstream.agent.engine.tiny_model import write_tiny_model
 from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.server.tenancy.keys import key_digest, new_key
@@ -352,38 +353,8 @@ def report(results: list[RunResult], settings: Settings, out: Path) -> dict:
                 "goal_met": ratio is not None and ratio <= GOAL_RATIO,
                 "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()}}
     (out / "tenant_flood.json").write_text(json.dumps(document, indent=1))
-    plot(results, baseline, out / "tenant_flood.png")
+    plot(results, baseline, out / "tenant_flood.png", GOAL_RATIO)
     return document
-
-
-def plot(results: list[RunResult], baseline_s: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (bars, cdf) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [result.name for result in results]
-    positions = np.arange(len(names))
-    for offset, q in ((-0.2, 50), (0.2, 99)):
-        bars.bar(positions + offset, [r.percentile(q) * 1000 for r in results], 0.4,
-                 label=f"p{q}")
-    bars.axhline(baseline_s * GOAL_RATIO * 1000, color="k", linestyle="--",
-                 label=f"goal: {GOAL_RATIO}x no-flood p99")
-    bars.set_xticks(positions, names)
-    bars.set_ylabel("victim TTFT (ms)")
-    bars.set_yscale("log")
-    bars.legend()
-    for result in results:
-        values = np.sort(np.asarray(result.victim_ttft_s) * 1000)
-        cdf.plot(values, np.arange(1, len(values) + 1) / max(1, len(values)), label=result.name)
-    cdf.set_xscale("log")
-    cdf.set_xlabel("victim TTFT (ms)")
-    cdf.set_ylabel("fraction of requests")
-    cdf.legend()
-    figure.suptitle("Short requests of one tenant while another floods slo.ttft_s: 0.001")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
