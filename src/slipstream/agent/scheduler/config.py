@@ -49,8 +49,9 @@ class SchedulerConfig:
     lars_late_reserve_fraction: float = 0.5
     lars_reserve_grace: float = 2.0
     # While another application is active (requests in the scheduler, or one arrived or left
-    # within shared_step_window_s), a prefill whose slack covers the slower pace adds at most
-    # this fraction of the target to a batch (shared_steps.py); 1 turns it off.
+    # within shared_step_window_s), a prefill longer than this fraction of the target whose
+    # slack covers the slower pace yields: packed last, beside no other application's
+    # prefill, adding at most this fraction to a batch (shared_steps.py); 1 turns it off.
     shared_step_fraction: float = 0.25
     shared_step_window_s: float = 1.0
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so

@@ -9,7 +9,8 @@ catching up to ``num_tokens``; a step grants each request some of its missing to
         displace                            # SRPT only: a shorter waiting request evicts
         swap in                             # swapped requests come back when blocks allow
         grant every running decode          # KV pressure -> preempt the policy's victim
-        PrefillBudget: decodes, then prefill chunks in policy order (packer.py)
+        PrefillBudget: decodes, then prefill chunks in policy order (packer.py); with
+            several applications active, prefills with slack yield (shared_steps.py)
         -> Batch(decodes first, then prefill chunks, swap copies, predicted time)
 
 A chunk is admitted only if its KV blocks fit. With a runtime predictor the budget is a time
@@ -63,8 +64,8 @@ from slipstream.agent.scheduler.prefix_reuse import (
     hash_blocks, prompt_source, register_blocks, shared_prompt_blocks, take_prefix)
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
-from slipstream.agent.scheduler.shared_steps import SharedSteps
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
+from slipstream.agent.scheduler.shared_steps import SharedSteps
 from slipstream.agent.scheduler.short_batching import ShortPrefillHold
 from slipstream.agent.scheduler.tier_admission import (
     FetchHold, host_prefix, load_host_prefix, lookup_prefix)

@@ -18,17 +18,16 @@ request, only into a batch that holds no other application's prefill, and its ch
 most ``fraction * target`` to the batch. Its prefill takes more, shorter steps; another
 application's arrival waits for a short step instead of a long chunk, and that arrival's own
 first token is computed in a batch the yielding request stays out of. It does not hold back
-the queue behind it under FCFS or Justitia (their head-of-line rule): it is simply packed
-last. "Covers" means its slack is at least its remaining prefill
-time stretched by ``1 / fraction`` (minus the part it would have spent anyway), so a request
-near its deadline keeps whole budgets. An application is active while it has requests in the
-scheduler and for ``window_s`` after its last one arrived or left: arrivals are what a long
-step would delay, and an application between two requests is still sending. A lone
-application keeps the full budget, so its own throughput does not change.
+the queue behind it under FCFS or Justitia (their head-of-line rule): it is packed last, not
+refused. "Covers" means its slack is at least its remaining prefill time times
+``1 / fraction - 1`` (what short steps could add), so a request near its deadline keeps its
+place and whole budgets. An application is active while it has requests in the scheduler
+and for ``window_s`` after its last one arrived or left: arrivals are what a long step would
+delay, and an application between two requests is still sending. A lone application keeps
+the full budget, so its own throughput does not change.
 
-This is Medha's space sharing, which lets a long request with slack yield part of the budget,
-applied by slack to any request and only while someone else can be hurt; TRAIL's point that
-the request with the least remaining work should not wait behind others is what it protects.
+This is Medha's space sharing, which lets a long request with slack yield part of the
+budget, applied by slack to any request and only while someone else can be hurt.
 """
 
 from __future__ import annotations
@@ -80,10 +79,6 @@ class SharedSteps:
         for app in quiet:
             del self._last_seen_s[app]
         self._active = frozenset(self._in_scheduler).union(self._last_seen_s)
-
-    @property
-    def active_applications(self) -> frozenset[str]:
-        return self._active
 
     def chunk_limit_ms(self, request: Request, now_s: float) -> float | None:
         """The most a chunk of ``request`` may add to a batch's time when it yields, or None

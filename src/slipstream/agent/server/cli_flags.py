@@ -248,10 +248,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-space-share-fraction", type=float, default=0.5, metavar="F",
                        help="most of the budget a long prefill yields to short ones (Medha)")
     sched.add_argument("--shared-step-fraction", type=float, default=0.25, metavar="F",
-                       help="while another application (tenant) is active, a prefill with "
-                            "slack to spare adds at most F of the target to each batch, so "
-                            "the others' new requests wait for short steps "
-                            "(docs/tenancy.md); 1 gives every prefill the whole budget")
+                       help="while another application (tenant) is active, a prefill of "
+                            "more than F of the batch-time target with slack to spare yields: "
+                            "packed last, beside no other tenant's prefill, at most F of the "
+                            "target per batch, so the others' new requests wait for short "
+                            "steps (docs/tenancy.md); 1 turns it off")
     sched.add_argument("--long-request-threshold-tokens", type=int, default=262_144,
                        metavar="TOKENS", help="processed KV at which a prefill counts as long")
     sched.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
