@@ -46,13 +46,18 @@ DOC_TOKENS = 16_384
 
 # -- simulator ----------------------------------------------------------------------------------
 
-def sim_systems(host_gib: list[float], disk_gib: float) -> list[tuple[str, float, float, bool]]:
-    """(label, host GiB, disk GiB, unlimited device pool): no tier, each host size, the
-    first host size with the disk under it, and an unlimited device pool (the bound)."""
-    return [("no tier", 0.0, 0.0, False),
-            *((f"host {size:g} GiB", size, 0.0, False) for size in host_gib),
-            (f"host {host_gib[0]:g} GiB + disk {disk_gib:g} GiB", host_gib[0], disk_gib, False),
-            ("unlimited device pool", 0.0, 0.0, True)]
+def sim_systems(host_gib: list[float], disk_gib: float
+                ) -> list[tuple[str, float, float, bool, float | None]]:
+    """(label, host GiB, disk GiB, unlimited device pool, host protected fraction): no
+    tier, each host size, the first host size as a plain LRU (the policy before the
+    segmented one, tier_index.py), the first host size with the disk under it, and an
+    unlimited device pool (the bound)."""
+    return [("no tier", 0.0, 0.0, False, None),
+            *((f"host {size:g} GiB", size, 0.0, False, None) for size in host_gib),
+            (f"host {host_gib[0]:g} GiB, plain LRU", host_gib[0], 0.0, False, 0.0),
+            (f"host {host_gib[0]:g} GiB + disk {disk_gib:g} GiB", host_gib[0], disk_gib, False,
+             None),
+            ("unlimited device pool", 0.0, 0.0, True, None)]
 
 
 def run_sim(args: argparse.Namespace) -> dict:
@@ -64,14 +69,16 @@ def run_sim(args: argparse.Namespace) -> dict:
     block_bytes = kv_bytes_per_block(meta)
     scheduler = SchedulerConfig(policy="lars")
     rows = []
-    for label, host_gib, disk_gib, unlimited in sim_systems(args.host_gib, args.disk_gib):
+    for label, host_gib, disk_gib, unlimited, protected in sim_systems(args.host_gib,
+                                                                       args.disk_gib):
         instance = InstanceConfig(
             tp=meta.tp, num_kv_blocks=blocks * 1000 if unlimited else blocks,
             hidden_size=meta.model.get("hidden_size", 4096),
             kv_host_blocks=int(host_gib * GIB) // block_bytes,
             kv_disk_blocks=int(disk_gib * GIB) // block_bytes,
             kv_bytes_per_block=block_bytes if host_gib else 0,
-            host_load_gb_per_s=PCIE_GB_PER_S * meta.tp, disk_read_gb_per_s=NVME_GB_PER_S)
+            host_load_gb_per_s=PCIE_GB_PER_S * meta.tp, disk_read_gb_per_s=NVME_GB_PER_S,
+            kv_host_protected_fraction=protected)
         config = SimConfig(scheduler=scheduler, instance=instance, num_layers=meta.num_layers,
                            horizon_s=args.horizon_s, long_prompt_tokens=args.long_prompt_tokens)
         result = simulate(requests, config, model)
@@ -81,6 +88,8 @@ def run_sim(args: argparse.Namespace) -> dict:
                      "device_blocks": instance.num_kv_blocks,
                      "host_blocks": instance.kv_host_blocks,
                      "disk_blocks": instance.kv_disk_blocks,
+                     "host_protected_fraction": (tiers.host_protected_fraction
+                                                 if (tiers := instance.tier_config()) else None),
                      "hit_rate": cache["hit_rate"], "bound_hit_rate": cache["bound_hit_rate"],
                      "fraction_of_bound": cache["fraction_of_bound"],
                      "hit_tokens_by_tier": cache["hit_tokens_by_tier"],

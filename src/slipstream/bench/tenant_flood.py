@@ -4,14 +4,22 @@
         victim: short streamed requests, Poisson arrivals at a normal rate -> TTFT per request
         flood:  closed-loop workers sending longer requests with ``slo.ttft_s: 0.001``
 
-Three configurations in one invocation, the same seeds and victim arrivals in each, run in
+Four configurations in one invocation, the same seeds and victim arrivals in each, run in
 ``--rounds`` interleaved rounds (a fresh server per segment) and pooled:
 
     no-flood        tenants on, the victim alone                      (the baseline)
     flood-open      tenants off, the flood's forged SLO honoured      (before issue 30)
+    flood-tenants-whole-steps
+                    as flood-tenants, with ``--shared-step-fraction 1``: every prefill may
+                    fill the whole batch budget (before shared steps, scheduler/shared_steps.py)
     flood-tenants   tenants on: the flood's key names its tenant, whose tightest SLO class is
                     loose, so its ``ttft_s: 0.001`` is clamped to it; its in-flight and
-                    requests-per-minute limits answer the rest with 429
+                    requests-per-minute limits answer the rest with 429; the server's
+                    defaults otherwise (a prefill with slack takes short steps while the
+                    victim's tenant is active)
+
+``--runs`` picks some of them (no-flood is always run: it is the baseline). The machine's
+load average is recorded as each segment starts.
 
 The goal: with tenants on, the victim's p99 TTFT is at most 1.2x the no-flood run's. The
 flood runs in a process of its own (another client), so its event loop never delays the
@@ -43,6 +51,7 @@ import httpx
 import numpy as np
 
 from slipstream.bench import local_process
+from slipstream.bench.tenant_flood_plot import plot
 from slipstream.agent.engine.models.tiny_model import write_tiny_model
 from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.server.tenancy.keys import key_digest, new_key
@@ -50,7 +59,7 @@ from slipstream.agent.server.tenancy.keys import key_digest, new_key
 GOAL_RATIO = 1.2
 WORDS = ("alpha beta gamma delta river stone cloud night paper light green seven orbit "
          "quiet signal north table amber copper field window garden summer winter").split()
-RUNS = ("no-flood", "flood-open", "flood-tenants")
+RUNS = ("no-flood", "flood-open", "flood-tenants-whole-steps", "flood-tenants")
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class Settings:
     flood_max_in_flight: int = 1
     flood_requests_per_minute: int = 30
     seed: int = 7
+    runs: str = ",".join(RUNS)
 
 
 @dataclass
@@ -81,6 +91,7 @@ class RunResult:
     flood_other: int = 0
 
     round_p99_s: list[float] = field(default_factory=list)
+    round_load_1m: list[float] = field(default_factory=list)
 
     def absorb(self, segment: RunResult) -> None:
         """Pool one round's segment into this configuration's result."""
@@ -99,6 +110,7 @@ class RunResult:
         duration_s *= max(1, len(self.round_p99_s))
         return {"name": self.name, "victim_requests": len(self.victim_ttft_s),
                 "victim_ttft_p99_by_round_s": self.round_p99_s,
+                "load_average_1m_by_round": self.round_load_1m,
                 "victim_errors": self.victim_errors,
                 "victim_ttft_p50_s": round(self.percentile(50), 4),
                 "victim_ttft_p90_s": round(self.percentile(90), 4),
@@ -135,13 +147,15 @@ tenants:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, log_path: Path, tenants: Path | None) -> Iterator[str]:
+def serving(model_dir: Path, log_path: Path, tenants: Path | None,
+            extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     port = free_port()
     argv = [sys.executable, "-m", "slipstream.cli", "serve", "--model", str(model_dir),
             "--port", str(port), "--control-port", "0", "--device", "cpu",
             "--max-model-len", "4096", "--log-level", "warning"]
     if tenants is not None:
         argv += ["--tenants", str(tenants)]
+    argv += list(extra_args)
     env = {key: value for key, value in os.environ.items() if key != "POD_IP"}
     base_url = f"http://127.0.0.1:{port}"
     with local_process.running(argv, log_path, f"{base_url}/health", env=env, timeout_s=600):
@@ -289,16 +303,25 @@ def measure(settings: Settings, out: Path) -> list[RunResult]:
     if not (model_dir / "config.json").exists():
         write_tiny_model(model_dir, settings.preset)
     tenants, keys = write_tenants(out, settings)
-    plan = [("no-flood", tenants, False), ("flood-open", None, True),
-            ("flood-tenants", tenants, True)]
-    pooled = {name: RunResult(name) for name, _, _ in plan}
+    chosen = {"no-flood", *settings.runs.split(",")}
+    unknown = chosen - set(RUNS)
+    if unknown:
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}")
+    configurations = {"no-flood": (tenants, False, ()), "flood-open": (None, True, ()),
+                      "flood-tenants-whole-steps": (tenants, True,
+                                                    ("--shared-step-fraction", "1")),
+                      "flood-tenants": (tenants, True, ())}
+    plan = [(name, *configurations[name]) for name in RUNS if name in chosen]
+    pooled = {name: RunResult(name) for name, *_ in plan}
     # Rounds of all three, each a fresh server: drift in the machine's background load
     # (it is shared) spreads over the three alike instead of landing on one of them.
     for round_index in range(settings.rounds):
-        for name, tenants_file, flood in plan:
+        for name, tenants_file, flood, extra_args in plan:
+            load_1m = round(os.getloadavg()[0], 2)
             print(f"[tenant-flood] round {round_index + 1}/{settings.rounds} {name}: "
-                  f"{settings.duration_s:.0f} s", file=sys.stderr, flush=True)
-            with serving(model_dir, out / f"serve-{name}.log", tenants_file) as base_url:
+                  f"{settings.duration_s:.0f} s (load {load_1m})", file=sys.stderr, flush=True)
+            with serving(model_dir, out / f"serve-{name}.log", tenants_file,
+                         extra_args) as base_url:
                 run_keys = keys if tenants_file else None
                 if flood:
                     segment = run_with_flood(name, base_url, run_keys, settings, out)
@@ -306,6 +329,7 @@ def measure(settings: Settings, out: Path) -> list[RunResult]:
                     segment = asyncio.run(one_run(
                         name, base_url, run_keys.victim if run_keys else None, settings))
             pooled[name].absorb(segment)
+            pooled[name].round_load_1m.append(load_1m)
     return list(pooled.values())
 
 
@@ -323,43 +347,14 @@ def report(results: list[RunResult], settings: Settings, out: Path) -> dict:
         row["p99_vs_no_flood_by_round"] = by_round
         row["p99_vs_no_flood_median_of_rounds"] = float(np.median(by_round)) if by_round \
             else None
-    ratio = rows[-1]["p99_vs_no_flood"]
+    goal_row = next((row for row in rows if row["name"] == "flood-tenants"), {})
+    ratio = goal_row.get("p99_vs_no_flood")
     document = {"settings": asdict(settings), "goal_p99_ratio": GOAL_RATIO, "runs": rows,
                 "goal_met": ratio is not None and ratio <= GOAL_RATIO,
                 "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()}}
     (out / "tenant_flood.json").write_text(json.dumps(document, indent=1))
-    plot(results, baseline, out / "tenant_flood.png")
+    plot(results, baseline, out / "tenant_flood.png", GOAL_RATIO)
     return document
-
-
-def plot(results: list[RunResult], baseline_s: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (bars, cdf) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [result.name for result in results]
-    positions = np.arange(len(names))
-    for offset, q in ((-0.2, 50), (0.2, 99)):
-        bars.bar(positions + offset, [r.percentile(q) * 1000 for r in results], 0.4,
-                 label=f"p{q}")
-    bars.axhline(baseline_s * GOAL_RATIO * 1000, color="k", linestyle="--",
-                 label=f"goal: {GOAL_RATIO}x no-flood p99")
-    bars.set_xticks(positions, names)
-    bars.set_ylabel("victim TTFT (ms)")
-    bars.set_yscale("log")
-    bars.legend()
-    for result in results:
-        values = np.sort(np.asarray(result.victim_ttft_s) * 1000)
-        cdf.plot(values, np.arange(1, len(values) + 1) / max(1, len(values)), label=result.name)
-    cdf.set_xscale("log")
-    cdf.set_xlabel("victim TTFT (ms)")
-    cdf.set_ylabel("fraction of requests")
-    cdf.legend()
-    figure.suptitle("Short requests of one tenant while another floods slo.ttft_s: 0.001")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['name']:>14}: victim TTFT p50 {row['victim_ttft_p50_s'] * 1000:7.1f} ms, "
               f"p99 {row['victim_ttft_p99_s'] * 1000:7.1f} ms ({row['p99_vs_no_flood']}x), "
               f"{row['victim_requests']} requests, {row['victim_errors']} errors; flood "
-              f"{row['flood_served_per_s']}/s served, {row['flood_refused_429_per_s']}/s 429")
+              f"{row['flood_served_per_s']}/s served, {row['flood_refused_429_per_s']}/s 429; "
+              f"p99 by round {row['victim_ttft_p99_by_round_s']} s, ratio by round "
+              f"{row['p99_vs_no_flood_by_round']}, load {row['load_average_1m_by_round']}")
     print(f"goal (flood-tenants p99 <= {GOAL_RATIO}x no-flood): "
           f"{'met' if document['goal_met'] else 'NOT met'}; {args.out / 'tenant_flood.json'}")
     return 0

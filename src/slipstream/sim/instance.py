@@ -38,7 +38,7 @@ cost no step time here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slipstream.contracts.request import EngineRequest, RequestSLO
 from slipstream.contracts.sampling import SamplingParams
@@ -75,6 +75,8 @@ class InstanceConfig:
     kv_bytes_per_block: int = 0
     host_load_gb_per_s: float = 25.0
     disk_read_gb_per_s: float = 12.0
+    # Share of the host tier kept for reused blocks (None: KVTierConfig's default).
+    kv_host_protected_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if min(self.tp, self.spp, self.kvp) < 1:
@@ -88,10 +90,13 @@ class InstanceConfig:
     def tier_config(self) -> KVTierConfig | None:
         if not self.kv_host_blocks:
             return None
-        return KVTierConfig(host_blocks=self.kv_host_blocks, disk_blocks=self.kv_disk_blocks,
-                            bytes_per_block=self.kv_bytes_per_block,
-                            host_load_gb_per_s=self.host_load_gb_per_s,
-                            disk_read_gb_per_s=self.disk_read_gb_per_s)
+        config = KVTierConfig(host_blocks=self.kv_host_blocks, disk_blocks=self.kv_disk_blocks,
+                              bytes_per_block=self.kv_bytes_per_block,
+                              host_load_gb_per_s=self.host_load_gb_per_s,
+                              disk_read_gb_per_s=self.disk_read_gb_per_s)
+        if self.kv_host_protected_fraction is None:
+            return config
+        return replace(config, host_protected_fraction=self.kv_host_protected_fraction)
 
     def transfer_ms(self, num_tokens: int) -> float:
         """One hand-off of ``num_tokens`` activations between two GPU groups. Each of the

@@ -158,6 +158,11 @@ class SchedulerSettings(Section):
     max_space_share_fraction: float = setting(
         0.5, "most of the budget a long prefill yields to short ones (Medha)", metavar="F",
         ge=0, le=1)
+    shared_step_fraction: float = setting(
+        0.25, "while another application (tenant) is active, a prefill of more than F of the "
+        "batch-time target with slack to spare yields: packed last, beside no other tenant's "
+        "prefill, at most F of the target per batch, so the others' new requests wait for "
+        "short steps (docs/tenancy.md); 1 turns it off", metavar="F", gt=0, le=1)
     long_request_threshold_tokens: int = setting(
         262_144, "processed KV at which a prefill counts as long", metavar="TOKENS", ge=1)
     preemption: Literal["recompute", "swap"] = setting(

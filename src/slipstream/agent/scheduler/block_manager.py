@@ -63,9 +63,13 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
+        # 1 once the block's KV was found in a cache (this pool or a lower tier) since it was
+        # computed: the lower tiers keep such blocks ahead of others (tier_index.py).
+        self.reused = bytearray(num_blocks)
         self.num_evictions = 0
-        # Told of every evicted hashed block, before its id is handed out again (KV tiers).
-        self.on_evict: Callable[[int, bytes], None] | None = None
+        # Told of every evicted hashed block, and whether it was reused, before its id is
+        # handed out again (KV tiers).
+        self.on_evict: Callable[[int, bytes, bool], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -99,9 +103,10 @@ class BlockPool:
                     del self.by_hash[stale]
                     self.block_hash[block] = None
                     if self.on_evict is not None:
-                        self.on_evict(block, stale)
+                        self.on_evict(block, stale, bool(self.reused[block]))
                 self.num_evictions += 1
             refs[block] = 1
+            self.reused[block] = 0
             blocks.append(block)
         return blocks
 
@@ -139,6 +144,12 @@ class BlockPool:
                 break
             blocks.append(block)
         return blocks
+
+    def note_reused(self, block_ids: Sequence[int]) -> None:
+        """These blocks' KV was just found in a cache (a prefix hit, or a load from a tier)."""
+        reused = self.reused
+        for block in block_ids:
+            reused[block] = 1
 
     def num_reviving(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` are free now (acquiring them takes them off the free list)."""

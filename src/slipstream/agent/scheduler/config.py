@@ -48,6 +48,12 @@ class SchedulerConfig:
     lars_short_lane_ms: float = 500.0
     lars_late_reserve_fraction: float = 0.5
     lars_reserve_grace: float = 2.0
+    # While another application is active (requests in the scheduler, or one arrived or left
+    # within shared_step_window_s), a prefill longer than this fraction of the target whose
+    # slack covers the slower pace yields: packed last, beside no other application's
+    # prefill, adding at most this fraction to a batch (shared_steps.py); 1 turns it off.
+    shared_step_fraction: float = 0.25
+    shared_step_window_s: float = 1.0
     # Blocks kept free when admitting new requests, as a fraction of the device pool, so
     # running decodes can grow without an immediate preemption.
     admission_watermark_fraction: float = 0.01
@@ -82,6 +88,10 @@ class SchedulerConfig:
             raise ValueError("lars_late_reserve_fraction must be in [0, 1)")
         if self.lars_reserve_grace < 0:
             raise ValueError("lars_reserve_grace must be >= 0")
+        if not 0.0 < self.shared_step_fraction <= 1.0:
+            raise ValueError("shared_step_fraction must be in (0, 1]")
+        if self.shared_step_window_s < 0:
+            raise ValueError("shared_step_window_s must be >= 0")
         if self.max_displacements_per_step < 0:
             raise ValueError("max_displacements_per_step must be >= 0")
         if not 0.0 <= self.admission_watermark_fraction < 1.0:

@@ -25,7 +25,9 @@ loaded back to the device leaves the host tier once the batch is cut, so the two
 again when it evicts it. (On the Mooncake trace with a 1 TiB host tier the inclusive host
 found 0.865 of the unbounded bound and the exclusive one 0.877, docs/kv-tiers.md.) The disk
 tier is inclusive: a block the host evicts is written only if the disk does not hold it yet.
-Each tier is an LRU; a block is touched when it is found.
+The host tier is a segmented LRU (tier_index.py): blocks that were reused since they were
+computed are kept ahead of blocks that never were, within ``host_protected_fraction`` of its
+slots; the disk tier is a plain LRU. A block is touched when it is found.
 
 Nothing here fails a request. A tier with no free slot (every slot pinned) drops the block;
 a fetch or a spill that fails (``TierResults``) drops the hash, and a request waiting for it
@@ -37,9 +39,12 @@ urgency model and the packer add to the work and the batch time of the request t
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from slipstream.agent.scheduler.tier_index import TierIndex
+
+__all__ = ["KVTierConfig", "KVTiers", "TierCopy", "TierIndex", "TierOps", "TierResults"]
 
 HOST = "host"
 DISK = "disk"
@@ -61,6 +66,8 @@ class KVTierConfig:
     disk_read_gb_per_s: float = 5.0
     # A block loaded back to the device leaves the host tier (see the module docstring).
     exclusive_host: bool = True
+    # Share of the host tier kept for blocks that were reused (tier_index.py); 0: plain LRU.
+    host_protected_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.host_blocks < 0 or self.disk_blocks < 0:
@@ -72,6 +79,8 @@ class KVTierConfig:
             raise ValueError("bytes_per_block must be > 0 when a tier is on")
         if self.host_load_gb_per_s <= 0 or self.disk_read_gb_per_s <= 0:
             raise ValueError("tier bandwidths must be > 0")
+        if not 0.0 <= self.host_protected_fraction < 1.0:
+            raise ValueError("host_protected_fraction must be in [0, 1)")
 
     @property
     def enabled(self) -> bool:
@@ -121,72 +130,12 @@ class TierResults:
     offload_failed: tuple[bytes, ...] = ()  # device -> host copies that did not land
 
 
-class TierIndex:
-    """One lower tier: slots ``[0, num_blocks)``, an LRU of ``hash -> slot``, and pins."""
-
-    def __init__(self, name: str, num_blocks: int) -> None:
-        self.name = name
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._lru: OrderedDict[bytes, int] = OrderedDict()  # oldest first
-        self._pinned: dict[bytes, int] = {}  # hash -> pin count; never evicted while pinned
-        self.num_evictions = 0
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def slot(self, block_hash: bytes) -> int | None:
-        return self._lru.get(block_hash)
-
-    def touch(self, block_hash: bytes) -> None:
-        self._lru.move_to_end(block_hash)
-
-    def pin(self, block_hash: bytes) -> None:
-        self._pinned[block_hash] = self._pinned.get(block_hash, 0) + 1
-
-    def unpin(self, block_hash: bytes) -> None:
-        count = self._pinned.get(block_hash, 0) - 1
-        if count > 0:
-            self._pinned[block_hash] = count
-        else:
-            self._pinned.pop(block_hash, None)
-
-    def is_pinned(self, block_hash: bytes) -> bool:
-        return block_hash in self._pinned
-
-    def insert(self, block_hash: bytes) -> tuple[int, bytes | None] | None:
-        """A slot for ``block_hash`` (newest), and the hash evicted to make room, if any;
-        None when every slot is pinned (the block is not kept)."""
-        if self._free:
-            slot = self._free.pop()
-            self._lru[block_hash] = slot
-            return slot, None
-        for victim in self._lru:
-            if victim not in self._pinned:
-                break
-        else:
-            return None
-        slot = self._lru.pop(victim)
-        self._lru[block_hash] = slot
-        self.num_evictions += 1
-        return slot, victim
-
-    def remove(self, block_hash: bytes) -> None:
-        slot = self._lru.pop(block_hash, None)
-        self._pinned.pop(block_hash, None)
-        if slot is not None:
-            self._free.append(slot)
-
-
 class KVTiers:
     """The host and disk tiers' index, the copies they ask for, and their counters."""
 
     def __init__(self, config: KVTierConfig) -> None:
         self.config = config
-        self.host = TierIndex(HOST, config.host_blocks)
+        self.host = TierIndex(HOST, config.host_blocks, config.host_protected_fraction)
         self.disk = TierIndex(DISK, config.disk_blocks) if config.disk_blocks else None
         self.ops = TierOps()
         self._fetching: set[bytes] = set()  # disk -> host in flight (host slot pinned)
@@ -203,15 +152,16 @@ class KVTiers:
 
     # -- down: evictions ----------------------------------------------------------------
 
-    def on_device_evict(self, block: int, block_hash: bytes) -> None:
-        """The device pool evicts ``block``: keep its KV in the host tier."""
+    def on_device_evict(self, block: int, block_hash: bytes, reused: bool = False) -> None:
+        """The device pool evicts ``block``: keep its KV in the host tier (``reused``: it
+        was found in a cache since it was computed, tier_index.py)."""
         host = self.host
         if block_hash in host:
             host.touch(block_hash)
             return
         if block_hash in self._fetching:
             return  # its host slot is being filled from disk already
-        placed = host.insert(block_hash)
+        placed = host.insert(block_hash, reused)
         if placed is None:
             self.dropped_blocks += 1
             return
@@ -277,7 +227,7 @@ class KVTiers:
             # that making room in the host may cause must not evict it from the disk.
             disk.touch(block_hash)
             disk.pin(block_hash)
-            placed = self.host.insert(block_hash)
+            placed = self.host.insert(block_hash, reused=True)  # fetched to be loaded
             if placed is None:
                 disk.unpin(block_hash)
                 self.dropped_blocks += 1
@@ -290,6 +240,16 @@ class KVTiers:
             self.ops.fetch.append(TierCopy(disk_slot, slot, block_hash))
             started.append(block_hash)
         return started
+
+    def touch_found(self, host_hashes: Sequence[bytes], disk_hashes: Sequence[bytes]) -> None:
+        """A new request found these blocks: they are the newest in their tiers now, so the
+        evictions made while it waits in the queue take other blocks first."""
+        host, disk = self.host, self.disk
+        for block_hash in reversed(host_hashes):  # the prefix's head ends up newest
+            host.touch(block_hash)
+        if disk is not None:
+            for block_hash in reversed(disk_hashes):
+                disk.touch(block_hash)
 
     def is_fetching(self, block_hash: bytes) -> bool:
         return block_hash in self._fetching

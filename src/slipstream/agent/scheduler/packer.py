@@ -16,7 +16,9 @@ and small ones late: that is adaptive chunking, with no chunk-size schedule of i
 Space sharing: a long request (KV cached >= ``long_request_threshold_tokens``) may only fill
 ``target * (1 - clamp(relative_slack, 0, max_space_share_fraction))``, leaving the rest to
 short prefills, and at most one long prefill enters a batch. With KV parallelism a chunk is
-also capped at the room left in the request's current KVP group.
+also capped at the room left in the request's current KVP group. ``chunk_limit_ms`` caps what
+one request's chunk may add to the batch (shared_steps.py: a request with slack takes short
+steps while another application is active); the requests packed after it keep the target.
 """
 
 from __future__ import annotations
@@ -151,15 +153,22 @@ class PrefillBudget:
         return kv_before_tokens >= self.config.long_request_threshold_tokens
 
     def chunk_for(self, kv_before_tokens: int, remaining_tokens: int, relative_slack: float = 0.0,
-                  fit_tokens: int | None = None, load_ms: float = 0.0) -> int:
+                  fit_tokens: int | None = None, load_ms: float = 0.0,
+                  chunk_limit_ms: float | None = None) -> int:
         """Algorithm 2: the chunk size for one prefill, or 0 if it cannot go in this batch.
 
         ``fit_tokens`` caps the chunk at what the free KV blocks can hold. ``load_ms`` is the
         time to load the request's prefix from a lower KV tier first: it takes budget like
         compute does (a lower-tier hit is a load, neither free nor a recompute).
+        ``chunk_limit_ms`` is the most the chunk may add to the batch's time; if not even a
+        minimum chunk fits under it and the batch holds no prefill yet, the full budget
+        applies, so the request never stalls for want of a short enough chunk.
         """
         size = self._budgeted_chunk(kv_before_tokens, remaining_tokens, relative_slack,
-                                    fit_tokens, load_ms)
+                                    fit_tokens, load_ms, chunk_limit_ms)
+        if size == 0 and chunk_limit_ms is not None and self.num_prefills == 0:
+            size = self._budgeted_chunk(kv_before_tokens, remaining_tokens, relative_slack,
+                                        fit_tokens, load_ms)
         if size == 0 and self.is_empty and remaining_tokens > 0:
             return self._over_budget_chunk(kv_before_tokens, remaining_tokens, fit_tokens)
         return size
@@ -186,7 +195,7 @@ class PrefillBudget:
 
     def _budgeted_chunk(self, kv_before_tokens: int, remaining_tokens: int,
                         relative_slack: float, fit_tokens: int | None,
-                        load_ms: float = 0.0) -> int:
+                        load_ms: float = 0.0, chunk_limit_ms: float | None = None) -> int:
         config = self.config
         if remaining_tokens <= 0 or self.exhausted:
             return 0
@@ -197,6 +206,8 @@ class PrefillBudget:
         if long_request:
             share = min(config.max_space_share_fraction, max(0.0, relative_slack))
             target_ms *= 1.0 - share
+        if chunk_limit_ms is not None:
+            target_ms = min(target_ms, self.estimate.time_ms + chunk_limit_ms)
         if self.estimate.time_ms >= target_ms:
             return 0
         cap = remaining_tokens if fit_tokens is None else fit_tokens
@@ -212,7 +223,8 @@ class PrefillBudget:
         size = largest_chunk_tokens(
             lambda size: what_if(kv_before_tokens, size, charged_ms) <= limit_ms,
             remaining_tokens, cap, config)
-        if size == 0 and at_least_min_chunk and not long_request and load_ms == 0.0:
+        if size == 0 and at_least_min_chunk and not long_request and load_ms == 0.0 \
+                and chunk_limit_ms is None:
             self._refused_from_kv = min(self._refused_from_kv, kv_before_tokens)
         return size
 

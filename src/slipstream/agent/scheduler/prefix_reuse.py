@@ -40,6 +40,7 @@ def register_blocks(manager: BlockManager, request: Request) -> None:
 def take_prefix(manager: BlockManager, request: Request, prefix: list[int]) -> None:
     """Admit ``request`` with the cached blocks ``prefix`` as its computed prefix."""
     manager.device.acquire(prefix)
+    manager.device.note_reused(prefix)
     request.block_ids = list(prefix)
     request.num_computed_tokens = len(prefix) * manager.block_size
     request.num_registered_blocks = len(prefix)

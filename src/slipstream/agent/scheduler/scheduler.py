@@ -9,7 +9,8 @@ catching up to ``num_tokens``; a step grants each request some of its missing to
         displace                            # SRPT only: a shorter waiting request evicts
         swap in                             # swapped requests come back when blocks allow
         grant every running decode          # KV pressure -> preempt the policy's victim
-        PrefillBudget: decodes, then prefill chunks in policy order (packer.py)
+        PrefillBudget: decodes, then prefill chunks in policy order (packer.py); with
+            several applications active, prefills with slack yield (shared_steps.py)
         -> Batch(decodes first, then prefill chunks, swap copies, predicted time)
 
 A chunk is admitted only if its KV blocks fit. With a runtime predictor the budget is a time
@@ -64,6 +65,7 @@ from slipstream.agent.scheduler.prefix_reuse import (
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
+from slipstream.agent.scheduler.shared_steps import SharedSteps
 from slipstream.agent.scheduler.short_batching import ShortPrefillHold
 from slipstream.agent.scheduler.tier_admission import (
     FetchHold, host_prefix, load_host_prefix, lookup_prefix)
@@ -104,6 +106,8 @@ class Scheduler:
             reserve_grace=config.lars_reserve_grace,
         ))
         self.queue = PrefillQueue(self.policy)
+        self.shared_steps = SharedSteps(self.urgency, self.packer_config.target_batch_time_ms,
+                                        config.shared_step_fraction, config.shared_step_window_s)
         self.preemptor = Preemptor(block_manager, swap=config.preemption == "swap")
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -138,6 +142,7 @@ class Scheduler:
             in_host, on_disk = lookup_prefix(self.block_manager, request)
         self.urgency.assign(request)
         self.policy.on_add(request, request.arrival_s)
+        self.shared_steps.note_add(request, request.arrival_s)
         source = prompt_source(request, self.requests, self.block_manager)
         if source is not None:
             self.prompt_waiters.setdefault(source.request_id, []).append(request)
@@ -164,6 +169,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.urgency.assign(request)
         self.policy.on_add(request, now_s)
+        self.shared_steps.note_add(request, now_s)
         request.status = RUNNING
         request.first_scheduled_s = now_s
         self.running.append(request)
@@ -195,6 +201,7 @@ class Scheduler:
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.length_predictor.observe(request)
         self.policy.on_finish(request, now_s if now_s is not None else 0.0)
+        self.shared_steps.note_finish(request, now_s if now_s is not None else request.arrival_s)
         return request
 
     def has_unfinished(self) -> bool:
@@ -226,6 +233,7 @@ class Scheduler:
             for request in self.short_prefills.release_due(now_s):
                 self.queue.add_waiting(request, now_s)
         self.policy.on_step(now_s)
+        self.shared_steps.begin_step(now_s)
         self._displace(now_s)
         swap_in = self._swap_in(now_s)
         swap_out: list[BlockCopy] = []
@@ -414,6 +422,7 @@ class Scheduler:
         the rest, so the reserve is a floor and the batch stays full.
         """
         config, manager, policy = self.config, self.block_manager, self.policy
+        shared_steps = self.shared_steps
         block_size = manager.block_size
         caching = manager.prefix_caching
         tiers = manager.tiers
@@ -425,7 +434,7 @@ class Scheduler:
         # Swapped requests resume before anything new is admitted.
         include_waiting = seats > 0 and not self.swapped
 
-        def grant(request: Request) -> bool:
+        def grant(request: Request, limit_ms: float | None = None) -> bool:
             nonlocal seats, free_blocks, waiting_blocked
             is_new = request.status is WAITING
             size = 0
@@ -447,7 +456,7 @@ class Scheduler:
                     * block_size - kv_before
                 slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
                 size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
-                                        fit_tokens, load_ms)
+                                        fit_tokens, load_ms, limit_ms)
             if size <= 0:
                 waiting_blocked |= is_new and policy.head_of_line_blocking
                 return False
@@ -469,18 +478,29 @@ class Scheduler:
             reserved, fraction = reservation
             budget.reserve(fraction, long_slot=budget.is_long(reserved.num_computed_tokens))
         misses = 0
+        yielding: list[tuple[Request, float]] = []  # requests with slack: packed last
         for request in self.queue.candidates(now_s, include_waiting):
             if budget.exhausted:
                 break
             if request.in_flight or request is reserved:
                 continue  # SPP: the token of its last chunk is not back yet; or packed last
-            if not grant(request):
+            limit_ms = shared_steps.chunk_limit_ms(request, now_s)
+            if limit_ms is not None:
+                yielding.append((request, limit_ms))
+            elif not grant(request):
                 misses += 1
                 if misses >= config.max_prefill_candidates:
                     break
         if reserved is not None:
             budget.release_reserve()
             grant(reserved)
+        # Shared steps: a request with slack joins no batch that holds another application's
+        # prefill (that prefill's first token would wait for it), and then only a short chunk.
+        for request, limit_ms in yielding:
+            if budget.exhausted:
+                break
+            if all(other.app_id == request.app_id for other, _ in grants):
+                grant(request, limit_ms)
         return grants
 
     def _reserved_prefill(self, now_s: float, include_waiting: bool

@@ -33,7 +33,9 @@ def lookup_prefix(manager: BlockManager, request: Request) -> tuple[list[bytes],
     request.prefix_load_s = (tiers.config.load_ms(host_run + disk_run) / 1000.0
                              + tiers.config.fetch_s(disk_run))
     start = device + host_run
-    return hashes[device:start], hashes[start:start + disk_run]
+    found_host, found_disk = hashes[device:start], hashes[start:start + disk_run]
+    tiers.touch_found(found_host, found_disk)
+    return found_host, found_disk
 
 
 def host_prefix(manager: BlockManager, request: Request, device_blocks: int) -> list[bytes]:
@@ -55,6 +57,7 @@ def load_host_prefix(manager: BlockManager, request: Request, hashes: list[bytes
     from_disk = tiers.plan_load(hashes, blocks)
     for block, block_hash in zip(blocks, hashes):
         manager.device.register(block, block_hash)
+    manager.device.note_reused(blocks)
     request.block_ids.extend(blocks)
     request.num_computed_tokens += len(blocks) * manager.block_size
     request.num_registered_blocks = len(request.block_ids)

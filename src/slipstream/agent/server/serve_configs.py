@@ -68,6 +68,7 @@ def scheduler_config(config: ServeConfig) -> SchedulerConfig:
         policy=scheduler.policy, target_batch_time_ms=chosen_ms or 50.0,
         raise_target_to_model_floor=not chosen_ms,
         max_space_share_fraction=scheduler.max_space_share_fraction,
+        shared_step_fraction=scheduler.shared_step_fraction,
         long_request_threshold_tokens=scheduler.long_request_threshold_tokens,
         preemption=scheduler.preemption, prefix_caching=scheduler.prefix_caching,
         short_prefill_batching=scheduler.short_prefill_batching,
