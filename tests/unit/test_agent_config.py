@@ -231,6 +231,6 @@ def test_expert_parallelism_reaches_the_engine_and_counts_in_the_world_size(tmp_
     spec = ServingReplicaSpec.model_validate({
         **SPEC.to_api(), "parallelism": {"tp": 2, "ep": 4}})
     assert spec.parallelism.gpus_per_instance == 8
-    engine = cli_configs.engine_config_from_args(serve_args_in_pod(spec, tmp_path))
+    engine = serve_configs.engine_config(serve_args_in_pod(spec, tmp_path))
     assert engine.parallel == ParallelConfig(tp=2, ep=4)
     assert "ep" not in SPEC.parallelism.to_api()  # unset: the agent's file is unchanged

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from slipstream.agent.engine.sampling.params import RequestOutput
-from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
+from slipstream.agent.engine.tokenizer import Tokenizer
+from slipstream.agent.engine.detokenizer import TextStream
 from slipstream.agent.server.engine_core import _add_text
 
 TEXT = "Once upon a time, the quick brown fox jumped over the lazy dog."

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from slipstream.contracts.control_auth import derive_control_token
-from slipstream.operator import agent_client, builders, handle_reconcile, naming, router
+from slipstream.operator import (agent_client, builders, handle_reconcile, naming, pod_security,
+                                 router)
 from slipstream.operator.control_credentials import ControlCredentials
 from slipstream.operator.placement import NodeShare
 
@@ -75,9 +76,9 @@ def test_every_pod_is_non_root_read_only_without_capabilities(manifest):
 
 def test_agents_write_only_to_their_scratch_volume():
     spec = agent_pod(0, False)["spec"]
-    assert {"name": builders.SCRATCH_VOLUME, "emptyDir": {}} in spec["volumes"]
+    assert {"name": pod_security.SCRATCH_VOLUME, "emptyDir": {}} in spec["volumes"]
     container = spec["containers"][0]
-    assert {"name": builders.SCRATCH_VOLUME, "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": pod_security.SCRATCH_VOLUME, "mountPath": "/tmp"} in container["volumeMounts"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["HOME"].startswith("/tmp/") and env["XDG_CACHE_HOME"].startswith("/tmp/")
 

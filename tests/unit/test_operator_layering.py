@@ -57,3 +57,13 @@ def test_the_checkout_holds_real_files_that_an_import_tool_can_read():
             if a and b and a != b:
                 arrows.add((a, b))
     assert {("agent", "kernels"), ("operator", "crds"), ("operator", "decisions")} <= arrows
+
+
+def test_no_module_of_the_agent_operator_or_decisions_exceeds_400_lines():
+    # A module a newcomer can read in one sitting (issue 29's layout); split by responsibility.
+    package = REPO / "src" / "slipstream"
+    long = {str(path.relative_to(package)): count
+            for folder in ("agent", "operator", "decisions")
+            for path in (package / folder).rglob("*.py")
+            if (count := len(path.read_text().splitlines())) > 400}
+    assert not long, long

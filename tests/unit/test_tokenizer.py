@@ -15,7 +15,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from slipstream.agent.engine.models.tiny_corpus import training_corpus
 from slipstream.agent.engine.models.tiny_model import build_tokenizer
-from slipstream.agent.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from slipstream.agent.engine.tokenizer import Tokenizer
+from slipstream.agent.engine.detokenizer import IncrementalDetokenizer, StopChecker
 
 SAMPLE_TEXTS = [
     "Hello, world!",

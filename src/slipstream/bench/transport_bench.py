@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.parallel.launch import free_port
 from slipstream.agent.parallel.transport import (
     BATCH, HELLO, RESULT, STOP, ControllerSocket, WorkerSocket, decode_batch, decode_sampled,

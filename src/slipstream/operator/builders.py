@@ -18,6 +18,8 @@ from slipstream.crds.servingreplica import PREFILL_ROLE
 from slipstream.operator import naming
 from slipstream.operator.instances import instance_role
 from slipstream.operator.placement import NodeShare
+from slipstream.operator.pod_security import (container_security_context, pod_security_context,
+                                              scratch_env, scratch_mount, scratch_volume)
 
 CONFIG_MOUNT_DIR = "/etc/slipstream"
 ENGINE_CONFIG_FILE = "engine.yaml"
@@ -36,38 +38,6 @@ CONTROL_TOKEN_KEY = "token"
 TENANTS_VOLUME = "tenants"
 TENANTS_DIR = "/etc/slipstream/tenants"
 TENANTS_KEY = "tenants.yaml"
-# Pods run with a read-only root file system: what the agent writes (runtime profiles, GGUF
-# conversions, compiler caches, temporary files) goes to this emptyDir.
-SCRATCH_VOLUME = "scratch"
-SCRATCH_DIR = "/tmp"
-NON_ROOT_UID = 65532  # the images' user (Dockerfile.agent, Dockerfile.operator)
-
-
-def pod_security_context() -> dict:
-    """Every pod the operator creates: not root, the runtime's default seccomp profile."""
-    return {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
-            "fsGroup": NON_ROOT_UID, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def container_security_context() -> dict:
-    """Every container: no privilege escalation, no capabilities, a read-only root. (RDMA
-    transports that register memory need IPC_LOCK back; docs/tenancy.md.)"""
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
-
-
-def scratch_env() -> list[dict]:
-    """Caches and HOME on the scratch volume, since the root file system is read-only."""
-    return [{"name": "HOME", "value": f"{SCRATCH_DIR}/home"},
-            {"name": "XDG_CACHE_HOME", "value": f"{SCRATCH_DIR}/cache"}]
-
-
-def scratch_volume() -> dict:
-    return {"name": SCRATCH_VOLUME, "emptyDir": {}}
-
-
-def scratch_mount() -> dict:
-    return {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}
 
 
 def model_path(spec: ServingReplicaSpec) -> str:

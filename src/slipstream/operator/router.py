@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.crds.servingreplica import ServingReplicaSpec
-from slipstream.operator import builders, naming
+from slipstream.operator import builders, naming, pod_security
 
 ROUTER_CONTAINER = "router"
 
@@ -92,7 +92,7 @@ def build_router_deployment_spec(replica: str, namespace: str, spec: ServingRepl
     pod_spec: dict[str, Any] = {
         "serviceAccountName": naming.router_name(replica),
         "terminationGracePeriodSeconds": 10,
-        "securityContext": builders.pod_security_context(),
+        "securityContext": pod_security.pod_security_context(),
         "containers": [_router_container(replica, namespace, spec)],
         "volumes": [builders.model_volume(spec), *builders.tenants_volume(spec)],
     }
@@ -121,7 +121,7 @@ def _router_container(replica: str, namespace: str, spec: ServingReplicaSpec) ->
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         # The router writes nothing (the image sets PYTHONDONTWRITEBYTECODE): no scratch
         # volume under its read-only root.
-        "securityContext": builders.container_security_context(),
+        "securityContext": pod_security.container_security_context(),
         "ports": [{"name": "http", "containerPort": naming.HTTP_PORT}],
         # Ready once it sees at least one Ready agent pod: until then it could only answer 503.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},

@@ -44,7 +44,7 @@ from slipstream.agent.engine.sampling.grammar import GrammarCompiler
 from slipstream.agent.engine.step.isolation import REQUEST_FAILED_MESSAGE
 from slipstream.agent.engine.limits import RequestLimits
 from slipstream.agent.engine.step.load_window import LoadWindow
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.engine.step.outputs import (
     OutputState, error_output, final_output, step_output)
 from slipstream.agent.engine.step.pipeline import PipelinedSteps
@@ -52,7 +52,8 @@ from slipstream.agent.engine.roles.base import Role, make_role
 from slipstream.agent.engine.step.runner import Runner
 from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
 from slipstream.agent.engine.step.stats import EngineStats, StepStats
-from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
+from slipstream.agent.engine.tokenizer import Tokenizer
+from slipstream.agent.engine.detokenizer import TextStream
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.block_manager import BlockManager
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus

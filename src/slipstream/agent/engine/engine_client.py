@@ -37,7 +37,8 @@ from slipstream.agent.engine.step.stats import EngineStats, StepStats, StepSumma
 if TYPE_CHECKING:
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.sampling.grammar import GrammarCompiler
-    from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
+    from slipstream.agent.engine.tokenizer import Tokenizer
+    from slipstream.agent.engine.detokenizer import TextStream
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import llguidance
 from slipstream.agent.engine.errors import EngineDeadError, KVTierLoadError
 from slipstream.agent.engine.sampling.grammar import MaskJob, MaskWorkers
 from slipstream.agent.engine.step.isolation import isolate_failures
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.engine.step.runner import Runner
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.scheduler import Scheduler

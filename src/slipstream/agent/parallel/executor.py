@@ -35,7 +35,7 @@ import torch
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.engine.sampling.sampler import GrammarMasks, MaskSource
 from slipstream.agent.parallel.env import NodeEnv
 from slipstream.agent.parallel.launch import LocalWorkers, free_port

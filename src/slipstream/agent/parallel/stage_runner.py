@@ -24,8 +24,8 @@ import torch.distributed as dist
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.models.loader import load_model, resolve_dtype, weight_source
 from slipstream.agent.engine.kv.memory import allocate_kv_tensor
-from slipstream.agent.engine.step.model_runner import (
-    FlatInputs, SampledToken, plan_kv_blocks, sample_batch)
+from slipstream.agent.engine.step.model_runner import plan_kv_blocks
+from slipstream.agent.engine.step.batch_io import FlatInputs, SampledToken, sample_batch
 from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.layers import LocalLayers, PipelineStage
 from slipstream.agent.engine.sampling.sampler import MaskSource, Sampler

@@ -32,7 +32,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.engine.sampling.sampler import GrammarMasks
 from slipstream.agent.parallel.wire import WireBatch, WireMasks
 

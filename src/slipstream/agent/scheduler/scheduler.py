@@ -54,21 +54,22 @@ from slipstream.agent.scheduler.block_manager import BlockManager, blocks_for_to
 from slipstream.agent.scheduler.chunks import decode_chunk, prefill_chunk
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.kv_tiers import TierResults
+from slipstream.agent.scheduler.memory_pressure import MemoryPressure
 from slipstream.agent.scheduler.length_predictor import LengthPredictor, RunningMeanLengthPredictor
 from slipstream.agent.scheduler.packer import PrefillBudget
 from slipstream.agent.scheduler.policies import PolicyContext
+from slipstream.agent.scheduler.prefill_packing import PrefillPacking
 from slipstream.agent.scheduler.policy_registry import make_policy
 from slipstream.agent.scheduler.predictor import BatchTimeModel, TokenBudgetModel
 from slipstream.agent.scheduler.preemption import Preemptor
-from slipstream.agent.scheduler.prefix_reuse import (
-    hash_blocks, prompt_source, register_blocks, shared_prompt_blocks, take_prefix)
+from slipstream.agent.scheduler.prefix_reuse import (hash_blocks, prompt_source, register_blocks,
+                                                     shared_prompt_blocks)
 from slipstream.agent.scheduler.prefill_time_cache import PrefillTimeCache
 from slipstream.agent.scheduler.priority_index import PrefillQueue
 from slipstream.agent.scheduler.request import FinishReason, Request, RequestStatus
 from slipstream.agent.scheduler.shared_steps import SharedSteps
 from slipstream.agent.scheduler.short_batching import ShortPrefillHold
-from slipstream.agent.scheduler.tier_admission import (
-    FetchHold, host_prefix, load_host_prefix, lookup_prefix)
+from slipstream.agent.scheduler.tier_admission import FetchHold, lookup_prefix
 from slipstream.agent.scheduler.urgency import UrgencyModel
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -77,7 +78,7 @@ RUNNING = RequestStatus.RUNNING
 WAITING = RequestStatus.WAITING
 
 
-class Scheduler:
+class Scheduler(MemoryPressure, PrefillPacking):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  predictor: BatchTimeModel | None = None,
                  length_predictor: LengthPredictor | None = None) -> None:
@@ -310,206 +311,6 @@ class Scheduler:
 
     # -- steps of schedule() ----------------------------------------------------------------
 
-    def _displace(self, now_s: float) -> None:
-        """TRAIL-style limited preemption: a shorter waiting request evicts a longer runner."""
-        if not self.policy.can_displace or not self.queue.waiting or not self.running:
-            return
-        for _ in range(self.config.max_displacements_per_step):
-            head = self.queue.first_waiting(now_s)
-            if head is None or not self.running:  # nobody left to admit, or to evict
-                return
-            first_chunk = min(head.num_uncomputed_tokens, self.packer_config.initial_chunk_tokens)
-            seats_full = len(self.running) >= self.config.max_num_seqs
-            memory_short = self.block_manager.kv_blocks_free < blocks_for_tokens(
-                first_chunk, self.block_manager.block_size)
-            if not (seats_full or memory_short):
-                return
-            victim = max(self.running, key=lambda r: self.policy.victim_key(r, now_s))
-            if not self.policy.may_displace(head, victim, now_s):
-                return
-            self._preempt(victim, now_s, swap_out=None)  # early preemption: recompute is cheap
-
-    def _swap_in(self, now_s: float) -> list[BlockCopy]:
-        copies: list[BlockCopy] = []
-        if not self.swapped:
-            return copies
-        # Keep a block per running request free so their decodes can grow without preempting.
-        reserve = len(self.running)
-        for request in sorted(self.swapped, key=lambda r: self.policy.urgency(r, now_s)):
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            copy = self.preemptor.swap_in(request, reserve_blocks=reserve + 1)
-            if copy is None:
-                break
-            if copy.src_block_ids:  # empty when every block was still cached on the device
-                copies.append(copy)
-            self.swapped.remove(request)
-            self.running.append(request)
-            if request.in_prefill:
-                self.queue.start_prefilling(request, now_s)
-            reserve += 1
-        return copies
-
-    def _grant_decodes(self, now_s: float, swap_out: list[BlockCopy]) -> list[Request]:
-        """Reserve a block for every running decode, preempting the least urgent if needed."""
-        manager = self.block_manager
-        block_size = manager.block_size
-        # Running requests are either in the prefilling index or decoding (one token short).
-        prefilling = self.queue.prefilling.members
-        decodes = [r for r in self.running if r not in prefilling and not r.in_flight]
-        shortfall = [r for r in decodes
-                     if r.num_computed_tokens // block_size >= len(r.block_ids)]
-        if len(shortfall) <= manager.kv_blocks_free:  # the common case: no pressure, no sorting
-            for request in shortfall:
-                request.block_ids.extend(manager.device.allocate(1))
-            return decodes
-        order = sorted(self.running, key=lambda r: self.policy.victim_key(r, now_s))
-        granted: list[Request] = []
-        tail = len(order) - 1
-        for request in order:
-            if request.status is not RUNNING or request in self.queue.prefilling \
-                    or request.in_flight:
-                continue
-            while not manager.can_grow(request.block_ids, request.num_tokens):
-                while tail >= 0 and order[tail].status is not RUNNING:
-                    tail -= 1
-                victim = order[tail] if tail >= 0 else request
-                if victim is request:
-                    self._preempt(request, now_s, swap_out)
-                    break
-                self._preempt(victim, now_s, swap_out)
-            else:
-                manager.grow(request.block_ids, request.num_tokens)
-                granted.append(request)
-        return granted
-
-    def _unblock_head_prefill(self, now_s: float, swap_out: list[BlockCopy]) -> bool:
-        """Let the most urgent running prefill take blocks from less urgent running requests.
-
-        Prefill chunks never preempt on their own, so running prefills could otherwise fill
-        the cache and wait on each other forever. Only the head is served this way.
-        """
-        head = next(self.queue.prefilling.ordered(now_s, self.policy.score_scale), None)
-        if head is None:
-            return False
-        request = head[2]
-        manager = self.block_manager
-        next_tokens = request.num_computed_tokens + min(request.num_uncomputed_tokens,
-                                                        self.packer_config.min_chunk_tokens)
-        need = manager.blocks_needed(request.block_ids, next_tokens)
-        if need <= manager.kv_blocks_free:
-            return False
-        urgency = self.policy.urgency
-        head_urgency = urgency(request, now_s)
-        # Ties count as less urgent than the head: under FCFS, requests that arrived together
-        # score alike, and a strict comparison left them holding the cache against each other.
-        victims = sorted((r for r in self.running
-                          if r is not request and urgency(r, now_s) >= head_urgency),
-                         key=lambda r: urgency(r, now_s), reverse=True)
-        preempted = False
-        for victim in victims:
-            if need <= manager.kv_blocks_free:
-                break
-            self._preempt(victim, now_s, swap_out)
-            preempted = True
-        return preempted
-
-    def _pack_prefills(self, now_s: float, budget: PrefillBudget) -> list[tuple[Request, int]]:
-        """Phase 2 of Algorithm 1: prefill chunks in policy order until the budget is full.
-
-        A policy may reserve part of the batch for one request (LARS: its oldest late long
-        prefill): everyone else packs against the reduced budget, then that request fills
-        the rest, so the reserve is a floor and the batch stays full.
-        """
-        config, manager, policy = self.config, self.block_manager, self.policy
-        shared_steps = self.shared_steps
-        block_size = manager.block_size
-        caching = manager.prefix_caching
-        tiers = manager.tiers
-        seats = config.max_num_seqs - len(self.running)
-        free_blocks = manager.kv_blocks_free
-        watermark = int(config.admission_watermark_fraction * manager.kv_blocks_total)
-        waiting_blocked = False
-        grants: list[tuple[Request, int]] = []
-        # Swapped requests resume before anything new is admitted.
-        include_waiting = seats > 0 and not self.swapped
-
-        def grant(request: Request, limit_ms: float | None = None) -> bool:
-            nonlocal seats, free_blocks, waiting_blocked
-            is_new = request.status is WAITING
-            size = 0
-            prefix: list[int] = []
-            loads: list[bytes] = []  # host-tier blocks past the device prefix
-            load_ms = 0.0
-            reviving = 0
-            if not (is_new and (seats <= 0 or waiting_blocked)):
-                if is_new and caching and not request.block_ids:
-                    # Start after the longest cached prefix; its free blocks stop being free.
-                    prefix = manager.match_prefix(request.block_hashes, request.num_tokens)
-                    reviving = manager.device.num_reviving(prefix)
-                    if tiers is not None:
-                        loads = host_prefix(manager, request, len(prefix))
-                        load_ms = tiers.config.load_ms(len(loads))
-                kv_before = request.num_computed_tokens + (len(prefix) + len(loads)) * block_size
-                room = free_blocks - reviving - len(loads) - (watermark if is_new else 0)
-                fit_tokens = (len(request.block_ids) + len(prefix) + len(loads) + room) \
-                    * block_size - kv_before
-                slack = policy.space_share_slack(request, now_s) if budget.is_long(kv_before) else 0.0
-                size = budget.chunk_for(kv_before, request.num_tokens - kv_before, slack,
-                                        fit_tokens, load_ms, limit_ms)
-            if size <= 0:
-                waiting_blocked |= is_new and policy.head_of_line_blocking
-                return False
-            if prefix or loads:
-                take_prefix(self.block_manager, request, prefix)
-                free_blocks -= reviving
-            if loads:
-                load_host_prefix(manager, request, loads, request.first_scheduled_s is None)
-                free_blocks -= len(loads)
-            budget.add_prefill(kv_before, size, load_ms)
-            free_blocks -= manager.blocks_needed(request.block_ids, kv_before + size)
-            seats -= is_new
-            grants.append((request, size))
-            return True
-
-        reserved: Request | None = None
-        reservation = self._reserved_prefill(now_s, include_waiting)
-        if reservation is not None:
-            reserved, fraction = reservation
-            budget.reserve(fraction, long_slot=budget.is_long(reserved.num_computed_tokens))
-        misses = 0
-        yielding: list[tuple[Request, float]] = []  # requests with slack: packed last
-        for request in self.queue.candidates(now_s, include_waiting):
-            if budget.exhausted:
-                break
-            if request.in_flight or request is reserved:
-                continue  # SPP: the token of its last chunk is not back yet; or packed last
-            limit_ms = shared_steps.chunk_limit_ms(request, now_s)
-            if limit_ms is not None:
-                yielding.append((request, limit_ms))
-            elif not grant(request):
-                misses += 1
-                if misses >= config.max_prefill_candidates:
-                    break
-        if reserved is not None:
-            budget.release_reserve()
-            grant(reserved)
-        # Shared steps: a request with slack joins no batch that holds another application's
-        # prefill (that prefill's first token would wait for it), and then only a short chunk.
-        for request, limit_ms in yielding:
-            if budget.exhausted:
-                break
-            if all(other.app_id == request.app_id for other, _ in grants):
-                grant(request, limit_ms)
-        return grants
-
-    def _reserved_prefill(self, now_s: float, include_waiting: bool
-                          ) -> tuple[Request, float] | None:
-        """The request the policy keeps a share of this batch for, if any, and the share."""
-        prefilling, waiting = self.queue.prefilling.members, self.queue.waiting.members
-        return self.policy.reserved_request(now_s, lambda r: not r.in_flight and (
-            r in prefilling or (include_waiting and r in waiting)))
-
     # -- state changes ----------------------------------------------------------------------
 
     def _admit(self, request: Request, size: int, now_s: float) -> ScheduledChunk:
@@ -528,29 +329,6 @@ class Scheduler:
                 self.queue.remove(request)
         return prefill_chunk(request, size)
 
-    def _preempt(self, request: Request, now_s: float, swap_out: list[BlockCopy] | None) -> None:
-        self._release_prompt_waiters(request, now_s)
-        self.running.remove(request)
-        self.queue.remove(request)
-        computed_tokens = request.num_computed_tokens
-        copy = self.preemptor.preempt(request, allow_swap=swap_out is not None)
-        self.num_preemptions_total += 1
-        if copy is not None and swap_out is not None:  # preempt() swaps only when allowed
-            swap_out.append(copy)
-            self.swapped.append(request)
-            return
-        self.urgency.note_recompute(request, computed_tokens)
-        self.queue.add_waiting(request, now_s)
-
     # -- shared prompts (prefix_reuse.py has the request side of prefix caching) ------------
 
-    def _release_prompt_waiters(self, source: Request, now_s: float) -> None:
-        """Queue the requests held for ``source``'s prompt; each looks up the cache again."""
-        waiters = self.prompt_waiters.pop(source.request_id, None)
-        if not waiters:
-            return
-        manager = self.block_manager
-        for request in waiters:
-            lookup_prefix(manager, request)
-            self.queue.add_waiting(request, now_s)
 

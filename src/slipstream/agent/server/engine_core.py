@@ -50,7 +50,8 @@ from slipstream.agent.engine.errors import EngineDeadError
 from slipstream.agent.engine.sampling.grammar import GrammarCompiler
 from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.engine.step.stats import EngineStats, StepSummary
-from slipstream.agent.engine.tokenizer import TextStream, Tokenizer
+from slipstream.agent.engine.tokenizer import Tokenizer
+from slipstream.agent.engine.detokenizer import TextStream
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.request import FinishReason
 from slipstream.agent.server.core_messages import (

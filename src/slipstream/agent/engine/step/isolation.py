@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from slipstream.agent.engine.errors import EngineDeadError
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.scheduler.batch import ScheduledChunk
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import torch
 
@@ -35,23 +34,15 @@ from slipstream.agent.engine.kv.tier_store import (
 from slipstream.agent.engine.models.loader import load_model, resolve_dtype, weight_source
 from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.llama import KVCache
-from slipstream.agent.engine.sampling.sampler import (NON_FINITE_ERROR, MaskSource, SampleResult,
-                                                      Sampler)
-from slipstream.agent.engine.sampling.params import TokenLogprob
+from slipstream.agent.engine.sampling.sampler import NON_FINITE_ERROR, MaskSource, Sampler
 from slipstream.agent.engine.step.short_prefill import ShortPrefillExecutor
-from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
+from slipstream.agent.scheduler.batch import Batch, BlockCopy
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
 from slipstream.kernels.attention import AttentionMetadata, select_backend
+from slipstream.agent.engine.step.batch_io import FlatInputs, SampledToken, sample_batch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: TokenLogprob | None = None
-    error: str | None = None  # this request could not be sampled; the engine fails it alone
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -61,13 +52,6 @@ def resolve_device(requested: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was requested but CUDA is not available")
     return device
-
-
-def sampled_tokens(chunks: list[ScheduledChunk], result: SampleResult) -> dict[str, SampledToken]:
-    """The sampler's rows, keyed by request; a row it could not sample carries its error."""
-    return {chunk.request_id: SampledToken(token, logprob, result.errors.get(row))
-            for row, (chunk, token, logprob) in enumerate(zip(chunks, result.tokens,
-                                                              result.logprobs))}
 
 
 def plan_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torch.device,
@@ -92,46 +76,6 @@ def plan_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torc
                          max_num_seqs=config.scheduler.max_num_seqs)
     log.info("%s", plan.reason)
     return plan
-
-
-@dataclass(frozen=True)
-class FlatInputs:
-    """A batch flattened into one token row per scheduled token (shared by ``ModelRunner``
-    and the parallel ``StageRunner``): ids, positions, and for each chunk that samples,
-    ``(chunk index, row of its last token)``."""
-
-    token_ids: list[int]
-    positions: list[int]
-    sample_rows: list[tuple[int, int]]
-
-    @staticmethod
-    def of(chunks: tuple[ScheduledChunk, ...]) -> FlatInputs:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
-        for index, chunk in enumerate(chunks):
-            token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.end_pos))
-            if chunk.sample:
-                sample_rows.append((index, len(token_ids) - 1))
-        return FlatInputs(token_ids, positions, sample_rows)
-
-    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor(self.token_ids, dtype=torch.int64, device=device),
-                torch.tensor(self.positions, dtype=torch.int64, device=device))
-
-
-def sample_batch(sampler: Sampler, batch: Batch, sample_rows: list[tuple[int, int]],
-                 logits: torch.Tensor, masks: MaskSource | None = None
-                 ) -> dict[str, SampledToken]:
-    """Sample the next token of every chunk in ``sample_rows`` from its row of ``logits``;
-    ``masks`` gives the grammar masks of the guided rows (see ``Sampler``)."""
-    if not sample_rows:
-        return {}
-    chunks = [batch.chunks[index] for index, _ in sample_rows]
-    return sampled_tokens(chunks, sampler(logits, [c.sampling for c in chunks],
-                                          [c.num_generated for c in chunks],
-                                          [c.history for c in chunks], masks))
 
 
 class ModelRunner:

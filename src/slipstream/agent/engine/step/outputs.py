@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams, TokenLogprob
-from slipstream.agent.engine.tokenizer import TextStream
+from slipstream.agent.engine.detokenizer import TextStream
 from slipstream.agent.scheduler.request import FinishReason, Request
 
 

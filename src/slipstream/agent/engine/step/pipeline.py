@@ -22,7 +22,7 @@ from slipstream.agent.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from slipstream.agent.engine.execution import BatchExecution
-    from slipstream.agent.engine.step.model_runner import SampledToken
+    from slipstream.agent.engine.step.batch_io import SampledToken
     from slipstream.agent.engine.step.runner import Runner
 
 Token = TypeVar("Token")

@@ -29,7 +29,7 @@ from collections.abc import Collection
 from typing import Protocol
 
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
-from slipstream.agent.engine.step.model_runner import SampledToken
+from slipstream.agent.engine.step.batch_io import SampledToken
 from slipstream.agent.engine.sampling.sampler import MaskSource
 from slipstream.agent.scheduler.batch import Batch
 from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
