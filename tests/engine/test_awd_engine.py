@@ -18,9 +18,9 @@ from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.async_engine import AsyncEngine
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import StepStats
-from slipstream.agent.scheduler.request import RequestSLO
+from slipstream.contracts.request import RequestSLO
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 MS = 0.001

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 

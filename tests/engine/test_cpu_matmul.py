@@ -15,7 +15,7 @@ from slipstream.agent.engine.models.loader import load_model
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.cpu_matmul import (
     ReorderedLinear, onednn_available, pack_cpu_matmuls, resolve_cpu_matmul)
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="PyTorch built without oneDNN")

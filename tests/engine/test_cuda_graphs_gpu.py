@@ -19,8 +19,9 @@ from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.step.prefill_buckets import PrefillBucket
-from slipstream.agent.engine.sampling.params import SamplingParams
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
+from slipstream.contracts.sampling import SamplingParams
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 
 pytestmark = [
     pytest.mark.gpu,

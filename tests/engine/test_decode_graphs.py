@@ -18,8 +18,9 @@ from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.engine.step.decode_graphs import capture_sizes
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
-from slipstream.agent.engine.sampling.params import SamplingParams
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
+from slipstream.contracts.sampling import SamplingParams
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.kernels.triton_backend import interpreting
 

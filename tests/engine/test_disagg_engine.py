@@ -17,7 +17,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.disagg_config import DisaggConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.errors import KV_TRANSFER_FAILED
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
 
 from tests.engine.test_kv_transfer import TRANSPORTS

@@ -151,7 +151,7 @@ def test_greedy_tokens_match_transformers_chat_and_completion_batched(model_dir,
                                                                      reference):
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.contracts.sampling import SamplingParams
 
     # Eight requests of at most 64 prompt + 64 new tokens: 8 x 8 blocks of 16, and spare ones.
     assert max(len(prompt) for prompt in prompts) + NEW_TOKENS <= 8 * 16

@@ -12,7 +12,7 @@ import torch
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.models.gguf_model import convert
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from tests.engine.family_models import load_reference, write_family_model
 from tests.engine.gguf_family_writer import write_family_gguf
 

@@ -152,7 +152,7 @@ def test_smollm2_served_as_q4_1_against_transformers(transformers_reference):
     from slipstream.agent.engine.engine import LLMEngine
     from slipstream.agent.engine.models.gguf_model import cached_model_dir
     from slipstream.agent.engine.models.quant_kernels import kernel_of, weight_bytes
-    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.contracts.sampling import SamplingParams
     from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
     from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling.grammar import json_schema_grammar, lark_grammar
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 
 PROMPT = [11, 222, 333, 44]
 

@@ -10,8 +10,9 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.errors import REQUEST_FAILED
 from slipstream.agent.engine.sampling.sampler import Sampler, filtered_probs
-from slipstream.agent.engine.sampling.params import INT64_MAX, SamplingParams
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions
+from slipstream.contracts.sampling import INT64_MAX, SamplingParams
+from slipstream.agent.scheduler.batch import Batch
+from slipstream.contracts.sampling import SamplingOptions
 
 PROMPTS = [[11, 222, 3333, 44], [5, 6, 7], list(range(100, 140)), [900] * 20, [1, 2],
            [77] * 33, [3, 1, 4, 1, 5, 9, 2, 6], [2718, 28, 18, 28]]

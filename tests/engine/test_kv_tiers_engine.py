@@ -14,7 +14,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
 from slipstream.agent.engine.kv.tier_store import DiskTier, KVTierStore
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -12,8 +12,8 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling.sampler import (GrammarMasks, Sampler, adjust_logits,
                                                       grammar_penalty)
-from slipstream.agent.engine.sampling.params import SamplingParams
-from slipstream.agent.scheduler.batch import SamplingOptions
+from slipstream.contracts.sampling import SamplingParams
+from slipstream.contracts.sampling import SamplingOptions
 
 VOCAB = 50
 

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 from tests.engine.family_models import FAMILIES, SLIDING_WINDOW, load_reference

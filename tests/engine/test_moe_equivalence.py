@@ -12,7 +12,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.moe import SparseMoeBlock
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.models.tiny_moe import FAMILIES
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.scheduler import SchedulerConfig

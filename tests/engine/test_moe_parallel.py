@@ -7,7 +7,7 @@ import pytest
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig, check_parallel_fit
 from slipstream.agent.engine.parallel_config import ParallelConfig
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.parallel.compose import build_engine
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 

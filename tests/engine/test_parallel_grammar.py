@@ -16,7 +16,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.sampling.grammar import json_schema_grammar
 from slipstream.agent.engine.parallel_config import ParallelConfig
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.parallel.compose import build_engine
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 

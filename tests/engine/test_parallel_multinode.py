@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from slipstream.agent.engine.config import EngineConfig
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.parallel.compose import build_engine
 from slipstream.agent.parallel.launch import free_port

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 

@@ -16,7 +16,7 @@ from slipstream.agent.engine.models.quant_kernels import (Fp8ScaledMM, Int4Tinyg
                                                           WeightFormatError, select_kernel)
 from slipstream.agent.engine.models.weight_formats import (
     Int8GroupWeight, quantize_fp8, quantize_int4, quantize_int8, reference_linear, to_device)
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,7 +9,7 @@ import pytest
 from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 
 PROMPT = [11, 222, 3333, 44, 555, 66]
 OTHERS = [[5, 6, 7], list(range(100, 140)), [900] * 20]
@@ -125,7 +125,7 @@ def test_sampling_on_cuda_keeps_the_draw_on_the_device_and_reads_back_once():
     import torch
 
     from slipstream.agent.engine.sampling.sampler import NON_FINITE_ERROR, Sampler
-    from slipstream.agent.scheduler.batch import SamplingOptions
+    from slipstream.contracts.sampling import SamplingOptions
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50_000, generator=generator).cuda()

@@ -18,8 +18,9 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig, ShortPrefi
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.step.prefill_buckets import PrefillBucket
-from slipstream.agent.engine.sampling.params import SamplingParams
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
+from slipstream.contracts.sampling import SamplingParams
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 
 BLOCK = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import StepStats
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 from slipstream.agent.server.step_metrics import StepMetrics

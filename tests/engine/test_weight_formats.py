@@ -25,7 +25,7 @@ from slipstream.agent.engine.models.weight_formats import (
     Int4Weight, concat_rows, quantize, quantize_fp8, quantize_int4, quantize_int8,
     reference_linear)
 from slipstream.agent.engine.models.quantization import QuantizationError, resolve_quantization
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.models.tiny_model import PRESETS, write_tiny_model
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 

@@ -13,7 +13,7 @@ from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.engine_client import check_admission, dead_output
 from slipstream.agent.engine.errors import ENGINE_DEAD, EngineDeadError, EngineUnavailable
 from slipstream.agent.engine.limits import RequestLimits
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=100, max_model_len=64, kv_blocks_total=1000)
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.engine.step.stats import EngineStats, StepStats
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
-from slipstream.agent.scheduler.request import RequestSLO
+from slipstream.contracts.request import RequestSLO
 from slipstream.contracts import metric_names
 from slipstream.agent.server.metrics import ServingMetrics
 from slipstream.agent.server.step_metrics import StepMetrics

@@ -13,7 +13,8 @@ from slipstream.agent.engine.sampling.sampler import GrammarMasks, grammar_penal
 from slipstream.agent.parallel.transport import (
     decode_batch, decode_masks, encode_batch, encode_masks)
 from slipstream.agent.parallel.wire import BatchDiffer, WorkerTables
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 
 GREEDY = SamplingOptions(temperature=0.0)

@@ -32,7 +32,8 @@ from slipstream.agent.engine.config import (
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.step.prefill_buckets import PrefillBucket, all_buckets
 from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir, write_tiny_model
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE, blocks_for_tokens
 
 EXIT_NO_GPU = 2

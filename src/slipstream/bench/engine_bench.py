@@ -25,7 +25,7 @@ from tqdm import tqdm
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.kv.memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir, write_tiny_model
 from slipstream.agent.scheduler.scheduler import SchedulerConfig
 

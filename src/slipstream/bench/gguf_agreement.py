@@ -77,7 +77,7 @@ def slipstream_greedy(model_dir: Path, gguf: Path, prompts: list[list[int]],
                       new_tokens: int) -> list[list[int]]:
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.contracts.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=512,
                                     gguf_file=gguf))

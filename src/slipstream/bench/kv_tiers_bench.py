@@ -151,7 +151,7 @@ def run_live(args: argparse.Namespace) -> dict:
     from slipstream.agent.engine.config import EngineConfig, ModelConfig
     from slipstream.agent.engine.engine import LLMEngine
     from slipstream.agent.engine.kv.tier_settings import KVTierSettings
-    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.contracts.sampling import SamplingParams
 
     model_dir = model_dir_for(args.model_preset)
     model = ModelConfig.from_dir(model_dir)

@@ -32,7 +32,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv.memory import KVCacheMemory
 from slipstream.agent.engine.profile.moe_profile import active_parameters_per_token
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import StepStats
 from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
 from slipstream.agent.engine.models.tiny_moe import write_tiny_moe

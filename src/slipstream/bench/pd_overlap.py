@@ -65,7 +65,7 @@ def _engines(model_dir: Path, args: argparse.Namespace):
 def hand_off(prefill, decode, prompt: list[int], mode: str, name: str) -> dict:
     """One request through both engines (stepped in turn on this thread; the decode side's
     transfer thread runs alongside). Returns its timings in seconds."""
-    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.contracts.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     clock = time.perf_counter

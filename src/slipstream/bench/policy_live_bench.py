@@ -37,7 +37,7 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.kv.memory import KVCacheMemory
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profile.profiler import PROFILE_GRIDS, profile
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.bench.sim_policies import source_version
 from slipstream.agent.engine.models.tiny_model import ensure_default_model
 from slipstream.agent.scheduler.config import SchedulerConfig

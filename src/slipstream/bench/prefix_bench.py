@@ -151,7 +151,7 @@ def hit_rate_plot(results: dict, path: Path) -> None:
 def run_live(args: argparse.Namespace) -> dict:
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.engine import LLMEngine
-    from slipstream.agent.engine.sampling.params import SamplingParams
+    from slipstream.contracts.sampling import SamplingParams
     from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir, write_tiny_model
     from slipstream.agent.scheduler.config import SchedulerConfig
 

@@ -41,7 +41,8 @@ from slipstream.agent.parallel.transport import (
     BATCH, HELLO, RESULT, STOP, ControllerSocket, WorkerSocket, decode_batch, decode_sampled,
     encode_batch, encode_sampled)
 from slipstream.agent.parallel.wire import BatchDiffer, WorkerTables
-from slipstream.agent.scheduler.batch import Batch, SamplingOptions, ScheduledChunk
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 
 _full_encoder = msgspec.msgpack.Encoder()

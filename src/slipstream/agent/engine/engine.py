@@ -50,7 +50,8 @@ from slipstream.agent.engine.step.outputs import (
 from slipstream.agent.engine.step.pipeline import PipelinedSteps
 from slipstream.agent.engine.roles.base import Role, make_role
 from slipstream.agent.engine.step.runner import Runner
-from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import EngineStats, StepStats
 from slipstream.agent.engine.tokenizer import Tokenizer
 from slipstream.agent.engine.detokenizer import TextStream

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.block_manager import blocks_for_tokens
 
 

@@ -9,7 +9,8 @@ import time
 from typing import TYPE_CHECKING
 
 from slipstream.agent.engine.step.load_window import LoadWindow
-from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams
+from slipstream.agent.engine.sampling.params import RequestOutput
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.request import FinishReason
 
 if TYPE_CHECKING:

@@ -37,7 +37,8 @@ from collections.abc import Collection
 
 import msgspec
 
-from slipstream.agent.scheduler.batch import Batch, BlockCopy, SamplingOptions, ScheduledChunk
+from slipstream.agent.scheduler.batch import Batch, BlockCopy, ScheduledChunk
+from slipstream.contracts.sampling import SamplingOptions
 
 
 class WireChunk(msgspec.Struct, array_like=True, frozen=True):

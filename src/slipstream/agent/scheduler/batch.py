@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slipstream.contracts.sampling import SamplingOptions as SamplingOptions
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.agent.scheduler.kv_tiers import TierOps
 
 

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 
 from slipstream.contracts.request import EngineRequest
-from slipstream.contracts.request import RequestSLO as RequestSLO
+from slipstream.contracts.request import RequestSLO
 from slipstream.contracts.sampling import SamplingOptions
 
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from slipstream.agent.scheduler.request import RequestSLO
+from slipstream.contracts.request import RequestSLO
 from slipstream.agent.server.chat import create_chat_completion
 from slipstream.agent.server.completions import create_completion
 from slipstream.agent.server.config import ServerConfig

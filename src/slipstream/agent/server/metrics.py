@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 
 from slipstream.agent.engine.sampling.params import RequestOutput
 from slipstream.agent.engine.step.stats import EngineStats
-from slipstream.agent.scheduler.request import RequestSLO
+from slipstream.contracts.request import RequestSLO
 from slipstream.contracts import metric_names as names
 from slipstream.agent.server.step_metrics import StepMetrics, log_spaced_buckets
 

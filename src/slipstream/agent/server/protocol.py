@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from slipstream.agent.engine.sampling.params import MAX_LOGPROBS
+from slipstream.contracts.sampling import MAX_LOGPROBS
 from slipstream.agent.server.wire_values import check_wire_integers
 
 MAX_STOP_SEQUENCES = 16

@@ -30,7 +30,7 @@ import numpy as np
 
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.profile.fit import fit_overhead
-from slipstream.agent.engine.sampling.params import SamplingParams
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import StepStats
 from slipstream.agent.scheduler.batch import Batch
 

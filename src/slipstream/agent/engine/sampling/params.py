@@ -6,12 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slipstream.contracts.sampling import INT64_MAX as INT64_MAX
-from slipstream.contracts.sampling import INT64_MIN as INT64_MIN
-from slipstream.contracts.sampling import MAX_LOGIT_BIAS_ENTRIES as MAX_LOGIT_BIAS_ENTRIES
-from slipstream.contracts.sampling import MAX_LOGPROBS as MAX_LOGPROBS
-from slipstream.contracts.sampling import SamplingParams as SamplingParams
-
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.agent.engine.sampling.params import TokenLogprob
-from slipstream.agent.scheduler.batch import SamplingOptions
+from slipstream.contracts.sampling import SamplingOptions
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the generator's seeds
 _MIN_TEMPERATURE = torch.finfo(torch.float32).tiny

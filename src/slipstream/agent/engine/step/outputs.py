@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.agent.engine.sampling.params import RequestOutput, SamplingParams, TokenLogprob
+from slipstream.agent.engine.sampling.params import RequestOutput, TokenLogprob
+from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.detokenizer import TextStream
 from slipstream.agent.scheduler.request import FinishReason, Request
 
