@@ -137,7 +137,7 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             model_type=model_type,
             **family_options(model_type, raw, sliding),
-            moe=moe_settings(architecture, raw),
+            moe=moe_settings(model_type, raw),
         )
 
     def sliding_window_of(self, layer: int) -> int | None:

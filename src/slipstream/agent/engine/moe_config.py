@@ -16,8 +16,7 @@ if TYPE_CHECKING:
     from slipstream.agent.engine.config import ModelConfig
     from slipstream.agent.engine.parallel_config import ParallelConfig
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "OlmoeForCausalLM")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # models/registry.py
 
 
 @dataclass(frozen=True)
@@ -56,26 +55,27 @@ class MoESettings:
         return [layer for layer in range(num_layers) if self.is_sparse(layer)]
 
 
-def moe_settings(architecture: str, raw: dict[str, Any]) -> MoESettings | None:
-    """The MoE settings of a ``config.json`` (``raw``), or None for a dense architecture."""
-    if architecture not in MOE_ARCHITECTURES:
+def moe_settings(model_type: str, raw: dict[str, Any]) -> MoESettings | None:
+    """The MoE settings of a ``config.json`` (``raw``), or None for a dense model: keyed by
+    ``model_type``, the same key that picks the model class (models/registry.py)."""
+    if model_type not in MOE_MODEL_TYPES:
         return None
     if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{architecture} with hidden_act {raw['hidden_act']!r} is not "
+        raise ValueError(f"{model_type} with hidden_act {raw['hidden_act']!r} is not "
                          "supported (the experts run SwiGLU)")
     # transformers 5 writes num_local_experts for every family; published Qwen and OLMoE
     # configs say num_experts.
     num_experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
-    if architecture == "MixtralForCausalLM":
+    if model_type == "mixtral":
         return MoESettings(num_experts=num_experts,
                            top_k=raw.get("num_experts_per_tok", 2),
                            expert_intermediate_size=raw["intermediate_size"],
                            norm_topk_prob=True)
-    if architecture in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM") \
+    if model_type in ("qwen3_moe", "olmoe") \
             and raw.get("attention_bias", False):
-        raise ValueError(f"{architecture} with attention_bias (a bias on o_proj too) is not "
+        raise ValueError(f"{model_type} with attention_bias (a bias on o_proj too) is not "
                          "supported")
-    if architecture == "OlmoeForCausalLM":
+    if model_type == "olmoe":
         return MoESettings(num_experts=num_experts, top_k=raw.get("num_experts_per_tok", 8),
                            expert_intermediate_size=raw["intermediate_size"],
                            norm_topk_prob=raw.get("norm_topk_prob", False),
@@ -86,10 +86,10 @@ def moe_settings(architecture: str, raw: dict[str, Any]) -> MoESettings | None:
         expert_intermediate_size=raw["moe_intermediate_size"],
         norm_topk_prob=raw.get("norm_topk_prob", False),
         shared_expert_intermediate_size=(raw.get("shared_expert_intermediate_size") or 0)
-        if architecture == "Qwen2MoeForCausalLM" else 0,
+        if model_type == "qwen2_moe" else 0,
         decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
-        qk_norm="head" if architecture == "Qwen3MoeForCausalLM" else "none")
+        qk_norm="head" if model_type == "qwen3_moe" else "none")
 
 
 def check_expert_fit(model: ModelConfig, parallel: ParallelConfig) -> None:
