@@ -27,13 +27,16 @@ _EXPERT = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:block_sparse_moe|mlp)\
                      r"(?P<expert>\d+)\.(?P<part>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
          "down_proj": "down"}
+_PROJECTIONS = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
 _DENSE = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
 def write_moe_gguf(model_dir: Path, path: Path, expert_types: dict[str, str] | None = None,
-                   per_expert: bool = False) -> Path:
+                   per_expert: bool = False, projection_type: str = "F32") -> Path:
     """``expert_types``: GGML type per expert part ("gate", "up", "down"; F32 if absent);
-    ``per_expert``: one tensor per expert (llama.cpp's Mixtral files before stacking)."""
+    ``per_expert``: one tensor per expert (llama.cpp's Mixtral files before stacking);
+    ``projection_type``: the GGML type of the other projections (attention, dense and shared
+    MLPs) and the LM head."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -73,12 +76,18 @@ def write_moe_gguf(model_dir: Path, path: Path, expert_types: dict[str, str] | N
             array = _permute(array, kv_heads)
         if base.endswith("shared_expert_gate"):
             array = array.reshape(-1)  # [1, H] -> [H], as llama.cpp's converter stores it
-        _add(writer, f"{target}.{suffix}", array, "F32")
+        _add(writer, f"{target}.{suffix}", array,
+             projection_type if is_projection(name) else "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def is_projection(name: str) -> bool:
+    """A linear layer's weight other than the routed experts' and the routers'."""
+    return name == "lm_head.weight" or (name.endswith(_PROJECTIONS) and not _EXPERT.match(name))
 
 
 def _add_metadata(writer, config: dict) -> None:
@@ -121,18 +130,20 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_dequantized_reference(model_dir: Path, out_dir: Path,
-                                expert_types: dict[str, str]) -> Path:
-    """``model_dir`` with each expert tensor replaced by what the ``gguf`` library's
-    dequantizer returns for it in ``expert_types``: the model a GGUF with those expert types
-    holds, for transformers to load."""
+def write_dequantized_reference(model_dir: Path, out_dir: Path, expert_types: dict[str, str],
+                                projection_type: str = "F32") -> Path:
+    """``model_dir`` with each tensor that ``write_moe_gguf`` quantizes with these types
+    replaced by what the ``gguf`` library's dequantizer returns for it: the model such a GGUF
+    holds, for transformers to load. (Quantization runs along rows, so llama.cpp's Q/K row
+    permutation does not change the values.)"""
     import gguf
 
     shutil.copytree(model_dir, out_dir)
     tensors = load_file(str(model_dir / "model.safetensors"))
     for name, array in tensors.items():
         match = _EXPERT.match(name)
-        kind = expert_types.get(_PART[match["part"]], "F32") if match else "F32"
+        kind = expert_types.get(_PART[match["part"]], "F32") if match else \
+            projection_type if is_projection(name) else "F32"
         if kind != "F32":
             quant = gguf.GGMLQuantizationType[kind]
             tensors[name] = np.ascontiguousarray(
