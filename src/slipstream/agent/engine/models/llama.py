@@ -129,8 +129,8 @@ def _fuse_attention(attn: LlamaAttention) -> bool:
     parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
     if not all(type(p) is nn.Linear for p in parts):  # quantized (a GGUF's blocks)
         attn.qkv_fused = fuse_quantized(parts)
-        if attn.qkv_fused is not None:
-            attn.q_proj = attn.k_proj = attn.v_proj = None
+        for name in ("q_proj", "k_proj", "v_proj") if attn.qkv_fused is not None else ():
+            setattr(attn, name, None)
         return attn.qkv_fused is not None
     biases = [p.bias is not None for p in parts]
     if any(biases) and not all(biases):
