@@ -32,11 +32,13 @@ _DENSE = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj":
 
 
 def write_moe_gguf(model_dir: Path, path: Path, expert_types: dict[str, str] | None = None,
-                   per_expert: bool = False, projection_type: str = "F32") -> Path:
+                   per_expert: bool = False, projection_type: str = "F32",
+                   widths_in_metadata: bool = True, extra_metadata=None) -> Path:
     """``expert_types``: GGML type per expert part ("gate", "up", "down"; F32 if absent);
     ``per_expert``: one tensor per expert (llama.cpp's Mixtral files before stacking);
     ``projection_type``: the GGML type of the other projections (attention, dense and shared
-    MLPs) and the LM head."""
+    MLPs) and the LM head; ``widths_in_metadata=False`` leaves out the experts' widths (as
+    older converters did); ``extra_metadata(writer)`` adds keys."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -45,7 +47,9 @@ def write_moe_gguf(model_dir: Path, path: Path, expert_types: dict[str, str] | N
     arch_enum = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
-    _add_metadata(writer, config)
+    _add_metadata(writer, config, widths_in_metadata)
+    if extra_metadata is not None:
+        extra_metadata(writer)
     add_tokenizer(writer, model_dir, config)
     experts = config.get("num_local_experts") or config["num_experts"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -90,7 +94,7 @@ def is_projection(name: str) -> bool:
     return name == "lm_head.weight" or (name.endswith(_PROJECTIONS) and not _EXPERT.match(name))
 
 
-def _add_metadata(writer, config: dict) -> None:
+def _add_metadata(writer, config: dict, widths: bool) -> None:
     model_type = config["model_type"]
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -105,9 +109,9 @@ def _add_metadata(writer, config: dict) -> None:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_expert_count(config.get("num_local_experts") or config["num_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe") and widths:
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    if model_type == "qwen2_moe":
+    if model_type == "qwen2_moe" and widths:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if model_type == "olmoe" and config.get("clip_qkv"):
         writer.add_clamp_kqv(config["clip_qkv"])

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.models.gguf_model import convert
+from slipstream.agent.engine.models.gguf_model import GGUFError, convert
 from slipstream.agent.engine.models.gguf_weights import read_gguf_weights
 from slipstream.agent.engine.models.tiny_moe import FAMILIES
 from slipstream.agent.engine.step.model_runner import ModelRunner
@@ -144,3 +144,21 @@ def test_quantized_projections_stay_quantized_beside_float_experts(family, moe_m
         kl = (p.exp() * (p - q)).sum(-1)
         assert float(kl.mean()) < 1e-3, kl  # measured: 1e-5 to 3e-5
         assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_widths_missing_from_the_metadata_come_from_the_tensors(moe_model_dirs, tmp_path):
+    source = moe_model_dirs["qwen2_moe"]
+    gguf_file = write_moe_gguf(source, tmp_path / "qwen2_moe.gguf", widths_in_metadata=False)
+    converted = convert(gguf_file, tmp_path / "hf", weights=False)
+    ours, original = ModelConfig.from_dir(converted).moe, ModelConfig.from_dir(source).moe
+    assert ours == original and ours is not None and ours.shared_expert_intermediate_size > 0
+
+
+def test_a_router_other_than_softmax_is_refused_in_one_line(moe_model_dirs, tmp_path):
+    import gguf
+
+    gguf_file = write_moe_gguf(
+        moe_model_dirs["qwen3_moe"], tmp_path / "qwen3_moe.gguf",
+        extra_metadata=lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID))
+    with pytest.raises(GGUFError, match=r"gating function 2 \(not softmax\) is not supported"):
+        convert(gguf_file, tmp_path / "hf", weights=False)
