@@ -162,3 +162,24 @@ def test_a_router_other_than_softmax_is_refused_in_one_line(moe_model_dirs, tmp_
         extra_metadata=lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID))
     with pytest.raises(GGUFError, match=r"gating function 2 \(not softmax\) is not supported"):
         convert(gguf_file, tmp_path / "hf", weights=False)
+
+
+def test_expert_parallel_serves_the_converted_file_not_its_blocks(moe_model_dirs, tmp_path):
+    """``--ep 2`` runs a GGUF dequantized (``--quantization none``: the converted directory)
+    with exactly one process's tokens; on the file's blocks it is refused in one line."""
+    from slipstream.agent.engine.parallel_config import ParallelConfig
+    from slipstream.agent.parallel.compose import build_engine
+
+    gguf_file = write_moe_gguf(moe_model_dirs["mixtral"], tmp_path / "mixtral.gguf")
+    with pytest.raises(ValueError, match=r"--ep 2: quantized weights .* --quantization none"):
+        EngineConfig(model_dir=tmp_path, gguf_file=gguf_file, parallel=ParallelConfig(ep=2))
+    converted = convert(gguf_file, tmp_path / "hf")
+    outputs = []
+    for parallel in (ParallelConfig(), ParallelConfig(ep=2)):
+        engine = build_engine(EngineConfig(model_dir=converted, device="cpu", num_kv_blocks=64,
+                                           parallel=parallel))
+        try:
+            outputs.append(engine.generate(PROMPTS, GREEDY))
+        finally:
+            engine.close()
+    assert outputs[0] == outputs[1]
