@@ -27,8 +27,9 @@ dequantized to float32, tensor by tensor, and the warning names how many bytes t
 the file.
 
 Experts stay quantized in llama.cpp; here they run as float matmuls (``models/moe.py``
-``GroupedExperts``), so a Q4_K Mixtral holds its experts at 4 (bfloat16) or 8 (float32) times
-the file's bytes. Each layer's gate and up stacks are fused as they arrive (``gguf_moe.py``).
+``GroupedExperts``), so a Q4_K Mixtral (4.5 bits a weight) holds its experts at 3.6 (bfloat16)
+or 7.1 (float32) times the file's bytes. Each layer's gate and up stacks are fused as they
+arrive (``gguf_moe.py``).
 
 The Q/K rows that llama.cpp's converter permuted for its RoPE layout are put back here too;
 the permutation moves whole rows, so it applies to values and per-row scales alike.
@@ -186,12 +187,12 @@ def _read_tensors(path: Path, config: dict[str, Any], float_dtype: torch.dtype
         yield target, weight
     del reader  # releases the file mapping: nothing above keeps a view of it
     if experts:
-        dtype_name = str(float_dtype).removeprefix("torch.")
+        counts = " + ".join(f"{count} {kind}" for kind, (count, _, _) in sorted(experts.items()))
         log.warning("GGUF %s: %s mixture-of-experts tensors (experts, routers) are dequantized "
                     "to %s at load, as Slipstream's experts run in float: %.1f MB in memory "
-                    "instead of %.1f MB in the file", path.name,
-                    " + ".join(f"{count} {kind}" for kind, (count, _, _) in sorted(experts.items())),
-                    dtype_name, sum(entry[2] for entry in experts.values()) / 1e6,
+                    "instead of %.1f MB in the file", path.name, counts,
+                    str(float_dtype).removeprefix("torch."),
+                    sum(entry[2] for entry in experts.values()) / 1e6,
                     sum(entry[1] for entry in experts.values()) / 1e6)
     for kind, (count, file_bytes, float_bytes) in sorted(fallback.items()):
         log.warning("GGUF %s: %d %s tensor(s) have no quantized kernel in Slipstream and are "
