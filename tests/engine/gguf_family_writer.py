@@ -50,7 +50,7 @@ def write_family_gguf(model_dir: Path, path: Path) -> Path:
         writer.add_sliding_window_pattern([kind == "sliding_attention"
                                            for kind in config["layer_types"]])
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    _add_tokenizer(writer, model_dir, config)
+    add_tokenizer(writer, model_dir, config)
     for name, array in load_file(str(model_dir / "model.safetensors")).items():
         base, suffix = name.rsplit(".", 1)
         target = names.get_name(base)
@@ -65,7 +65,7 @@ def write_family_gguf(model_dir: Path, path: Path) -> Path:
     return path
 
 
-def _add_tokenizer(writer, model_dir: Path, config: dict) -> None:
+def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = dict(tokenizer["model"]["vocab"])
     special = set()

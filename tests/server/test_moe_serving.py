@@ -1,6 +1,7 @@
 """Mixture-of-experts models served end to end: ``slipstream serve`` on a small random
 Mixtral and Qwen3-MoE (written by transformers' own classes), asked through the official
-``openai`` client, answers with transformers' greedy ``generate`` tokens; ``--ep 2`` too."""
+``openai`` client, answers with transformers' greedy ``generate`` tokens; ``--ep 2`` too, and
+the Mixtral written as a GGUF file and served from it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from slipstream.agent.engine.models.tiny_moe import write_tiny_moe
 from slipstream.agent.engine.tokenizer import Tokenizer
+from tests.engine.gguf_moe_writer import write_moe_gguf
 
 from .conftest import serve
 
@@ -27,13 +29,17 @@ def transformers_greedy(model_dir, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("family,flags", [("mixtral", ()), ("qwen3_moe", ()),
-                                          ("mixtral", ("--ep", "2"))],
-                         ids=["mixtral", "qwen3_moe", "mixtral-ep2"])
+                                          ("mixtral", ("--ep", "2")), ("mixtral", ("gguf",))],
+                         ids=["mixtral", "qwen3_moe", "mixtral-ep2", "mixtral-gguf"])
 def test_served_greedy_output_equals_transformers_generate(tmp_path, family, flags):
     model_dir = write_tiny_moe(tmp_path / family, family)
     expected = [transformers_greedy(model_dir, prompt) for prompt in PROMPTS]
     tokenizer = Tokenizer.from_dir(model_dir)
-    with serve(model_dir, tmp_path, *flags) as server:
+    served, env = model_dir, None
+    if flags == ("gguf",):  # `slipstream serve --model FILE.gguf`, its tensors from the file
+        served = write_moe_gguf(model_dir, tmp_path / "mixtral.gguf")
+        flags, env = (), {"SLIPSTREAM_CACHE_DIR": str(tmp_path / "cache")}
+    with serve(served, tmp_path, *flags, env=env) as server:
         client = server.openai_client()
         for prompt, tokens in zip(PROMPTS, expected):
             completion = client.completions.create(
@@ -44,3 +50,6 @@ def test_served_greedy_output_equals_transformers_generate(tmp_path, family, fla
             # Token by token: the logprobs name each sampled token by its text.
             assert choice.logprobs.tokens == [tokenizer.token_text(t) for t in tokens]
             assert choice.text == tokenizer.decode(tokens)
+    if env is not None:  # the cache holds the file's config and tokenizer, no float copy
+        assert list((tmp_path / "cache").rglob("config.json"))
+        assert not list((tmp_path / "cache").rglob("*.safetensors"))

@@ -325,6 +325,10 @@ class EngineConfig:
         if quantized and self.parallel.tp > 1:
             raise ValueError(f"--tp {self.parallel.tp}: quantized weights run without tensor "
                              "parallelism for now (--tp 1, or --quantization none)")
+        if quantized and self.parallel.ep > 1:
+            raise ValueError(f"--ep {self.parallel.ep}: quantized weights (a GGUF's blocks) run "
+                             "without expert parallelism for now (--ep 1, or --quantization "
+                             "none)")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format}")
         if self.short_prefill_graphs and not self.parallel.is_single_process:

@@ -1,5 +1,6 @@
 """What differs between the GGUF architectures Slipstream reads: llama, qwen2, qwen3, gemma2,
-gemma3 (dense text models).
+gemma3 (dense text models), and the mixture-of-experts ones (Mixtral as llama with experts,
+qwen2moe, qwen3moe, olmoe: their fields and tensors are in ``gguf_moe.py``).
 
     gguf_model.hf_config   general.architecture + "{arch}.*" metadata -> config.json fields
                            (family_fields adds each family's own)
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from slipstream.agent.engine.models.gguf_moe import (MOE_ARCHITECTURES, GGUFMoEError,
+                                                     expert_tensor_name, moe_fields,
+                                                     moe_layer_tensors, moe_model_type)
+
 # GGUF architecture -> (model_type, class name) of the config.json written for it.
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -23,6 +28,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    **MOE_ARCHITECTURES,
 }
 
 _LLAMA_LAYER = {
@@ -39,7 +45,11 @@ LAYER_TENSORS: dict[str, dict[str, str]] = {
     "llama": _LLAMA_LAYER, "mistral": _LLAMA_LAYER, "qwen2": _LLAMA_LAYER,
     "qwen3": {**_LLAMA_LAYER, **_QK_NORM},
     "gemma2": _GEMMA_LAYER, "gemma3_text": {**_GEMMA_LAYER, **_QK_NORM},
+    "mixtral": moe_layer_tensors(_LLAMA_LAYER), "qwen2_moe": moe_layer_tensors(_LLAMA_LAYER),
+    "qwen3_moe": moe_layer_tensors({**_LLAMA_LAYER, **_QK_NORM}),
+    "olmoe": moe_layer_tensors({**_LLAMA_LAYER, **_QK_NORM}),
 }
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # llama.cpp's Gemma graphs use 1/sqrt(hidden / heads) as the attention scale for the 27B
@@ -53,15 +63,22 @@ class GGUFArchitectureError(ValueError):
     pass
 
 
-def family_fields(arch: str, key: Any, metadata: dict[str, Any]) -> dict[str, Any]:
+def family_fields(arch: str, key: Any, metadata: dict[str, Any],
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """config.json fields of ``arch`` beyond Llama's; ``key(name, default)`` reads
-    ``{arch}.{name}`` from the metadata (raising when absent without a default)."""
+    ``{arch}.{name}`` from the metadata (raising when absent without a default); ``shapes``:
+    the tensors' shapes by GGUF name (which layers hold experts)."""
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFArchitectureError(f"GGUF architecture {arch!r} is not supported yet; "
                                     f"supported: {', '.join(GGUF_ARCHITECTURES)}")
-    model_type, class_name = GGUF_ARCHITECTURES[arch]
+    model_type, class_name = moe_model_type(arch, metadata) or GGUF_ARCHITECTURES[arch]
     fields: dict[str, Any] = {"architectures": [class_name], "model_type": model_type,
-                              "attention_bias": arch == "qwen2"}
+                              "attention_bias": arch in ("qwen2", "qwen2moe")}
+    if model_type in _MOE_TYPES:
+        try:
+            return {**fields, **moe_fields(arch, key, metadata, shapes or {})}
+        except GGUFMoEError as error:
+            raise GGUFArchitectureError(str(error)) from None
     if not arch.startswith("gemma"):
         return fields
     hidden, heads = key("embedding_length"), key("attention.head_count")
@@ -109,6 +126,13 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     layer_tensors = LAYER_TENSORS[model_type]
     if name.startswith("blk."):
         _, layer, kind, suffix = name.split(".", 3)
+        if model_type in _MOE_TYPES:
+            try:
+                expert = expert_tensor_name(layer, kind, suffix)
+            except GGUFMoEError as error:
+                raise GGUFArchitectureError(str(error)) from None
+            if expert is not None:
+                return expert
         if kind not in layer_tensors:
             raise GGUFArchitectureError(f"unexpected tensor {name!r} in a {model_type} GGUF")
         return f"model.layers.{layer}.{layer_tensors[kind]}.{suffix}"
@@ -126,8 +150,9 @@ def norm_weight_offset(name: str, model_type: str) -> float:
 def rope_rows_permuted(name: str, model_type: str) -> str | None:
     """Which head count un-permutes this tensor's rows ("num_attention_heads" for Q,
     "num_key_value_heads" for K), or None: llama.cpp permutes only the llama
-    architecture's Q/K weights (the others use its NeoX RoPE layout, as transformers)."""
-    if model_type not in ("llama", "mistral"):
+    architecture's Q/K weights, Mixtral's included (the others use its NeoX RoPE layout, as
+    transformers)."""
+    if model_type not in ("llama", "mistral", "mixtral"):
         return None
     if name.endswith("attn_q.weight"):
         return "num_attention_heads"

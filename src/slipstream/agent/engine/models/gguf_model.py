@@ -14,7 +14,8 @@ metadata names follow llama.cpp's ``convert_hf_to_gguf.py`` and ``gguf-py`` cons
 transformers' own GGUF loader does the same reversal, and the tests compare the two.
 
 Supported: ``general.architecture`` llama, qwen2, qwen3, gemma2 and gemma3 (what differs
-between them is in ``gguf_archs.py``) with a ``gpt2`` (byte-level BPE) vocabulary.
+between them is in ``gguf_archs.py``), and the mixture-of-experts llama (Mixtral), qwen2moe,
+qwen3moe and olmoe (``gguf_moe.py``), with a ``gpt2`` (byte-level BPE) vocabulary.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 from slipstream.agent.engine.models.gguf_archs import (GGUFArchitectureError, family_fields,
                                                 hf_tensor_name, norm_weight_offset,
                                                 rope_rows_permuted)
+from slipstream.agent.engine.models.gguf_moe import (GGUFMoEError, fuse_expert_stacks,
+                                                     model_shape)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,10 @@ def read_metadata(reader: Any) -> dict[str, Any]:
             if not name.startswith("GGUF.")}
 
 
-def hf_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
+def hf_config(metadata: dict[str, Any], tied: bool,
+              shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """config.json for the file's metadata; ``shapes`` (each tensor's Hugging Face-order
+    shape by GGUF name, ``tensor_shapes``) tells a mixture of experts' sparse layers."""
     import numpy as np
 
     arch = metadata.get("general.architecture")
@@ -88,7 +94,7 @@ def hf_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     try:
-        family = family_fields(str(arch), key, metadata)
+        family = family_fields(str(arch), key, metadata, shapes)
     except GGUFArchitectureError as error:
         raise GGUFError(str(error)) from None
     config: dict[str, Any] = {
@@ -130,24 +136,39 @@ def gguf_tensor_name(name: str, config: dict[str, Any]) -> str:
         raise GGUFError(str(error)) from None
 
 
+def tensor_shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in Hugging Face (row-major) order, by GGUF name."""
+    return {tensor.name: tuple(int(dim) for dim in reversed(tensor.shape))
+            for tensor in reader.tensors}
+
+
 def hf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """The model's tensors under Hugging Face names, dequantized to float32 numpy arrays."""
+    """The model's tensors under Hugging Face names, dequantized to float32 numpy arrays
+    (a mixture of experts' gate and up stacks fused, as ``models/moe.py`` holds them)."""
+    import numpy as np
+
+    try:
+        return dict(fuse_expert_stacks(_float_tensors(reader, config),
+                                       lambda gate, up: np.concatenate([gate, up], axis=1)))
+    except GGUFMoEError as error:
+        raise GGUFError(str(error)) from None
+
+
+def _float_tensors(reader: Any, config: dict[str, Any]) -> Any:
     import numpy as np
     from gguf import dequantize
 
-    tensors: dict[str, Any] = {}
     for tensor in reader.tensors:
         name = tensor.name
         target = gguf_tensor_name(name, config)
-        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        shape = model_shape(name, tuple(int(dim) for dim in reversed(tensor.shape)))
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(shape)
         heads = rope_rows_permuted(name, config.get("model_type", "llama"))
         if heads is not None:
             weight = unpermute_rope_rows(weight, config[heads])
         weight = weight - norm_weight_offset(name, config.get("model_type", "llama"))
-        tensors[target] = np.array(weight, dtype=np.float32, order="C")  # a writable copy
-    return tensors
+        yield target, np.array(weight, dtype=np.float32, order="C")  # a writable copy
 
 
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
@@ -222,7 +243,7 @@ def convert(gguf_path: str | Path, out_dir: str | Path, weights: bool = True) ->
     reader = GGUFReader(str(gguf_path))
     metadata = read_metadata(reader)
     tied = not any(tensor.name == "output.weight" for tensor in reader.tensors)
-    config = hf_config(metadata, tied)
+    config = hf_config(metadata, tied, tensor_shapes(reader))
     backend = build_tokenizer(metadata)
     out_dir.mkdir(parents=True, exist_ok=True)
     if weights:

@@ -6,6 +6,8 @@
         Q8_0 blocks        -> Int8GroupWeight, group 32 (the block's values and scale)
         F32, F16, BF16     -> float tensors (norms)
         anything else      -> float32 through the gguf library, with one warning naming the cost
+        mixture-of-experts experts, routers, shared-expert gates, whatever their type
+                           -> the serving float dtype, with one warning naming the cost
 
 Q4_1 stores 32 weights as ``d * q + m`` (``d``, ``m`` float16, ``q`` 4 bits): our int4 group
 32 with scale ``d`` and minimum ``m``, bit for bit. Q4_0 is ``d * (q - 8)``: minimum ``-8 d``.
@@ -24,6 +26,11 @@ block types (Q5_0, Q5_1, IQ...) need more than 4 bits or have no format here: th
 dequantized to float32, tensor by tensor, and the warning names how many bytes that costs over
 the file.
 
+Experts stay quantized in llama.cpp; here they run as float matmuls (``models/moe.py``
+``GroupedExperts``), so a Q4_K Mixtral (4.5 bits a weight) holds its experts at 3.6 (bfloat16)
+or 7.1 (float32) times the file's bytes. Each layer's gate and up stacks are fused as they
+arrive (``gguf_moe.py``).
+
 The Q/K rows that llama.cpp's converter permuted for its RoPE layout are put back here too;
 the permutation moves whole rows, so it applies to values and per-row scales alike.
 """
@@ -40,6 +47,7 @@ import torch
 
 from slipstream.agent.engine.models.gguf_archs import norm_weight_offset, rope_rows_permuted
 from slipstream.agent.engine.models.gguf_model import gguf_tensor_name, unpermute_rope_rows
+from slipstream.agent.engine.models.gguf_moe import fuse_expert_stacks, kept_float, model_shape
 from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8GroupWeight,
                                                            QuantizedWeight, pack_nibbles)
 
@@ -122,21 +130,38 @@ def _unpermute(weight: QuantizedWeight | torch.Tensor, heads: int
     raise TypeError(f"unexpected {type(weight).__name__} in a GGUF")
 
 
-def read_gguf_weights(path: Path, config: dict[str, Any]
+def read_gguf_weights(path: Path, config: dict[str, Any], float_dtype: torch.dtype = torch.float32
                       ) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
     """Each tensor of the file under its Hugging Face name: quantized where Slipstream has a
-    format for its blocks, float otherwise. ``config``: the converted ``config.json``."""
+    format for its blocks, float otherwise. ``config``: the converted ``config.json``;
+    ``float_dtype``: the dtype the model is served in (mixture-of-experts tensors are cast to
+    it here, and the warning counts their bytes in it)."""
+    return fuse_expert_stacks(_read_tensors(path, config, float_dtype),
+                              lambda gate, up: torch.cat([gate, up], dim=1))
+
+
+def _read_tensors(path: Path, config: dict[str, Any], float_dtype: torch.dtype
+                  ) -> Iterator[tuple[str, QuantizedWeight | torch.Tensor]]:
     from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(str(path))
     fallback: dict[str, list[int]] = {}  # type -> [tensors, file bytes, float32 bytes]
+    experts: dict[str, list[int]] = {}  # type -> [tensors, file bytes, float_dtype bytes]
     for tensor in reader.tensors:
         target = gguf_tensor_name(tensor.name, config)
         kind = tensor.tensor_type.name
-        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        shape = model_shape(tensor.name, tuple(int(dim) for dim in reversed(tensor.shape)))
         rows = shape[0]
         weight: QuantizedWeight | torch.Tensor
-        if kind in _INT4_TYPES:
+        if kept_float(tensor.name):
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            weight = torch.from_numpy(np.array(array.reshape(shape))).to(float_dtype)
+            if kind not in _FLOAT_TYPES:
+                entry = experts.setdefault(kind, [0, 0, 0])
+                entry[0] += 1
+                entry[1] += int(tensor.n_bytes)
+                entry[2] += weight.numel() * weight.element_size()
+        elif kind in _INT4_TYPES:
             weight = _int4_from_blocks(np.asarray(tensor.data).reshape(-1, _BLOCK_BYTES[kind]),
                                        rows, kind)
         elif kind == "Q4_K":
@@ -161,6 +186,14 @@ def read_gguf_weights(path: Path, config: dict[str, Any]
             weight = weight - offset
         yield target, weight
     del reader  # releases the file mapping: nothing above keeps a view of it
+    if experts:
+        counts = " + ".join(f"{count} {kind}" for kind, (count, _, _) in sorted(experts.items()))
+        log.warning("GGUF %s: %s mixture-of-experts tensors (experts, routers) are dequantized "
+                    "to %s at load, as Slipstream's experts run in float: %.1f MB in memory "
+                    "instead of %.1f MB in the file", path.name, counts,
+                    str(float_dtype).removeprefix("torch."),
+                    sum(entry[2] for entry in experts.values()) / 1e6,
+                    sum(entry[1] for entry in experts.values()) / 1e6)
     for kind, (count, file_bytes, float_bytes) in sorted(fallback.items()):
         log.warning("GGUF %s: %d %s tensor(s) have no quantized kernel in Slipstream and are "
                     "dequantized to float32: %.1f MB in memory instead of %.1f MB in the file",

@@ -127,8 +127,13 @@ def fuse_projections(model: LlamaForCausalLM) -> int:
 
 def _fuse_attention(attn: LlamaAttention) -> bool:
     parts: list[nn.Module] = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if not all(type(p) is nn.Linear for p in parts):  # quantized (a GGUF's blocks)
+        attn.qkv_fused = fuse_quantized(parts)
+        for name in ("q_proj", "k_proj", "v_proj") if attn.qkv_fused is not None else ():
+            setattr(attn, name, None)
+        return attn.qkv_fused is not None
     biases = [p.bias is not None for p in parts]
-    if not all(type(p) is nn.Linear for p in parts) or (any(biases) and not all(biases)):
+    if any(biases) and not all(biases):
         return False
     attn.qkv_weight = _concatenate_rows(parts, "weight")
     attn.qkv_bias = _concatenate_rows(parts, "bias") if all(biases) else None

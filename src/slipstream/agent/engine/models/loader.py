@@ -92,7 +92,8 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     if weights.quantized and layers is not None and not isinstance(layers, LocalLayers):
         raise QuantizationError(f"{weights.describe(model_dir)} weights run without tensor "
                                 "parallelism only for now: serve them with --tp 1")
-    if weights.quantized and config.moe is not None:
+    if weights.quantized and weights.resolved != "gguf" and config.moe is not None:
+        # A GGUF's experts are dequantized as they are read (gguf_weights.py says the cost).
         raise QuantizationError(f"{config.architecture}: quantized mixture-of-experts weights "
                                 "are not supported yet (--quantization none)")
     with torch.device("meta"):
@@ -211,7 +212,7 @@ def _checkpoint_tensors(model_dir: Path, load_format: str, weights: WeightSource
         if weights.gguf_file is None:
             raise ValueError("gguf weights need the GGUF file")
         raw = json.loads((model_dir / "config.json").read_text())
-        for name, tensor in read_gguf_weights(weights.gguf_file, raw):
+        for name, tensor in read_gguf_weights(weights.gguf_file, raw, dtype):
             yield weights.gguf_file.name, name, tensor
         return
     if load_format == "dummy":
