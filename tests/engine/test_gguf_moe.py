@@ -183,3 +183,18 @@ def test_expert_parallel_serves_the_converted_file_not_its_blocks(moe_model_dirs
         finally:
             engine.close()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("parallel", [{"spp": 2}, {"kvp": 2}])
+def test_worker_parallelism_refuses_a_gguf_s_blocks_in_one_line(moe_model_dirs, tmp_path,
+                                                                parallel):
+    """``--spp``/``--kvp`` workers read safetensors, so a GGUF served as its own blocks is
+    refused at start-up with the way out, not deep in the workers' loader."""
+    from slipstream.agent.engine.parallel_config import ParallelConfig
+
+    gguf_file = write_moe_gguf(moe_model_dirs["mixtral"], tmp_path / "mixtral.gguf")
+    with pytest.raises(ValueError, match=r"single process .* --quantization none"):
+        EngineConfig(model_dir=tmp_path, gguf_file=gguf_file,
+                     parallel=ParallelConfig(**parallel))
+    EngineConfig(model_dir=tmp_path, gguf_file=gguf_file, quantization="none",
+                 parallel=ParallelConfig(**parallel))

@@ -329,6 +329,11 @@ class EngineConfig:
             raise ValueError(f"--ep {self.parallel.ep}: quantized weights (a GGUF's blocks) run "
                              "without expert parallelism for now (--ep 1, or --quantization "
                              "none)")
+        gguf_blocks = self.quantization == "auto" and self.gguf_file is not None
+        if gguf_blocks and not self.parallel.is_single_process:
+            raise ValueError("a GGUF's own blocks are served by a single process for now: "
+                             "--spp/--kvp workers read safetensors (add --quantization none "
+                             "to convert the file to float first)")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format}")
         if self.short_prefill_graphs and not self.parallel.is_single_process:
