@@ -119,7 +119,7 @@ def test_other_group_sizes_are_refused_with_what_to_do():
     weight, _ = random_int4(torch.Generator().manual_seed(4), 16, 128, False)
     wide = Int4Weight(weight.packed, weight.scale[:, ::2].contiguous(),
                       weight.minimum[:, ::2].contiguous(), 64)
-    with pytest.raises(WeightFormatError, match="--gguf-activations bf16"):
+    with pytest.raises(WeightFormatError, match="use gguf_activations bf16"):
         Q8BlockProduct(wide)
 
 

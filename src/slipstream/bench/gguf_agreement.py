@@ -7,6 +7,8 @@
            greedy, ``ignore_eos``
         -> per prompt: how many of the new tokens are equal position by position, and the
            first position where they differ (None: all equal)
+        -> teacher-forced: Slipstream's argmax after each prefix of llama.cpp's own
+           continuation, the share equal to llama.cpp's next token (no divergence to inherit)
 
 Both engines read the same 4-bit weights but do not add the same way: llama.cpp multiplies
 Q4_1 blocks with activations it quantizes to 8 bits per block (Q8_1); Slipstream's kernel
@@ -90,6 +92,35 @@ def slipstream_greedy(model_dir: Path, gguf: Path, prompts: list[list[int]],
         engine.close()
 
 
+def teacher_forced_share(model_dir: Path, gguf: Path, prompts: list[list[int]],
+                         theirs: list[list[int]], activations: str = "bf16") -> float:
+    """The share of llama.cpp's new tokens that Slipstream's greedy choice matches when fed
+    llama.cpp's continuation so far: one prefill per prompt, every position's argmax."""
+    import torch
+
+    from slipstream.agent.engine.config import EngineConfig, ModelConfig
+    from slipstream.agent.engine.step.model_runner import ModelRunner
+    from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+    from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+
+    longest = max(len(ids) + len(new) for ids, new in zip(prompts, theirs))
+    blocks = -(-longest // BLOCK_SIZE)
+    runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
+                                      gguf_file=gguf, gguf_activations=activations,
+                                      cuda_graphs=False), ModelConfig.from_dir(model_dir))
+    equal = total = 0
+    for ids, new in zip(prompts, theirs):
+        tokens = ids + new
+        chunk = ScheduledChunk("forced", tuple(tokens), 0,
+                               tuple(range(-(-len(tokens) // BLOCK_SIZE))), True)
+        with torch.inference_mode():
+            logits = runner.compute_logits(Batch(chunks=(chunk,)))
+        choices = logits[len(ids) - 1:len(tokens) - 1].argmax(-1).tolist()
+        equal += sum(a == b for a, b in zip(choices, new))
+        total += len(new)
+    return equal / total
+
+
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
                 None if len(ours) == len(theirs) else min(len(ours), len(theirs)))
@@ -120,7 +151,10 @@ def agreement(gguf: Path, new_tokens: int, threads: int, log: Path,
     first = runs[activations[0]]
     return {"model": gguf.name, "prompts": len(prompts), "new_tokens": new_tokens,
             "gguf_activations": activations[0], **compare(first, theirs),
-            "by_activations": {name: {**compare(ours, theirs), "slipstream": ours}
+            "by_activations": {name: {**compare(ours, theirs),
+                                      "teacher_forced_share": teacher_forced_share(
+                                          model_dir, gguf, prompts, theirs, name),
+                                      "slipstream": ours}
                                for name, ours in runs.items()},
             "slipstream": first, "llama_cpp": theirs}
 

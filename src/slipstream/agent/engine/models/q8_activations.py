@@ -1,5 +1,5 @@
 """llama.cpp's arithmetic for GGUF blocks served as stored: activations quantized to 8 bits per
-block of 32 before the product (``--gguf-activations q8``).
+block of 32 before the product (``EngineConfig.gguf_activations = "q8"``).
 
     a projection's input rows (float32)
         --quantize_q8_blocks--> per block of 32: int8 values q, scale d (float16), and for
@@ -42,7 +42,6 @@ from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8Group
 
 BLOCK = 32  # QK8_0 = QK8_1: values per activation block
 Q8_MAX = 127.0
-GGUF_ACTIVATIONS = ("bf16", "q8")
 
 
 def round_half_away(values: torch.Tensor) -> torch.Tensor:
@@ -92,8 +91,8 @@ class Q8BlockProduct:
     def __init__(self, weight: QuantizedWeight) -> None:
         if not isinstance(weight, (Int4Weight, Int8GroupWeight)) or weight.group_size != BLOCK:
             raise WeightFormatError(
-                f"--gguf-activations q8 runs GGUF blocks of 32 (Q4_0, Q4_1, Q4_K, Q8_0); "
-                f"this layer is {weight.describe()}: serve it with --gguf-activations bf16")
+                f"gguf_activations q8 runs GGUF blocks of 32 (Q4_0, Q4_1, Q4_K, Q8_0); "
+                f"this layer is {weight.describe()}: use gguf_activations bf16")
         out_features, in_features = weight.shape
         blocks = in_features // BLOCK
         self.minimum: torch.Tensor | None = None
