@@ -146,17 +146,15 @@ def agreement(gguf: Path, new_tokens: int, threads: int, log: Path,
     model_dir = cached_model_dir(gguf, slipstream_cache_dir(), weights=False)
     prompts = prompt_ids(model_dir)
     theirs = llamacpp_greedy(gguf, prompts, new_tokens, threads, log)
-    runs = {name: slipstream_greedy(model_dir, gguf, prompts, new_tokens, name)
-            for name in activations}
+    runs = {}
+    for name in activations:
+        ours = slipstream_greedy(model_dir, gguf, prompts, new_tokens, name)
+        runs[name] = {**compare(ours, theirs), "teacher_forced_share": teacher_forced_share(
+            model_dir, gguf, prompts, theirs, name), "slipstream": ours}
     first = runs[activations[0]]
     return {"model": gguf.name, "prompts": len(prompts), "new_tokens": new_tokens,
-            "gguf_activations": activations[0], **compare(first, theirs),
-            "by_activations": {name: {**compare(ours, theirs),
-                                      "teacher_forced_share": teacher_forced_share(
-                                          model_dir, gguf, prompts, theirs, name),
-                                      "slipstream": ours}
-                               for name, ours in runs.items()},
-            "slipstream": first, "llama_cpp": theirs}
+            "gguf_activations": activations[0], **first, "by_activations": runs,
+            "llama_cpp": theirs}
 
 
 def main(argv: list[str] | None = None) -> int:
