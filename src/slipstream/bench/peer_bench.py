@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         report["agreement"] = agreement(quantized, args.output_tokens, args.threads,
                                         logs / "agreement-llama.cpp.log")
         print(json.dumps({"agreement": {k: v for k, v in report["agreement"].items()
-                                        if k not in ("slipstream", "llama_cpp")}}))
+                                        if k not in ("slipstream", "llama_cpp",
+                                                     "by_activations")}}))
         _write_partial(args.out, report)
     summary: dict = {}
     for ours_name, label in (("slipstream (fp32)", "slipstream"),

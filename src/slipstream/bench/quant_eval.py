@@ -63,22 +63,23 @@ def text_tokens(model_dir: Path, max_tokens: int) -> list[int]:
 def log_probs(target: Target, weights: str, tokens: list[int], device: str,
               group_size: int) -> tuple[torch.Tensor, dict]:
     """Log-probabilities [tokens, vocab] of the model served as ``weights`` (none, int8, int4,
-    fp8, gguf), and facts about it (load time, weight bytes)."""
+    fp8, gguf, gguf-q8), and facts about it (load time, weight bytes)."""
     from slipstream.agent.engine.config import EngineConfig, ModelConfig
     from slipstream.agent.engine.step.model_runner import ModelRunner
     from slipstream.agent.engine.models.quant_kernels import weight_bytes
     from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
     from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 
-    from_file = weights == "gguf"
+    from_file = weights in ("gguf", "gguf-q8")
     if from_file and target.gguf_file is None:
-        raise ValueError("the gguf format needs a GGUF model (--model FILE.gguf)")
+        raise ValueError(f"the {weights} format needs a GGUF model (--model FILE.gguf)")
     model_dir = target.config_dir if from_file else target.float_dir
     blocks = -(-len(tokens) // BLOCK_SIZE)
     config = EngineConfig(model_dir=model_dir, device=device, num_kv_blocks=blocks,
                           quantization="auto" if from_file else weights,
                           quantization_group_size=group_size,
                           gguf_file=target.gguf_file if from_file else None,
+                          gguf_activations="q8" if weights == "gguf-q8" else "bf16",
                           cuda_graphs=False)
     started = time.monotonic()
     runner = ModelRunner(config, ModelConfig.from_dir(model_dir))
@@ -128,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose float reference is the file dequantized to float32")
     parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                         help="comma-separated: int8, int4, fp8 (quantized at load from the "
-                             "float model), gguf (the file's own blocks)")
+                             "float model), gguf (the file's own blocks), gguf-q8 (the same "
+                             "with llama.cpp's 8-bit activation blocks)")
     parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
                         help="int4's group size")
     parser.add_argument("--max-tokens", type=int, default=1024,

@@ -280,6 +280,10 @@ class EngineConfig:
     quantization_group_size: int = 64  # int4's group along the input (32, 64 or 128)
     # A GGUF file served quantized: model_dir then holds only its config and tokenizer.
     gguf_file: Path | None = None
+    # How a GGUF's blocks meet the activations: bf16 (the packed kernels) or q8 (llama.cpp's
+    # 8-bit activation blocks, a float32 GEMM; models/q8_activations.py). A measurement
+    # switch for the llama.cpp comparison, not a serve flag: it did not make tokens match.
+    gguf_activations: str = "bf16"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp x spp x kvp ranks
     # A profile directory (``slipstream profile``) turns on the time-budget packer; without
     # one the scheduler packs a plain token budget of max_batched_tokens.
@@ -322,6 +326,12 @@ class EngineConfig:
                              f"{self.quantization_group_size}")
         quantized = self.quantization in ("int8", "int4", "fp8") or (
             self.quantization == "auto" and self.gguf_file is not None)
+        if self.gguf_activations not in ("bf16", "q8"):
+            raise ValueError(f"gguf_activations must be bf16 or q8, got {self.gguf_activations}")
+        if self.gguf_activations == "q8" and not (self.gguf_file is not None
+                                                  and self.quantization == "auto"):
+            raise ValueError("gguf_activations q8 applies to a GGUF file served in its own "
+                             "blocks (gguf_file with quantization auto)")
         if quantized and self.parallel.tp > 1:
             raise ValueError(f"--tp {self.parallel.tp}: quantized weights run without tensor "
                              "parallelism for now (--tp 1, or --quantization none)")

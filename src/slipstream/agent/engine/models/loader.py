@@ -148,7 +148,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     model.model.rebuild_rotary(config, device)
     fuse_projections(model)
     if quantized:
-        counts = prepare_quantized(model, device)
+        counts = prepare_quantized(model, device, weights.activations)
         log.info("weights %s: %s", weights.describe(model_dir),
                  "; ".join(f"{count} x {name}" for name, count in sorted(counts.items())))
         release_freed_heap()
@@ -181,13 +181,15 @@ class WeightSource:
     resolved: str = "none"
     group_size: int = DEFAULT_GROUP_SIZE
     gguf_file: Path | None = None
+    activations: str = "bf16"  # bf16 | q8 (EngineConfig.gguf_activations)
 
     @property
     def quantized(self) -> bool:
         return self.resolved != "none"
 
     def describe(self, model_dir: Path) -> str:
-        return describe(self.resolved, model_dir, self.gguf_file, self.group_size)
+        text = describe(self.resolved, model_dir, self.gguf_file, self.group_size)
+        return text + "+q8-activations" if self.activations == "q8" else text
 
 
 def weight_source(config: EngineConfig) -> WeightSource:
@@ -195,7 +197,8 @@ def weight_source(config: EngineConfig) -> WeightSource:
     when they cannot be served)."""
     return WeightSource(resolve_quantization(config.quantization, config.model_dir,
                                              config.gguf_file),
-                        config.quantization_group_size, config.gguf_file)
+                        config.quantization_group_size, config.gguf_file,
+                        config.gguf_activations)
 
 
 def _checkpoint_tensors(model_dir: Path, load_format: str, weights: WeightSource,

@@ -19,8 +19,8 @@ Both packed kernels take bfloat16 activations: their float32 variants are not ve
 (a 49,152 x 576 LM head took 55 ms for one row against 0.4 ms in bf16), and float16 was 30-50x
 slower than bf16. So activations are rounded to bf16 at the kernel's input and its output is
 bf16; the model around it stays in its own dtype. torchao was not tried (its x86 CPU int4
-layout is understood to wrap the same ATen kernel; not checked here). The oneDNN path (``cpu_matmul.py``) stays for float32
-weights.
+layout is understood to wrap the same ATen kernel; not checked here). The oneDNN path
+(``cpu_matmul.py``) stays for float32 weights.
 
 Every kernel has static shapes and no host synchronisation, so decode steps that use it can be
 captured in CUDA graphs. A format with no kernel on the device raises ``WeightFormatError`` at
@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.agent.engine.models.q8_activations import Q8BlockProduct
 from slipstream.agent.engine.models.weight_formats import (FP8_MAX, Fp8Weight, Int4Weight,
+                                                          WeightFormatError,
                                                           Int8GroupWeight, Int8Weight,
                                                           QuantizedWeight,
                                                           concat_rows, reference_linear,
@@ -46,10 +48,6 @@ from slipstream.agent.engine.models.weight_formats import (FP8_MAX, Fp8Weight, I
 log = logging.getLogger(__name__)
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] -> [rows, out]
-
-
-class WeightFormatError(ValueError):
-    """A weight format this device cannot run; the message says what to do."""
 
 
 class Int4PackedCPU:
@@ -200,9 +198,13 @@ class TwoInt4Planes:
         return self.high(rows) + self.low(rows)
 
 
-def select_kernel(weight: QuantizedWeight, device: torch.device) -> Kernel:
+def select_kernel(weight: QuantizedWeight, device: torch.device,
+                  activations: str = "bf16") -> Kernel:
     """The kernel for ``weight`` on ``device`` (the table in the module docstring), built from
-    the weight already on the device; WeightFormatError where there is none."""
+    the weight already on the device; WeightFormatError where there is none. ``activations``
+    ``q8``: llama.cpp's 8-bit activation blocks instead (``q8_activations.py``)."""
+    if activations == "q8":
+        return Q8BlockProduct(weight)
     if device.type == "cpu":
         if isinstance(weight, Int4Weight):
             return Int4PackedCPU(weight)
@@ -258,7 +260,7 @@ class QuantLinear(nn.Module):
     def description(self) -> str:
         return self.quantized.describe() if self.quantized is not None else self.kernel_name
 
-    def prepare(self, device: torch.device) -> None:
+    def prepare(self, device: torch.device, activations: str = "bf16") -> None:
         if self.kernel is not None or self.quantized is None:
             return
         if self._shared_with:
@@ -266,7 +268,7 @@ class QuantLinear(nn.Module):
             weight = self._shared_with[0].weight_values
         else:
             weight = to_device(self.quantized, device)
-        kernel = select_kernel(weight, device)
+        kernel = select_kernel(weight, device, activations)
         self.kernel = kernel
         self.kernel_name = f"{weight.describe()}: {getattr(kernel, 'name', type(kernel).__name__)}"
         self.quantized = None  # what the kernel needs, it keeps
@@ -297,7 +299,8 @@ class QuantEmbedding(nn.Module):
         self.weight_values = weight
         self.dtype = dtype
 
-    def prepare(self, device: torch.device) -> None:
+    def prepare(self, device: torch.device, activations: str = "bf16") -> None:
+        """Lookups dequantize rows; there are no activations to quantize."""
         self.weight_values = to_device(self.weight_values, device)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -344,14 +347,15 @@ def fuse_quantized(parts: list[nn.Module]) -> QuantLinear | None:
     return QuantLinear(weight, bias)
 
 
-def prepare_quantized(model: nn.Module, device: torch.device) -> dict[str, int]:
-    """Pack every quantized layer of ``model`` for ``device``; returns how many layers run
-    each kernel (for the start-up log). Raises WeightFormatError for a format the device
-    cannot run."""
+def prepare_quantized(model: nn.Module, device: torch.device,
+                      activations: str = "bf16") -> dict[str, int]:
+    """Pack every quantized layer of ``model`` for ``device`` (``activations``: see
+    ``select_kernel``); returns how many layers run each kernel (for the start-up log).
+    Raises WeightFormatError for a format the device cannot run."""
     counts: dict[str, int] = {}
     for module in list(model.modules()):
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            module.prepare(device)
+            module.prepare(device, activations)
             name = module.kernel_name if isinstance(module, QuantLinear) \
                 else f"embedding from {module.weight_values.describe()} rows"
             counts[name] = counts.get(name, 0) + 1

@@ -184,6 +184,10 @@ class Fp8Weight:
         return "fp8-" + ("channel" if self.per_channel else "tensor")
 
 
+class WeightFormatError(ValueError):
+    """A weight format this device cannot run; the message says what to do."""
+
+
 QuantizedWeight = Int8Weight | Int8GroupWeight | Int4Weight | Fp8Weight
 
 
