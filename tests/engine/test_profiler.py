@@ -3,9 +3,11 @@ its engine-step calibration times real LLMEngine steps."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.profile.profiler import ProfileGrid, profile
+from slipstream.agent.engine.profile.profiler import ProfileGrid, calibration_batches, profile
 from slipstream.agent.engine.profile.step_calibration import (CalibrationLoad, StepTiming,
                                                               fit_host_overhead, time_engine_steps)
 from slipstream.agent.scheduler.predictor import RuntimePredictor
@@ -45,9 +47,17 @@ def test_engine_steps_are_timed_whole_and_cover_every_batch_size(tiny_model_dir)
     # Prompts fit one chunk: per wave, one prefill step and four decode steps.
     assert [t.sequences for t in timings] == [1] * 5 + [4] * 5
     assert all(t.step_ms > t.execute_ms > 0 for t in timings)
+    # Greedy, as the live steps it predicts: a temperature draw per row is not in the profile.
+    assert all(chunk.sampling.greedy for t in timings if t.batch is not None
+               for chunk in t.batch.chunks)
     fixed_ms, per_sequence_ms = fit_host_overhead(timings)
     assert fixed_ms >= 0 and per_sequence_ms >= 0
     assert fixed_ms + 4 * per_sequence_ms < max(t.step_ms for t in timings)
+
+
+def test_random_calibration_batches_sample_greedily():
+    batches = calibration_batches(np.random.default_rng(0), 8, 512)
+    assert all(chunk.sampling.greedy for batch in batches for chunk in batch.chunks)
 
 
 def test_host_fit_uses_the_time_outside_the_runner():

@@ -53,6 +53,7 @@ from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import (RuntimePredictor, model_floor_target_ms,
                                                   predict_batch_time_ms)
 from slipstream.agent.scheduler.profile_table import ProfileMeta, write_profile
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.kernels.attention import AttentionMetadata
 
 
@@ -184,6 +185,9 @@ class Profiler:
         return self._attention_ms([(kv - 1, 1) for kv in lengths])
 
 
+GREEDY = SamplingOptions(temperature=0.0)
+
+
 def calibration_batches(rng: np.random.Generator, count: int, max_kv: int) -> list[Batch]:
     """Random mixes of decodes and prefill chunks, laid out in disjoint KV blocks."""
     batches = []
@@ -197,7 +201,8 @@ def calibration_batches(rng: np.random.Generator, count: int, max_kv: int) -> li
             table = tuple(range(next_block, next_block + num_blocks))
             next_block += num_blocks
             chunks.append(ScheduledChunk(f"c{index}", tuple(rng.integers(10, 1000, query_len)
-                                                            .tolist()), kv_before, table, True))
+                                                            .tolist()), kv_before, table, True,
+                                         GREEDY))  # as the engine calibration samples
         batches.append(Batch(chunks=tuple(chunks)))
     return batches
 
