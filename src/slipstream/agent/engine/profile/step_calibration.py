@@ -74,9 +74,15 @@ class StepTiming:
         return self.step_ms - self.execute_ms
 
 
-def time_engine_steps(engine: LLMEngine, load: CalibrationLoad) -> list[StepTiming]:
-    """Run ``load`` to completion on ``engine`` and time every step that ran a batch."""
+def time_engine_steps(engine: LLMEngine, load: CalibrationLoad,
+                      tokens_salt: int = 0) -> list[StepTiming]:
+    """Run ``load`` to completion on ``engine`` and time every step that ran a batch.
+
+    The requests' lengths come from ``load.seed`` alone and their tokens also from
+    ``tokens_salt``: a run with another salt forms the same batches (the same shapes to warm
+    up) from prompts the prefix cache has not seen."""
     rng = np.random.default_rng(load.seed)
+    tokens_rng = np.random.default_rng([load.seed, tokens_salt])
     vocab = engine.model_config.vocab_size
     executed: list[StepStats] = []
     previous_hook = engine.on_step
@@ -86,8 +92,8 @@ def time_engine_steps(engine: LLMEngine, load: CalibrationLoad) -> list[StepTimi
     try:
         for wave in load.waves:
             for _ in range(wave):
-                prompt = rng.integers(10, vocab, int(rng.integers(load.prompt_tokens[0],
-                                                                  load.prompt_tokens[1] + 1)))
+                prompt = tokens_rng.integers(10, vocab, int(rng.integers(
+                    load.prompt_tokens[0], load.prompt_tokens[1] + 1)))
                 max_tokens = int(rng.integers(load.output_tokens[0], load.output_tokens[1] + 1))
                 engine.add_request(prompt.tolist(), SamplingParams(
                     max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -111,6 +117,25 @@ def time_engine_steps(engine: LLMEngine, load: CalibrationLoad) -> list[StepTimi
     finally:
         engine.on_step = previous_hook
     return timings
+
+
+def fastest_steps(runs: Sequence[Sequence[StepTiming]]) -> list[StepTiming]:
+    """Step by step, the fastest of runs that formed the same batches (the same load with
+    other prompt tokens, ``tokens_salt``): another process on a shared machine only ever adds
+    time, to some steps of one run, and a fit through every step of a loaded run reads that
+    as overhead growing with the batch. Runs whose batches differ anywhere are pooled."""
+    first = runs[0]
+    if any(len(run) != len(first) or any(_shape(a) != _shape(b) for a, b in zip(run, first))
+           for run in runs[1:]):
+        return [timing for run in runs for timing in run]
+    return [min(steps, key=lambda timing: timing.step_ms) for steps in zip(*runs)]
+
+
+def _shape(timing: StepTiming) -> tuple[int | tuple[int, int], ...]:
+    """The step's sequences and, where known, its chunks' tokens and KV lengths after them,
+    in any order (the packer's order of equal requests may differ between runs)."""
+    chunks = timing.batch.chunks if timing.batch is not None else ()
+    return (timing.sequences, *sorted((c.num_tokens, c.end_pos) for c in chunks))
 
 
 def fit_host_overhead(timings: Sequence[StepTiming]) -> tuple[float, float]:
