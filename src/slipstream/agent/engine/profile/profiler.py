@@ -271,10 +271,10 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
         # A new engine's first steps pay one-time costs: on CUDA lazy kernel loading, cuBLAS
         # heuristics per new GEMM shape, the caching allocator growing (H200, 100m preset: 64
         # ms of fitted fixed overhead per step cold, 4 ms warm); on a CPU oneDNN's kernels per
-        # new matmul shape and the KV cache's first touch (bench MoE: 0.11 ms per sequence
-        # cold, 0.04 warm; a steady batch of 32 decodes pays the warm one). Serving runs warm;
-        # so does the fit: the same batches first, from other prompts (no prefix-cache hits),
-        # then the fastest of two timed runs of them.
+        # new matmul shape and the KV cache's first touch (bench MoE: 0.08-0.11 ms per
+        # sequence cold, 0.04-0.06 warm, which a steady batch of 32 decodes pays). Serving
+        # runs warm; so does the fit: the same batches first, from other prompts (no
+        # prefix-cache hits), then the fastest of two timed runs of them.
         time_engine_steps(engine, load, tokens_salt=1)
         timings = fastest_steps([time_engine_steps(engine, load, tokens_salt=2),
                                  time_engine_steps(engine, load)])

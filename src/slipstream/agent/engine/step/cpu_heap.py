@@ -11,12 +11,12 @@ the logits. glibc's defaults decide per size whether such a buffer is mmapped (a
 on free) and when the heap's free top is handed back to the kernel (trimmed); its thresholds
 adapt to the largest buffer freed so far, so whether a step pays for its memory again depends
 on the shapes the process has seen. When it does, every page of every buffer is a page fault
-on first touch. Measured on the 9.2M-parameter bench MoE (one core): 32 decodes of uneven KV
-lengths (30 to 161 tokens) took 19 ms per step, 8 ms of it in the ``index_select`` gathers
-(1.1 ms each for a 2.8 MB gather that takes 0.06 ms in warm memory); with these settings
-9.5 ms. 32 decodes of equal length happened to stay in warm memory (8 ms either way), so the
-profiler's calibration load, uneven by design, fitted a 0.3 ms per-sequence overhead that the
-bench's equal-length decode steps never paid.
+on first touch. Measured on the 9.2M-parameter bench MoE (one thread, best of 20 steps):
+32 decodes of uneven KV lengths (30 to 161 tokens) took 19 ms per step, 8 ms of it in the
+``index_select`` gathers (1.1 ms each for a 2.8 MB gather that takes 0.06 ms in warm memory);
+with these settings 9.5 ms. 32 decodes of equal length happened to stay in warm memory (8 ms
+either way). So the profiler's calibration load, uneven by design, paid a per-sequence cost
+that the bench's equal-length decode steps did not, and the fit charged it to them.
 
 Freed memory stays in the process up to the trim threshold; ``malloc_trim(0)`` (after loading
 weights, after a huge request) still hands all of it back. A no-op without glibc.
