@@ -46,7 +46,8 @@ from slipstream.agent.engine.profile.moe_profile import (DENSE_MLP_OPS, MOE_OP, 
 from slipstream.agent.engine.profile.fit import fit_overhead, lower_envelope
 from slipstream.agent.engine.profile.grids import PROFILE_GRIDS, ProfileGrid
 from slipstream.agent.engine.profile.step_calibration import (
-    CalibrationLoad, fastest_steps, fit_host_overhead, fit_runner_overhead, time_engine_steps)
+    CalibrationLoad, fastest_steps, fit_host_overhead, fit_runner_overhead, prefill_tokens,
+    time_engine_steps)
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.config import SchedulerConfig
@@ -240,19 +241,19 @@ def measure_tables(profiler: Profiler, grid: ProfileGrid, progress: tqdm) -> dic
 
 
 def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
-                           grid: ProfileGrid) -> list[tuple[int, float]]:
-    """(sequences, execute - tables ms) over random mixed batches: decodes with KV up to 2K
-    next to prefill chunks, shapes a serving load may not reach."""
+                           grid: ProfileGrid) -> list[tuple[int, int, float]]:
+    """(sequences, prefill tokens, execute - tables ms) over random mixed batches: decodes
+    with KV up to 2K next to prefill chunks, shapes a serving load may not reach."""
     predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
-    return [(len(batch.chunks), measure_execute_ms(runner, batch, grid.calibration_repeats,
-                                                   grid.max_point_ms)
+    return [(len(batch.chunks), prefill_tokens(batch),
+             measure_execute_ms(runner, batch, grid.calibration_repeats, grid.max_point_ms)
              - predict_ms(predictor, batch))
             for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
                                              2048)]
 
 
 def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
-                        random_batches: Sequence[tuple[int, float]],
+                        random_batches: Sequence[tuple[int, int, float]],
                         meta: ProfileMeta, dtype: str = "auto",
                         cpu_matmul: str = "auto",
                         served: EngineConfig | None = None) -> ProfileMeta:
@@ -283,16 +284,19 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
     tables_only = RuntimePredictor.from_directory(
         profile_dir, meta=ProfileMeta(**{**dataclasses.asdict(bootstrap.meta),
                                          "iteration_overhead_ms": 0.0,
-                                         "per_sequence_overhead_ms": 0.0}), cache_dir=None)
+                                         "per_sequence_overhead_ms": 0.0,
+                                         "per_prefill_token_overhead_ms": 0.0}),
+        cache_dir=None)
     # One sample per random batch, not enough copies to match the engine steps: each random
     # batch is timed once or a few times, and on SmolLM2 (quick grid) four of them were off
     # the tables by -420 to +600 ms; copied to the engine steps' weight they set a 37 ms
     # per-sequence overhead, where 32 decodes measure 195 ms against 1,319 ms predicted.
-    runner_ms, runner_per_sequence_ms = fit_runner_overhead(
+    runner_ms, runner_per_sequence_ms, runner_per_token_ms = fit_runner_overhead(
         timings, lambda batch: predict_ms(tables_only, batch), list(random_batches))
     host_ms, host_per_sequence_ms = fit_host_overhead(timings)
     return dataclasses.replace(meta, iteration_overhead_ms=runner_ms,
                                per_sequence_overhead_ms=runner_per_sequence_ms,
+                               per_prefill_token_overhead_ms=runner_per_token_ms,
                                host_overhead_ms=host_ms, host_per_sequence_ms=host_per_sequence_ms)
 
 
@@ -342,8 +346,8 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         write_profile(out, tables, meta)
         # Random batches first: a rough overhead, so the engine below packs sensibly.
         random_batches = random_batch_residuals(runner, out, grid)
-        fixed_ms, per_sequence_ms = fit_overhead([n for n, _ in random_batches],
-                                                 [ms for _, ms in random_batches])
+        fixed_ms, per_sequence_ms = fit_overhead([n for n, _, _ in random_batches],
+                                                 [ms for _, _, ms in random_batches])
         meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
                                    per_sequence_overhead_ms=per_sequence_ms)
         write_profile(out, tables, meta)

@@ -4,7 +4,8 @@
         serving load --> per step: wall time of LLMEngine.step() and of the ModelRunner
         execution inside it (the on_step hook) --> host = step - execute
         --> fit host = a + b * sequences --> profile.json host_overhead_ms, host_per_sequence_ms
-        --> fit execute - tables = a + b * sequences --> iteration_overhead_ms, per_sequence_...
+        --> fit execute - tables = a + b * sequences + c * prefill tokens
+            --> iteration_overhead_ms, per_sequence_overhead_ms, per_prefill_token_overhead_ms
 
 A step is schedule, execute, request-state update and output processing (detokenization,
 stop checks, building the streamed output), plus the ``stats()`` snapshot that the serving
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.profile.fit import fit_overhead
+from slipstream.agent.engine.profile.fit import fit_overhead, fit_overhead_with_prefill
 from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import StepStats
 from slipstream.agent.scheduler.batch import Batch
@@ -146,15 +147,24 @@ def fit_host_overhead(timings: Sequence[StepTiming]) -> tuple[float, float]:
 
 
 def fit_runner_overhead(timings: Sequence[StepTiming], tables_ms: Callable[[Batch], float],
-                        extra: Sequence[tuple[int, float]] = ()) -> tuple[float, float]:
-    """``execute_ms - tables_ms(batch) = fixed + per_sequence * sequences`` over the steps the
+                        extra: Sequence[tuple[int, int, float]] = ()
+                        ) -> tuple[float, float, float]:
+    """``execute_ms - tables_ms(batch) = fixed + per_sequence * sequences + per_token *
+    prefill tokens`` (``fit_overhead_with_prefill``) over the steps the
     engine really ran (decodes of uneven KV lengths next to prefill chunks, which the tables'
     uniform grid does not reproduce: the torch backend pads decodes within a group of similar
     KV lengths), plus
-    ``extra`` (sequences, residual ms) samples measured elsewhere."""
+    ``extra`` (sequences, prefill tokens, residual ms) samples measured elsewhere."""
     batches = [t.batch for t in timings if t.batch is not None]
     if len(timings) < 2 or len(batches) < len(timings):
         raise ValueError("need at least two timed steps with their batches")
-    samples = [(t.sequences, t.execute_ms - tables_ms(batch)) for t, batch in zip(timings, batches)]
+    samples = [(t.sequences, prefill_tokens(batch), t.execute_ms - tables_ms(batch))
+               for t, batch in zip(timings, batches)]
     samples += list(extra)
-    return fit_overhead([n for n, _ in samples], [ms for _, ms in samples])
+    return fit_overhead_with_prefill([n for n, _, _ in samples], [p for _, p, _ in samples],
+                                     [ms for _, _, ms in samples])
+
+
+def prefill_tokens(batch: Batch) -> int:
+    """Tokens of the batch's prefill chunks (a decode is a chunk of one token)."""
+    return sum(chunk.num_tokens for chunk in batch.chunks if chunk.num_tokens > 1)
