@@ -3,11 +3,14 @@ its engine-step calibration times real LLMEngine steps."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.profile.profiler import ProfileGrid, profile
-from slipstream.agent.engine.profile.step_calibration import (CalibrationLoad, StepTiming,
-                                                              fit_host_overhead, time_engine_steps)
+from slipstream.agent.engine.profile.profiler import ProfileGrid, calibration_batches, profile
+from slipstream.agent.engine.profile.step_calibration import (
+    CalibrationLoad, StepTiming, fastest_steps, fit_host_overhead, time_engine_steps)
+from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.predictor import RuntimePredictor
 
 SMALL_LOAD = CalibrationLoad(waves=(1, 3), prompt_tokens=(16, 64), output_tokens=(4, 8))
@@ -45,9 +48,44 @@ def test_engine_steps_are_timed_whole_and_cover_every_batch_size(tiny_model_dir)
     # Prompts fit one chunk: per wave, one prefill step and four decode steps.
     assert [t.sequences for t in timings] == [1] * 5 + [4] * 5
     assert all(t.step_ms > t.execute_ms > 0 for t in timings)
+    # Greedy, as the live steps it predicts: a temperature draw per row is not in the profile.
+    assert all(chunk.sampling.greedy for t in timings if t.batch is not None
+               for chunk in t.batch.chunks)
     fixed_ms, per_sequence_ms = fit_host_overhead(timings)
     assert fixed_ms >= 0 and per_sequence_ms >= 0
     assert fixed_ms + 4 * per_sequence_ms < max(t.step_ms for t in timings)
+    # Another salt: the same batches (what a warm-up must cover) from other prompt tokens,
+    # which the prefix cache has not seen.
+    salted = time_engine_steps(engine, load, tokens_salt=1)
+    assert [[(c.num_tokens, c.start_pos) for c in t.batch.chunks] for t in salted] == \
+        [[(c.num_tokens, c.start_pos) for c in t.batch.chunks] for t in timings]
+    assert salted[0].batch.chunks[0].token_ids != timings[0].batch.chunks[0].token_ids
+
+
+def test_random_calibration_batches_sample_greedily():
+    batches = calibration_batches(np.random.default_rng(0), 8, 512)
+    assert all(chunk.sampling.greedy for batch in batches for chunk in batch.chunks)
+
+
+def _decodes(kv_lens: list[int]) -> Batch:
+    return Batch(chunks=tuple(ScheduledChunk(f"r{i}", (7,), kv - 1, (i,), True)
+                              for i, kv in enumerate(kv_lens)))
+
+
+def test_runs_of_the_same_batches_keep_each_steps_fastest():
+    batches = [_decodes([9]), _decodes([10, 20]), _decodes([21, 11])]
+    quiet = [StepTiming(len(b.chunks), 2.0 * len(b.chunks), 1.5 * len(b.chunks), b)
+             for b in batches]
+    # Another process slowed the first run's last step and the second run's first one; the
+    # second run packed its last step's requests in another order.
+    loaded = [quiet[0], quiet[1], StepTiming(2, 40.0, 39.0, batches[2])]
+    reordered = [StepTiming(1, 30.0, 29.0, batches[0]), quiet[1],
+                 StepTiming(2, 4.0, 3.0, _decodes([11, 21]))]
+    fastest = fastest_steps([loaded, reordered])
+    assert [t.step_ms for t in fastest] == [2.0, 4.0, 4.0]
+    # Runs that formed other batches are pooled, not paired.
+    other = [StepTiming(1, 2.0, 1.5, _decodes([5]))] * 3
+    assert len(fastest_steps([loaded, other])) == 6
 
 
 def test_host_fit_uses_the_time_outside_the_runner():

@@ -80,6 +80,16 @@ def test_engine_host_overhead_is_part_of_a_step_unless_only_the_runner_is_asked_
     assert runner.iteration_overhead_ms == 0.5 and runner.per_sequence_overhead_ms == 0.1
 
 
+def test_the_prefill_token_overhead_is_charged_per_chunk_token(tmp_path):
+    plain = RuntimePredictor.from_directory(small_profile(tmp_path / "a"), cache_dir=None)
+    charged = RuntimePredictor.from_directory(
+        small_profile(tmp_path / "b", per_prefill_token_overhead_ms=0.004), cache_dir=None)
+    prefills, decodes = [(64, 576), (32, 32)], [100, 200, 300]
+    assert (predict_batch_time_ms(charged, prefills, decodes)
+            - predict_batch_time_ms(plain, prefills, decodes)) == pytest.approx(0.004 * 96)
+    assert charged.decode_attention_ms(3, 600) == plain.decode_attention_ms(3, 600)
+
+
 def test_profile_without_meta_is_refused(tmp_path):
     directory = small_profile(tmp_path / "profile")
     (directory / "profile.json").unlink()

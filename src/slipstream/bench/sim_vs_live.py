@@ -51,7 +51,7 @@ NUM_KV_BLOCKS = 4096
 PROBE_REQUESTS = 20
 RUNS = ("live", "sim_profile_only", "sim_with_serving_costs")
 # Bump when the profiler's method changes, so cached profiles are measured again.
-PROFILE_METHOD_VERSION = "6-pooled-runner-fit"
+PROFILE_METHOD_VERSION = "8-warm-greedy-calibration-prefill-term"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@
 
 One iteration costs, with every term already multiplied by the number of layers:
 
-    overhead (runner + engine host work, a + b * sequences) + linear(all tokens in the batch)
+    overhead (runner + engine host work, a + b * sequences + c * prefill tokens)
+             + linear(all tokens in the batch)
              + sum over prefill chunks of prefill_attention(kv cached before the chunk, chunk)
              + decode_attention(decode batch size, KV tokens read by all decodes together)
 
@@ -68,6 +69,7 @@ class RuntimePredictor:
         # prefill chunk in prefill_attention_ms, so wrappers (KVP, SPP) inherit it.
         self.per_sequence_overhead_ms = meta.per_sequence_overhead_ms + (
             meta.host_per_sequence_ms if host else 0.0)
+        self.per_prefill_token_overhead_ms = meta.per_prefill_token_overhead_ms
         self._linear = _sum_linear_ops(tables)
         kv, chunk, prefill_ms = tables.prefill_attention
         self._prefill = Grid2D(kv, chunk, prefill_ms)
@@ -99,7 +101,8 @@ class RuntimePredictor:
         ms = table(kv_in, chunk_in)
         if kv_in < kv_before_tokens or chunk_in < chunk_tokens:
             ms *= _attended_pairs(kv_before_tokens, chunk_tokens) / _attended_pairs(kv_in, chunk_in)
-        return ms * self.num_layers + self.per_sequence_overhead_ms
+        return (ms * self.num_layers + self.per_sequence_overhead_ms
+                + self.per_prefill_token_overhead_ms * chunk_tokens)
 
     def decode_attention_ms(self, batch_size: int, kv_total_tokens: int) -> float:
         if batch_size <= 0:

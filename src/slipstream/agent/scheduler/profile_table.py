@@ -54,6 +54,9 @@ class ProfileMeta:
     # preparation, sampling, and (in the torch reference backend) decode attention padded to
     # the longest sequence. Fitted by the profiler; 0 for the H100 tables.
     per_sequence_overhead_ms: float = 0.0
+    # Runner time per prefill token that the tables do not hold (their ops timed one by one
+    # miss what a chunk of hundreds of tokens costs in a real step); fitted with the two above.
+    per_prefill_token_overhead_ms: float = 0.0
     # The engine's own host work per step around the model runner (schedule, request-state
     # update, detokenization and stop checks), ``host_overhead_ms + host_per_sequence_ms *
     # sequences``; fitted by the profiler on whole engine steps. 0 for the H100 tables.
@@ -73,8 +76,8 @@ class ProfileMeta:
             raise ValueError("tp must be >= 1")
         if self.iteration_overhead_ms < 0:
             raise ValueError("iteration_overhead_ms must be >= 0")
-        if self.per_sequence_overhead_ms < 0:
-            raise ValueError("per_sequence_overhead_ms must be >= 0")
+        if self.per_sequence_overhead_ms < 0 or self.per_prefill_token_overhead_ms < 0:
+            raise ValueError("per-sequence and per-prefill-token overheads must be >= 0")
         if self.host_overhead_ms < 0 or self.host_per_sequence_ms < 0:
             raise ValueError("host overheads must be >= 0")
 

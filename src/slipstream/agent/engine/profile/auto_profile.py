@@ -55,7 +55,11 @@ log = logging.getLogger(__name__)
 # 6: the attention backend is part of the key (Triton on CUDA without FlashInfer), decode
 #    steps from CUDA graphs, one copy of a step's inputs
 # 7: the weight format is part of the key (quantized projections, docs/quantization.md)
-PROFILER_VERSION = "7"
+# 8: greedy calibration requests, a warm-up run before two timed ones (each step's fastest)
+#    on every device, and CPU steps that reuse their freed temporaries (step/cpu_heap.py): the
+#    fitted per-sequence overhead no longer holds temperature draws, first-shape costs, page
+#    faults and other processes' time; the runner's fit has a term per prefill token
+PROFILER_VERSION = "8"
 GRID = "quick"
 GPU_GRID = "quick-gpu"
 

@@ -2,7 +2,8 @@
 only ever add time.
 
     profiler grid points --lower_envelope()--> tables that grow with every key
-    calibration residuals --fit_overhead()--> a + b * sequences (runner and host overheads)
+    calibration residuals --fit_overhead()--> a + b * sequences (host overhead)
+                          --fit_overhead_with_prefill()--> + c * prefill tokens (runner's)
 
 Pure numpy, so the fits are unit-tested without torch.
 """
@@ -31,6 +32,34 @@ def fit_overhead(sequences: list[int], residuals_ms: list[float]) -> tuple[float
     if fixed < 0:
         return 0.0, max(0.0, float(np.median(y / np.maximum(x, 1.0))))
     return float(fixed), float(per_sequence)
+
+
+def fit_overhead_with_prefill(sequences: list[int], prefill_tokens: list[int],
+                              residuals_ms: list[float]) -> tuple[float, float, float]:
+    """Fit ``residual = fixed + per_sequence * sequences + per_token * prefill_tokens`` by
+    least absolute deviations, all three >= 0. Without the prefill term, steps with long
+    chunks, whose residual grows with their tokens, tilt the per-sequence slope: a batch of
+    decodes is then charged for prefill work it does not do. Where a term would come out
+    negative, or the prefill tokens do not vary, it is the two-term fit with ``per_token`` 0."""
+    x = np.asarray(sequences, dtype=float)
+    tokens = np.asarray(prefill_tokens, dtype=float)
+    y = np.asarray(residuals_ms, dtype=float)
+    if np.ptp(tokens) > 0:
+        fixed, per_sequence, per_token = _least_absolute(
+            np.column_stack([np.ones_like(x), x, tokens]), y)
+        if min(fixed, per_sequence, per_token) >= 0:
+            return float(fixed), float(per_sequence), float(per_token)
+    return (*fit_overhead(sequences, residuals_ms), 0.0)
+
+
+def _least_absolute(design: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Iteratively reweighted least squares towards the least absolute deviations."""
+    weights = np.ones_like(y)
+    for _ in range(30):
+        root = np.sqrt(weights)
+        coefficients, *_ = np.linalg.lstsq(design * root[:, None], y * root, rcond=None)
+        weights = 1.0 / np.maximum(np.abs(y - design @ coefficients), 1e-3)
+    return coefficients
 
 
 def lower_envelope(rows: np.ndarray) -> np.ndarray:

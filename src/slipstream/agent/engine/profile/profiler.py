@@ -38,21 +38,23 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.kv.tier_store import (
     measure_disk_read_gb_per_s, measure_host_load_gb_per_s)
-from slipstream.agent.engine.step.model_runner import ModelRunner, resolve_device
+from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from slipstream.agent.engine.models.norm_rope import apply_rotary
 from slipstream.agent.engine.profile.moe_profile import (DENSE_MLP_OPS, MOE_OP, mlp_op_counts,
                                                  moe_model_fields)
 from slipstream.agent.engine.profile.fit import fit_overhead, lower_envelope
 from slipstream.agent.engine.profile.grids import PROFILE_GRIDS, ProfileGrid
-from slipstream.agent.engine.profile.step_calibration import (CalibrationLoad, fit_host_overhead,
-                                                     fit_runner_overhead, time_engine_steps)
+from slipstream.agent.engine.profile.step_calibration import (
+    CalibrationLoad, fastest_steps, fit_host_overhead, fit_runner_overhead, prefill_tokens,
+    time_engine_steps)
 from slipstream.agent.scheduler.batch import Batch, ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.agent.scheduler.predictor import (RuntimePredictor, model_floor_target_ms,
                                                   predict_batch_time_ms)
 from slipstream.agent.scheduler.profile_table import ProfileMeta, write_profile
+from slipstream.contracts.sampling import SamplingOptions
 from slipstream.kernels.attention import AttentionMetadata
 
 
@@ -184,6 +186,9 @@ class Profiler:
         return self._attention_ms([(kv - 1, 1) for kv in lengths])
 
 
+GREEDY = SamplingOptions(temperature=0.0)
+
+
 def calibration_batches(rng: np.random.Generator, count: int, max_kv: int) -> list[Batch]:
     """Random mixes of decodes and prefill chunks, laid out in disjoint KV blocks."""
     batches = []
@@ -197,7 +202,8 @@ def calibration_batches(rng: np.random.Generator, count: int, max_kv: int) -> li
             table = tuple(range(next_block, next_block + num_blocks))
             next_block += num_blocks
             chunks.append(ScheduledChunk(f"c{index}", tuple(rng.integers(10, 1000, query_len)
-                                                            .tolist()), kv_before, table, True))
+                                                            .tolist()), kv_before, table, True,
+                                         GREEDY))  # as the engine calibration samples
         batches.append(Batch(chunks=tuple(chunks)))
     return batches
 
@@ -235,19 +241,19 @@ def measure_tables(profiler: Profiler, grid: ProfileGrid, progress: tqdm) -> dic
 
 
 def random_batch_residuals(runner: ModelRunner, profile_dir: Path,
-                           grid: ProfileGrid) -> list[tuple[int, float]]:
-    """(sequences, execute - tables ms) over random mixed batches: decodes with KV up to 2K
-    next to prefill chunks, shapes a serving load may not reach."""
+                           grid: ProfileGrid) -> list[tuple[int, int, float]]:
+    """(sequences, prefill tokens, execute - tables ms) over random mixed batches: decodes
+    with KV up to 2K next to prefill chunks, shapes a serving load may not reach."""
     predictor = RuntimePredictor.from_directory(profile_dir, cache_dir=None)
-    return [(len(batch.chunks), measure_execute_ms(runner, batch, grid.calibration_repeats,
-                                                   grid.max_point_ms)
+    return [(len(batch.chunks), prefill_tokens(batch),
+             measure_execute_ms(runner, batch, grid.calibration_repeats, grid.max_point_ms)
              - predict_ms(predictor, batch))
             for batch in calibration_batches(np.random.default_rng(0), grid.calibration_batches,
                                              2048)]
 
 
 def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: CalibrationLoad,
-                        random_batches: Sequence[tuple[int, float]],
+                        random_batches: Sequence[tuple[int, int, float]],
                         meta: ProfileMeta, dtype: str = "auto",
                         cpu_matmul: str = "auto",
                         served: EngineConfig | None = None) -> ProfileMeta:
@@ -263,28 +269,34 @@ def fit_on_engine_steps(model_dir: Path, device: str, profile_dir: Path, load: C
                                               cpu_matmul=cpu_matmul), served),
                        SchedulerConfig(target_batch_time_ms=target_ms))
     try:
-        if resolve_device(device).type == "cuda":
-            # A new CUDA engine's first steps pay one-time costs (lazy kernel loading, cuBLAS
-            # heuristics per new GEMM shape, the caching allocator growing). Measured on an
-            # H200 with the 100m preset: a first-start profile fitted 64 ms of fixed overhead
-            # per step, a second one in the same process 4 ms. Serving runs warm; so does the fit.
-            time_engine_steps(engine, load)
-        timings = time_engine_steps(engine, load)
+        # A new engine's first steps pay one-time costs: on CUDA lazy kernel loading, cuBLAS
+        # heuristics per new GEMM shape, the caching allocator growing (H200, 100m preset: 64
+        # ms of fitted fixed overhead per step cold, 4 ms warm); on a CPU oneDNN's kernels per
+        # new matmul shape and the KV cache's first touch (bench MoE: 0.08-0.11 ms per
+        # sequence cold, 0.04-0.06 warm, which a steady batch of 32 decodes pays). Serving
+        # runs warm; so does the fit: the same batches first, from other prompts (no
+        # prefix-cache hits), then the fastest of two timed runs of them.
+        time_engine_steps(engine, load, tokens_salt=1)
+        timings = fastest_steps([time_engine_steps(engine, load, tokens_salt=2),
+                                 time_engine_steps(engine, load)])
     finally:
         engine.close()
     tables_only = RuntimePredictor.from_directory(
         profile_dir, meta=ProfileMeta(**{**dataclasses.asdict(bootstrap.meta),
                                          "iteration_overhead_ms": 0.0,
-                                         "per_sequence_overhead_ms": 0.0}), cache_dir=None)
+                                         "per_sequence_overhead_ms": 0.0,
+                                         "per_prefill_token_overhead_ms": 0.0}),
+        cache_dir=None)
     # One sample per random batch, not enough copies to match the engine steps: each random
     # batch is timed once or a few times, and on SmolLM2 (quick grid) four of them were off
     # the tables by -420 to +600 ms; copied to the engine steps' weight they set a 37 ms
     # per-sequence overhead, where 32 decodes measure 195 ms against 1,319 ms predicted.
-    runner_ms, runner_per_sequence_ms = fit_runner_overhead(
+    runner_ms, runner_per_sequence_ms, runner_per_token_ms = fit_runner_overhead(
         timings, lambda batch: predict_ms(tables_only, batch), list(random_batches))
     host_ms, host_per_sequence_ms = fit_host_overhead(timings)
     return dataclasses.replace(meta, iteration_overhead_ms=runner_ms,
                                per_sequence_overhead_ms=runner_per_sequence_ms,
+                               per_prefill_token_overhead_ms=runner_per_token_ms,
                                host_overhead_ms=host_ms, host_per_sequence_ms=host_per_sequence_ms)
 
 
@@ -334,8 +346,8 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
         write_profile(out, tables, meta)
         # Random batches first: a rough overhead, so the engine below packs sensibly.
         random_batches = random_batch_residuals(runner, out, grid)
-        fixed_ms, per_sequence_ms = fit_overhead([n for n, _ in random_batches],
-                                                 [ms for _, ms in random_batches])
+        fixed_ms, per_sequence_ms = fit_overhead([n for n, _, _ in random_batches],
+                                                 [ms for _, _, ms in random_batches])
         meta = dataclasses.replace(meta, iteration_overhead_ms=fixed_ms,
                                    per_sequence_overhead_ms=per_sequence_ms)
         write_profile(out, tables, meta)

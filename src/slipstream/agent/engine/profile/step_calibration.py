@@ -4,7 +4,8 @@
         serving load --> per step: wall time of LLMEngine.step() and of the ModelRunner
         execution inside it (the on_step hook) --> host = step - execute
         --> fit host = a + b * sequences --> profile.json host_overhead_ms, host_per_sequence_ms
-        --> fit execute - tables = a + b * sequences --> iteration_overhead_ms, per_sequence_...
+        --> fit execute - tables = a + b * sequences + c * prefill tokens
+            --> iteration_overhead_ms, per_sequence_overhead_ms, per_prefill_token_overhead_ms
 
 A step is schedule, execute, request-state update and output processing (detokenization,
 stop checks, building the streamed output), plus the ``stats()`` snapshot that the serving
@@ -13,6 +14,13 @@ large share of a step, and the simulator advances its clock by the predicted ste
 be in the profile. What runs outside ``step()`` in a live server (the HTTP/SSE handlers that
 share the GIL with the engine thread) is not measured here: it depends on the server, the
 client and the machine, not on the engine.
+
+The requests decode greedily, the sampler's common path, as the live comparisons do (the
+OpenAI benches, ``moe_bench``). A temperature draw costs a multinomial over the vocabulary per
+row on top, which the profile does not hold: on one CPU core 0.08 ms per row at a 4K
+vocabulary and 0.9 ms at 32K (32 rows, best of 30). Calibrated at the API's default
+temperature 1, that draw went into the fitted per-sequence overhead, and the predictor charged
+it to greedy steps: the ~100M dense preset fitted 1.8 ms per sequence.
 
 The load comes in waves of concurrent requests of random prompt and output lengths, so the
 batches cover one to ``max(waves)`` sequences, decodes next to prefill chunks, as the packer
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.agent.engine.profile.fit import fit_overhead
+from slipstream.agent.engine.profile.fit import fit_overhead, fit_overhead_with_prefill
 from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.engine.step.stats import StepStats
 from slipstream.agent.scheduler.batch import Batch
@@ -67,9 +75,15 @@ class StepTiming:
         return self.step_ms - self.execute_ms
 
 
-def time_engine_steps(engine: LLMEngine, load: CalibrationLoad) -> list[StepTiming]:
-    """Run ``load`` to completion on ``engine`` and time every step that ran a batch."""
+def time_engine_steps(engine: LLMEngine, load: CalibrationLoad,
+                      tokens_salt: int = 0) -> list[StepTiming]:
+    """Run ``load`` to completion on ``engine`` and time every step that ran a batch.
+
+    The requests' lengths come from ``load.seed`` alone and their tokens also from
+    ``tokens_salt``: a run with another salt forms the same batches (the same shapes to warm
+    up) from prompts the prefix cache has not seen."""
     rng = np.random.default_rng(load.seed)
+    tokens_rng = np.random.default_rng([load.seed, tokens_salt])
     vocab = engine.model_config.vocab_size
     executed: list[StepStats] = []
     previous_hook = engine.on_step
@@ -79,11 +93,11 @@ def time_engine_steps(engine: LLMEngine, load: CalibrationLoad) -> list[StepTimi
     try:
         for wave in load.waves:
             for _ in range(wave):
-                prompt = rng.integers(10, vocab, int(rng.integers(load.prompt_tokens[0],
-                                                                  load.prompt_tokens[1] + 1)))
+                prompt = tokens_rng.integers(10, vocab, int(rng.integers(
+                    load.prompt_tokens[0], load.prompt_tokens[1] + 1)))
                 max_tokens = int(rng.integers(load.output_tokens[0], load.output_tokens[1] + 1))
-                engine.add_request(prompt.tolist(), SamplingParams(max_tokens=max_tokens,
-                                                                   ignore_eos=True))
+                engine.add_request(prompt.tolist(), SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             idle_steps = 0
             while engine.has_unfinished():
                 executed.clear()
@@ -106,6 +120,25 @@ def time_engine_steps(engine: LLMEngine, load: CalibrationLoad) -> list[StepTimi
     return timings
 
 
+def fastest_steps(runs: Sequence[Sequence[StepTiming]]) -> list[StepTiming]:
+    """Step by step, the fastest of runs that formed the same batches (the same load with
+    other prompt tokens, ``tokens_salt``): another process on a shared machine only ever adds
+    time, to some steps of one run, and a fit through every step of a loaded run reads that
+    as overhead growing with the batch. Runs whose batches differ anywhere are pooled."""
+    first = runs[0]
+    if any(len(run) != len(first) or any(_shape(a) != _shape(b) for a, b in zip(run, first))
+           for run in runs[1:]):
+        return [timing for run in runs for timing in run]
+    return [min(steps, key=lambda timing: timing.step_ms) for steps in zip(*runs)]
+
+
+def _shape(timing: StepTiming) -> tuple[int | tuple[int, int], ...]:
+    """The step's sequences and, where known, its chunks' tokens and KV lengths after them,
+    in any order (the packer's order of equal requests may differ between runs)."""
+    chunks = timing.batch.chunks if timing.batch is not None else ()
+    return (timing.sequences, *sorted((c.num_tokens, c.end_pos) for c in chunks))
+
+
 def fit_host_overhead(timings: Sequence[StepTiming]) -> tuple[float, float]:
     """``host_ms = fixed + per_sequence * sequences``, robust to steps slowed by other work."""
     if len(timings) < 2:
@@ -114,15 +147,24 @@ def fit_host_overhead(timings: Sequence[StepTiming]) -> tuple[float, float]:
 
 
 def fit_runner_overhead(timings: Sequence[StepTiming], tables_ms: Callable[[Batch], float],
-                        extra: Sequence[tuple[int, float]] = ()) -> tuple[float, float]:
-    """``execute_ms - tables_ms(batch) = fixed + per_sequence * sequences`` over the steps the
+                        extra: Sequence[tuple[int, int, float]] = ()
+                        ) -> tuple[float, float, float]:
+    """``execute_ms - tables_ms(batch) = fixed + per_sequence * sequences + per_token *
+    prefill tokens`` (``fit_overhead_with_prefill``) over the steps the
     engine really ran (decodes of uneven KV lengths next to prefill chunks, which the tables'
     uniform grid does not reproduce: the torch backend pads decodes within a group of similar
     KV lengths), plus
-    ``extra`` (sequences, residual ms) samples measured elsewhere."""
+    ``extra`` (sequences, prefill tokens, residual ms) samples measured elsewhere."""
     batches = [t.batch for t in timings if t.batch is not None]
     if len(timings) < 2 or len(batches) < len(timings):
         raise ValueError("need at least two timed steps with their batches")
-    samples = [(t.sequences, t.execute_ms - tables_ms(batch)) for t, batch in zip(timings, batches)]
+    samples = [(t.sequences, prefill_tokens(batch), t.execute_ms - tables_ms(batch))
+               for t, batch in zip(timings, batches)]
     samples += list(extra)
-    return fit_overhead([n for n, _ in samples], [ms for _, ms in samples])
+    return fit_overhead_with_prefill([n for n, _, _ in samples], [p for _, p, _ in samples],
+                                     [ms for _, _, ms in samples])
+
+
+def prefill_tokens(batch: Batch) -> int:
+    """Tokens of the batch's prefill chunks (a decode is a chunk of one token)."""
+    return sum(chunk.num_tokens for chunk in batch.chunks if chunk.num_tokens > 1)

@@ -25,6 +25,7 @@ from collections.abc import Collection
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.step.cpu_heap import keep_step_buffers_mapped
 from slipstream.agent.engine.step.decode_graphs import DecodeGraphs, graph_friendly, greedy_only
 from slipstream.agent.engine.kv.memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
@@ -110,6 +111,8 @@ class ModelRunner:
         self.decode_graphs = self._make_decode_graphs()
         self._next_seq = 0
         self._done: deque[tuple[int, dict[str, SampledToken]]] = deque()
+        if self.device.type == "cpu":  # after loading: steps reuse their freed temporaries
+            keep_step_buffers_mapped()
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention backend %s",
                  config.model_name, self.device, self.dtype, self.num_kv_blocks, BLOCK_SIZE,
                  self.backend.name)
