@@ -31,7 +31,7 @@ def plot(results: Sequence[FloodRun], baseline_s: float, path: Path, goal_ratio:
                  label=f"p{q}")
     bars.axhline(baseline_s * goal_ratio * 1000, color="k", linestyle="--",
                  label=f"goal: {goal_ratio}x no-flood p99")
-    bars.set_xticks(positions, names)
+    bars.set_xticks(positions, names, rotation=12, ha="right", fontsize=8)
     bars.set_ylabel("victim TTFT (ms)")
     bars.set_yscale("log")
     bars.legend()
