@@ -145,8 +145,12 @@ def _cgroup_free() -> int | None:
 
 def allocate_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor:
-    """A zeroed KV tensor. On CPU it comes from ``calloc`` (through numpy): the pages are
-    mapped on first write, so untouched blocks cost no resident memory."""
+    """A zeroed KV tensor. On CPU it is an anonymous memory map of its own: the kernel's pages
+    are zero and mapped on first write, so untouched blocks cost no resident memory. (Not
+    ``calloc``: with the engine's heap thresholds, step/cpu_heap.py, a large request can be
+    served from freed heap memory, which calloc clears, and so backs, at once.)"""
+    import mmap
+
     import numpy as np
     import torch
 
@@ -154,5 +158,6 @@ def allocate_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
         return torch.zeros(shape, dtype=dtype, device=device)
     element_bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else \
         torch.iinfo(dtype).bits // 8
-    raw = np.zeros(math.prod(shape) * element_bytes, dtype=np.uint8)
+    region = mmap.mmap(-1, math.prod(shape) * element_bytes)  # freed with the last view
+    raw = np.frombuffer(region, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
