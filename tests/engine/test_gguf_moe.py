@@ -37,12 +37,7 @@ def assert_serves_like_transformers(model_dir, gguf_file, reference_dir) -> None
                           gguf_file=gguf_file)
     runner = ModelRunner(config, ModelConfig.from_dir(model_dir))
     reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
-    for prompt in PROMPTS:
-        blocks = tuple(range(63, 63 - (len(prompt) + 15) // 16, -1))
-        ours = runner.compute_logits(
-            Batch(chunks=(ScheduledChunk("r", tuple(prompt), 0, blocks, True),)))
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0].float()
+    for ours, expected in _prefill_logits(runner, reference):
         torch.testing.assert_close(ours, expected, atol=2e-5, rtol=1e-4)
     del runner
     generation = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS,
@@ -134,12 +129,7 @@ def test_quantized_projections_stay_quantized_beside_float_experts(family, moe_m
         assert "int8-g32" in (kernel_of(layers["1"].mlp.gate_up_fused) or "")
         assert "int8-g32" in (kernel_of(layers["0"].mlp.shared_expert.down_proj) or "")
     reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
-    for prompt in PROMPTS:
-        blocks = tuple(range(63, 63 - (len(prompt) + 15) // 16, -1))
-        ours = runner.compute_logits(
-            Batch(chunks=(ScheduledChunk("r", tuple(prompt), 0, blocks, True),)))
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0].float()
+    for ours, expected in _prefill_logits(runner, reference):
         p, q = expected.log_softmax(-1), ours.log_softmax(-1)
         kl = (p.exp() * (p - q)).sum(-1)
         assert float(kl.mean()) < 1e-3, kl  # measured: 1e-5 to 3e-5
@@ -198,3 +188,14 @@ def test_worker_parallelism_refuses_a_gguf_s_blocks_in_one_line(moe_model_dirs, 
                      parallel=ParallelConfig(**parallel))
     EngineConfig(model_dir=tmp_path, gguf_file=gguf_file, quantization="none",
                  parallel=ParallelConfig(**parallel))
+
+
+def _prefill_logits(runner, reference):
+    """(Slipstream's, transformers') prefill logits of each of PROMPTS."""
+    for prompt in PROMPTS:
+        blocks = tuple(range(63, 63 - (len(prompt) + 15) // 16, -1))
+        ours = runner.compute_logits(
+            Batch(chunks=(ScheduledChunk("r", tuple(prompt), 0, blocks, True),)))
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0].float()
+        yield ours, expected

@@ -324,8 +324,8 @@ class EngineConfig:
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError("quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")
-        quantized = self.quantization in ("int8", "int4", "fp8") or (
-            self.quantization == "auto" and self.gguf_file is not None)
+        gguf_blocks = self.quantization == "auto" and self.gguf_file is not None
+        quantized = self.quantization in ("int8", "int4", "fp8") or gguf_blocks
         if self.gguf_activations not in ("bf16", "q8"):
             raise ValueError(f"gguf_activations must be bf16 or q8, got {self.gguf_activations}")
         if self.gguf_activations == "q8" and not (self.gguf_file is not None
@@ -339,7 +339,6 @@ class EngineConfig:
             raise ValueError(f"--ep {self.parallel.ep}: quantized weights (a GGUF's blocks) run "
                              "without expert parallelism for now (--ep 1, or --quantization "
                              "none)")
-        gguf_blocks = self.quantization == "auto" and self.gguf_file is not None
         if gguf_blocks and not self.parallel.is_single_process:
             raise ValueError("a GGUF's own blocks are served by a single process for now: "
                              "--spp/--kvp workers read safetensors (add --quantization none "
