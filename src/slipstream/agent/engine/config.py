@@ -295,6 +295,11 @@ class EngineConfig:
     # run (CUDA, one process, the Triton attention backend); True asks for it (still eager on
     # a CPU, where the same static path runs without capture); False: eager decodes.
     cuda_graphs: bool | None = None
+    # Decode steps of up to four rows from inductor-compiled static programs on a CPU
+    # (decode_graphs.py, compile_cpu). None: on where the weights are served quantized and the
+    # model can run them (one process, no sliding window or soft-capping, no experts); True
+    # asks for them (an error where they cannot run or compile); False: eager decodes.
+    cpu_compile: bool | None = None
     # Run batches made only of fresh short prefills through the padded static-shape path,
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     short_prefill_graphs: bool = False
@@ -348,6 +353,9 @@ class EngineConfig:
         if self.short_prefill_graphs and not self.parallel.is_single_process:
             raise ValueError("short_prefill_graphs (the bucketed short-prefill path) runs in a "
                              "single process only; it is not wired into tp/spp/kvp workers yet")
+        if self.cpu_compile and not self.parallel.is_single_process:
+            raise ValueError("cpu_compile (compiled CPU decode steps) runs in a single process "
+                             "only; it is not wired into tp/spp/kvp workers yet")
         if self.cuda_graphs and not self.parallel.is_single_process:
             raise ValueError("cuda_graphs (decode steps from CUDA graphs) runs in a single "
                              "process only; it is not wired into tp/spp/kvp workers yet")
@@ -360,6 +368,14 @@ class EngineConfig:
         if self.disagg.enabled and not self.parallel.is_single_process:
             raise ValueError(f"--role {self.disagg.role} runs in a single process only; KV "
                              "transfer is not wired into tp/spp/kvp workers yet")
+
+    @property
+    def serves_quantized_weights(self) -> bool:
+        """Whether the weights are served quantized by request: a GGUF in its own blocks, or
+        ``--quantization int8/int4/fp8`` (a quantized checkpoint with ``auto`` is not known
+        before loading)."""
+        return self.quantization in ("int8", "int4", "fp8") or (
+            self.quantization == "auto" and self.gguf_file is not None)
 
     @property
     def model_name(self) -> str:

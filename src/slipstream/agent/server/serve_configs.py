@@ -96,7 +96,8 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         scheduler=scheduler_config(config), seed=engine.seed,
         profile_dir=config.scheduler.profile,
         auto_profile=config.scheduler.profile is None and config.scheduler.auto_profile,
-        cuda_graphs=engine.cuda_graphs, short_prefill_graphs=engine.short_prefill_graphs,
+        cuda_graphs=engine.cuda_graphs, cpu_compile=engine.cpu_compile,
+        short_prefill_graphs=engine.short_prefill_graphs,
         short_prefill_buckets=ShortPrefillBuckets(
             lengths_tokens=engine.cuda_graph_lengths, batch_sizes=engine.cuda_graph_batch_sizes,
             max_padding_factor=engine.cuda_graph_max_padding_factor),

@@ -306,6 +306,10 @@ def as_served(config: EngineConfig, served: EngineConfig | None) -> EngineConfig
         return config
     return dataclasses.replace(config, attention_backend=served.attention_backend,
                                cuda_graphs=served.cuda_graphs, load_format=served.load_format,
+                               # Compiled CPU decodes are left out: compiling costs seconds
+                               # per engine, and the fit then slightly over-predicts
+                               # decode steps of up to four sequences (docs/quantization.md).
+                               cpu_compile=False,
                                quantization=served.quantization,
                                quantization_group_size=served.quantization_group_size,
                                gguf_file=served.gguf_file)
@@ -325,7 +329,7 @@ def profile(model_dir: Path, device: str, out: Path, repeats: int,
     runner = ModelRunner(dataclasses.replace(
         as_served(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
                                num_kv_blocks=needed_blocks, cpu_matmul=cpu_matmul), served),
-        cuda_graphs=False), model_config)
+        cuda_graphs=False, cpu_compile=False), model_config)
     steps = len(grid.tokens) + len(grid.prefill_kv) * len(grid.prefill_chunk) + \
         len(grid.decode_batch) * len(grid.decode_kv) + 2
     meta = ProfileMeta(num_layers=model_config.num_layers, device=str(runner.device),

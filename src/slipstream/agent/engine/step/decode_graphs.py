@@ -24,6 +24,17 @@ Sizes follow vLLM's: 1, 2, 4, 8, 16, 32, then every 16 up to ``max_num_seqs``. G
 captured largest first into one memory pool, after warm-up runs that compile the kernels. On
 a CPU the same static path runs eagerly (``capture=False``), which is how its bookkeeping is
 tested without a GPU.
+
+**Compiled on a CPU** (``EngineConfig.cpu_compile``, ``compile_cpu()``): the CPU has no graph
+to replay, but the same static program can be compiled once per size by inductor (through
+``torch.compile``), which fuses the norms, rotary embedding, residual adds and dtype casts
+around the matmuls into a few C++ loops. The compiled callable is then called with the same
+tensors every step, the way a graph is replayed: no Dynamo guard evaluation (about 1 ms a call
+for a 30-layer model's hundreds of parameters). What a guard would check cannot change here:
+every input is a parameter, a KV cache tensor or a view of the static input buffer, with the
+same shapes for the program's whole life. Attention runs as two opaque operators that read
+the rows from those buffers (``kernels/cpu_static_decode.py``). On the default model one decode
+step went from 10.8 to 7.3 ms (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -32,9 +43,9 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -45,6 +56,7 @@ from slipstream.agent.engine.sampling.sampler import plain_greedy
 from slipstream.agent.scheduler.batch import ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.kernels.attention import SEQ_INFO_COLUMNS
+from slipstream.kernels.cpu_static_decode import CpuStaticDecodeAttention, register_kv_caches
 
 if TYPE_CHECKING:  # Triton is imported only once decode graphs are built (CUDA, or tests)
     from slipstream.kernels.triton_backend import StaticDecodeAttention
@@ -76,19 +88,28 @@ class _Program:
     size: int
     token_ids: torch.Tensor
     positions: torch.Tensor
-    attention: StaticDecodeAttention
+    attention: StaticDecodeAttention | CpuStaticDecodeAttention
     graph: torch.cuda.CUDAGraph | None = None
+    # compile_cpu(): inductor's callable and the tensors it is called with, every step.
+    compiled: Callable[..., Sequence[torch.Tensor]] | None = None
+    compiled_inputs: tuple[torch.Tensor, ...] = ()
     logits: torch.Tensor | None = None  # [size, vocab] float32, rewritten by each run
     result: torch.Tensor | None = None  # [size, 2] int64: greedy token, logits finite
 
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], max_num_seqs: int,
-                 max_model_len: int, num_kv_heads: int, device: torch.device) -> None:
+                 max_model_len: int, num_kv_heads: int, device: torch.device,
+                 sizes: Sequence[int] | None = None, cpu_attention: bool = False) -> None:
+        """``sizes``: the batch sizes to build (default ``capture_sizes``). ``cpu_attention``:
+        the programs attend with ``CpuStaticDecodeAttention`` (for ``compile_cpu``) instead
+        of the Triton decode kernel."""
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
-        self.sizes = capture_sizes(max_num_seqs)
+        self.cpu_attention = cpu_attention
+        self._caches_handle: int | None = None  # the caches as the CPU attention finds them
+        self.sizes = tuple(sizes) if sizes is not None else capture_sizes(max_num_seqs)
         self.max_size = largest = self.sizes[-1]
         self.blocks_per_seq = -(-max_model_len // BLOCK_SIZE)
         # Offsets of the parts of the static input buffer (module docstring).
@@ -106,6 +127,7 @@ class DecodeGraphs:
                           for size in self.sizes}
         self.use_graphs = False
         self.capture_s: float | None = None
+        self.compile_s: float | None = None  # compile_cpu()'s wall time
         self.runs = 0  # steps served from this path since start-up
 
     def _program(self, size: int, num_kv_heads: int, max_model_len: int) -> _Program:
@@ -114,6 +136,14 @@ class DecodeGraphs:
 
         inputs, largest = self._inputs, self.max_size
         seq_info = inputs[self._seq_info_at:self._blocks_at].view(largest, SEQ_INFO_COLUMNS)
+        if self.cpu_attention:
+            if self._caches_handle is None:
+                self._caches_handle = register_kv_caches(self.kv_caches)
+            return _Program(size, inputs[:size], inputs[largest:largest + size],
+                            CpuStaticDecodeAttention(
+                                self._caches_handle, slot_mapping=inputs[2 * largest:2 * largest + size],
+                                seq_info=seq_info[:size],
+                                block_indices=inputs[self._blocks_at:]))
         attention = StaticDecodeAttention(
             slot_mapping=inputs[2 * largest:2 * largest + size], seq_info=seq_info[:size],
             block_indices=inputs[self._blocks_at:],
@@ -146,15 +176,73 @@ class DecodeGraphs:
                  "%.2f GiB reserved", len(self.sizes), _describe(self.sizes), self.capture_s,
                  reserved / 2**30)
 
-    def _forward(self, program: _Program) -> None:
+    @torch.inference_mode()
+    def compile_cpu(self) -> None:
+        """Compile every program with inductor (module docstring), smallest first, and keep
+        each one's callable and inputs. Raises what inductor raises (no C++ compiler, an
+        operator it cannot lower); the caller decides whether decodes then stay eager."""
+        if not self.cpu_attention:
+            raise RuntimeError("compile_cpu() needs programs built with cpu_attention=True")
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        started = time.perf_counter()
+        for size in self.sizes:
+            program = self._programs[size]
+            captured: list[tuple[Callable[..., Sequence[torch.Tensor]], list[object]]] = []
+
+            def keep(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+                     ) -> Callable[..., Sequence[torch.Tensor]]:
+                # The size and alignment checks of every input and operator result cost a
+                # Python call each, a few hundred per step; the shapes here never change.
+                with inductor_config.patch(size_asserts=False, alignment_asserts=False,
+                                           scalar_asserts=False):
+                    compiled = cast(Callable[..., Sequence[torch.Tensor]],
+                                    compile_fx(graph, example_inputs))
+                captured.append((compiled, list(example_inputs)))
+                return compiled
+
+            traced = torch.compile(functools.partial(self._compute, program), backend=keep,
+                                   fullgraph=True, dynamic=False)
+            eager = self._compute(program)
+            traced()
+            if len(captured) != 1:
+                raise RuntimeError(f"compiling the size-{size} decode program gave "
+                                   f"{len(captured)} graphs, not one")
+            compiled, inputs = captured[0]
+            # Parameters and views of the static buffers: nothing that changes between steps.
+            odd = {type(value).__name__ for value in inputs
+                   if type(value) not in (torch.Tensor, torch.nn.Parameter)}
+            if odd:
+                raise RuntimeError(f"a compiled decode program took inputs of type "
+                                   f"{', '.join(sorted(odd))}, not plain tensors, so it "
+                                   "cannot be called without its guards")
+            outputs = compiled(*inputs)
+            if len(outputs) != 2 or any(out.shape != ref.shape
+                                        for out, ref in zip(outputs, eager)):
+                raise RuntimeError("a compiled decode program returned "
+                                   f"{[tuple(out.shape) for out in outputs]}, not its logits "
+                                   "and greedy result")
+            program.compiled = compiled
+            program.compiled_inputs = tuple(inputs)  # type: ignore[arg-type]
+        torch._dynamo.reset()  # the programs are called directly from now on
+        self.compile_s = time.perf_counter() - started
+        log.info("compiled %d CPU decode programs (batch sizes %s) in %.1f s",
+                 len(self.sizes), _describe(self.sizes), self.compile_s)
+
+    def _compute(self, program: _Program) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's logits ``[size, vocab]`` and ``[size, 2]`` (greedy token, logits
+        finite) for the rows in the static buffers."""
         hidden = self.model(program.token_ids, program.positions, self.kv_caches,
                             program.attention)
         logits = self.model.compute_logits(hidden)
         # The sampler's common path, captured with the model: greedy, and whether the row's
         # logits are finite (both reductions carry a NaN; +-inf lands in one of them).
         finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
-        program.logits = logits
-        program.result = torch.stack([logits.argmax(dim=-1), finite.long()], dim=1)
+        return logits, torch.stack([logits.argmax(dim=-1), finite.long()], dim=1)
+
+    def _forward(self, program: _Program) -> None:
+        program.logits, program.result = self._compute(program)
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -169,6 +257,9 @@ class DecodeGraphs:
         self._inputs[:used].copy_(self._staging[:used], non_blocking=True)
         if self.use_graphs and program.graph is not None:
             program.graph.replay()
+        elif program.compiled is not None:
+            with torch.inference_mode():
+                program.logits, program.result = program.compiled(*program.compiled_inputs)
         else:
             with torch.inference_mode():
                 self._forward(program)

@@ -18,6 +18,7 @@ It makes no policy decisions: it runs exactly the chunks it is given. Three path
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Collection
@@ -35,6 +36,7 @@ from slipstream.agent.engine.kv.tier_store import (
 from slipstream.agent.engine.models.loader import load_model, resolve_dtype, weight_source
 from slipstream.agent.engine.models.cpu_matmul import apply_cpu_matmul
 from slipstream.agent.engine.models.llama import KVCache
+from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
 from slipstream.agent.engine.sampling.sampler import NON_FINITE_ERROR, MaskSource, Sampler
 from slipstream.agent.engine.step.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy
@@ -77,6 +79,37 @@ def plan_kv_blocks(config: EngineConfig, model_config: ModelConfig, device: torc
                          max_num_seqs=config.scheduler.max_num_seqs)
     log.info("%s", plan.reason)
     return plan
+
+
+# Compiled CPU decode programs: one per batch size, compiled at start-up (about 4 s each
+# from inductor's cache, 15-20 s without, for the default model on two cores). Larger
+# batches are bound by their matmuls, where the operators around them matter less.
+CPU_COMPILE_SIZES = (1, 2)
+
+
+def cpu_compile_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    largest = min(max_num_seqs, CPU_COMPILE_SIZES[-1])
+    return tuple(size for size in CPU_COMPILE_SIZES if size < largest) + (largest,)
+
+
+def cpu_compile_refusal(config: EngineConfig, model_config: ModelConfig,
+                        backend_name: str) -> str | None:
+    """Why compiled CPU decodes cannot serve this engine, or None when they can."""
+    if not config.parallel.is_single_process:
+        return "they run in a single process (no --tp/--spp/--kvp)"
+    if config.disagg.enabled:
+        return f"--role {config.disagg.role} steps are not compiled"
+    if model_config.moe is not None:
+        return "mixture-of-experts layers size their matmuls from the routing"
+    if model_config.attn_logit_softcap is not None or model_config.final_logit_softcap is not None \
+            or any(model_config.sliding_window_of(layer) is not None
+                   for layer in range(model_config.num_layers)):
+        return "sliding-window and soft-capped attention are not in the compiled kernel"
+    if backend_name != "torch":
+        return f"the {backend_name} attention backend runs its own kernels"
+    if config.gguf_activations != "bf16":
+        return "llama.cpp's 8-bit activation emulation is a measurement path"
+    return None
 
 
 class ModelRunner:
@@ -130,7 +163,10 @@ class ModelRunner:
 
     def _make_decode_graphs(self) -> DecodeGraphs | None:
         """Decode graphs on CUDA unless turned off; they run our Triton decode kernel, so a
-        FlashInfer or torch attention backend keeps decodes eager."""
+        FlashInfer or torch attention backend keeps decodes eager. On a CPU, the same static
+        programs compiled by inductor where ``cpu_compile`` resolves on."""
+        if self.device.type == "cpu" and self.config.cpu_compile is not False:
+            return self._make_cpu_compiled_decodes()
         wanted = self.config.cuda_graphs
         if wanted is False or (wanted is None and self.device.type != "cuda"):
             return None
@@ -158,6 +194,41 @@ class ModelRunner:
                             "(--no-cuda-graphs silences this)", error)
                 torch.cuda.synchronize(self.device)
                 return None
+        return graphs
+
+    def _make_cpu_compiled_decodes(self) -> DecodeGraphs | None:
+        """Decode steps of up to ``CPU_COMPILE_SIZES`` rows from inductor-compiled programs
+        (decode_graphs.py). ``cpu_compile`` None asks for them where they pay (weights
+        served quantized, where the matmuls are short and the operators around them are
+        most of a step); a model they cannot run, or a failed compile, keeps decodes eager,
+        with a log line that says why. True makes either an error."""
+        wanted = self.config.cpu_compile
+        reason = cpu_compile_refusal(self.config, self.model_config, self.backend.name)
+        if reason is None and wanted is None and not self.config.serves_quantized_weights:
+            reason = ("the weights are float (compiled decodes are on by default for "
+                      "quantized weights; --cpu-compile turns them on)")
+        if reason is not None:
+            if wanted:
+                raise ValueError(f"--cpu-compile: {reason}")
+            log.info("CPU decodes run eagerly: %s", reason)
+            return None
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
+            self.config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.num_kv_heads, self.device,
+            sizes=cpu_compile_sizes(self.config.scheduler.max_num_seqs), cpu_attention=True)
+        # Inductor's compiled code beside Slipstream's other generated files (a restart then
+        # loads it: 6 s for the default model's two programs, 28 s compiled afresh).
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(slipstream_cache_dir() / "inductor"))
+        try:
+            graphs.compile_cpu()
+        except Exception as error:  # inductor: no C++ compiler, an op it cannot lower, ...
+            if wanted:
+                raise
+            log.warning("compiling CPU decode steps failed (%s: %s); decodes run eagerly "
+                        "(--no-cpu-compile silences this)", type(error).__name__,
+                        str(error).splitlines()[0] if str(error) else "")
+            return None
         return graphs
 
     def allocate_host_cache(self, num_blocks: int) -> None:

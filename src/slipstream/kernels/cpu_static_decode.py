@@ -1,0 +1,139 @@
+"""Decode attention for compiled CPU decode steps (``step/decode_graphs.py`` with
+``cpu_compile``): the CPU counterpart of ``triton_backend.StaticDecodeAttention``.
+
+A compiled decode program is one inductor graph per batch size with static shapes, called
+directly with the same tensors every step (no Dynamo guards), so nothing in it may depend on
+a step's KV lengths. Attention does, so it stays outside the graph as one opaque operator,
+``slipstream::cpu_decode_attention``, that reads the step's rows from the program's static
+buffers when it runs: it writes this step's key and value into their slots, gathers each
+row's blocks and runs SDPA over the row's length. It is registered with ``torch.library``, so
+inductor keeps it as a call and fuses everything around it. Like vLLM's attention operator
+under ``torch.compile``, it reaches the KV cache outside the graph (``register_kv_caches``). Sliding windows and
+soft-capping are not here: a model with such layers keeps eager decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels.attention import BLOCK_START, KV_LEN, AttentionResult
+
+
+# KV caches of the compiled programs, by handle (register_kv_caches): the attention operator
+# finds its layer's cache here, so the cache is neither an input nor an output of the compiled
+# graph. That keeps the graph free of the cache's block count, which is sized from free memory
+# and differs between starts (a different count would miss inductor's on-disk cache and cost
+# a full compile), and of the bookkeeping of a mutated input (it measured 25 us per layer).
+_KV_CACHES: dict[int, Sequence[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def register_kv_caches(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """A handle for ``kv_caches`` (one ``(k, v)`` per layer) that the operator can name."""
+    handle = max(_KV_CACHES, default=0) + 1
+    _KV_CACHES[handle] = kv_caches
+    return handle
+
+
+def release_kv_caches(handle: int) -> None:
+    _KV_CACHES.pop(handle, None)
+
+
+@torch.library.custom_op("slipstream::cpu_decode_attention", mutates_args=())
+def cpu_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         caches: int, layer: int, slot_mapping: torch.Tensor,
+                         seq_info: torch.Tensor, block_indices: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Write row ``r``'s ``key``/``value`` into flat slot ``slot_mapping[r]`` of layer
+    ``layer`` of the registered ``caches`` (padding rows, slot -1, come last and write
+    nothing), then attend with ``query [rows, heads, dim]`` to each row's first
+    ``seq_info[r, KV_LEN]`` cached tokens, whose blocks start at
+    ``block_indices[seq_info[r, BLOCK_START]]``. A row without KV (padding) gets zeros.
+
+    One operator for both, so that a layer pays one dispatch from the compiled program. It
+    declares no mutated argument because it mutates none: the cache it writes is not an
+    argument, and nothing else in the graph reads it."""
+    k_cache, v_cache = _KV_CACHES[caches][layer]
+    info = seq_info.tolist()
+    rows = sum(1 for row in info if row[KV_LEN] > 0)
+    if rows:
+        index = slot_mapping[:rows]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, index, key[:rows].to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, index,
+                                                         value[:rows].to(v_cache.dtype))
+    block_size = k_cache.shape[1]
+    if len(info) == 1 and rows == 1:  # one stream: no copy into a zeroed output
+        return _attend(query[0], k_cache, v_cache, block_indices, info[0][KV_LEN],
+                       info[0][BLOCK_START], block_size, scale).unsqueeze(0)
+    output = torch.zeros_like(query)
+    for row, values in enumerate(info[:rows]):
+        output[row] = _attend(query[row], k_cache, v_cache, block_indices, values[KV_LEN],
+                              values[BLOCK_START], block_size, scale)
+    return output
+
+
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_indices: torch.Tensor, kv_len: int, start: int, block_size: int,
+            scale: float) -> torch.Tensor:
+    """One row: ``query [heads, dim]`` over its ``kv_len`` cached tokens -> ``[heads, dim]``."""
+    blocks = block_indices[start:start + -(-kv_len // block_size)]
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:kv_len].transpose(0, 1)
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:kv_len].transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        query.unsqueeze(1), keys.to(query.dtype), values.to(query.dtype), scale=scale,
+        enable_gqa=True).squeeze(1)
+
+
+@cpu_decode_attention.register_fake
+def _cpu_decode_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                caches: int, layer: int, slot_mapping: torch.Tensor,
+                                seq_info: torch.Tensor, block_indices: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+class CpuStaticDecodeAttention:
+    """Decode attention bound to a compiled program's buffers: the rows' slots, ``seq_info``
+    and block indices are rewritten in place before each call. The same interface as the
+    other backends' (``write_kv``, ``run``), without a plan."""
+
+    name = "cpu-static-decode"
+
+    def __init__(self, caches: int, slot_mapping: torch.Tensor, seq_info: torch.Tensor,
+                 block_indices: torch.Tensor) -> None:
+        self.caches = caches  # register_kv_caches' handle
+        self.slot_mapping = slot_mapping
+        self.seq_info = seq_info
+        self.block_indices = block_indices
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # write_kv's key, value
+
+    def plan(self, metadata: object = None) -> None:
+        """Nothing to plan: the step's rows are already in the bound buffers."""
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 key: torch.Tensor, value: torch.Tensor) -> None:
+        """Kept for ``run``, which writes and attends in one operator."""
+        self._pending = (key, value)
+
+    def run(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scale: float, return_lse: bool = True, sliding_window: int | None = None,
+            logit_softcap: float | None = None) -> AttentionResult:
+        if return_lse:
+            raise ValueError("compiled CPU decode serves one process without KV shards; it "
+                             "does not compute the log-sum-exp")
+        if sliding_window is not None or logit_softcap is not None:
+            raise ValueError("compiled CPU decode has no sliding window or soft-capping; such "
+                             "models decode eagerly")
+        if self._pending is None:
+            raise RuntimeError("write_kv() comes before run() in every layer")
+        key, value = self._pending
+        self._pending = None
+        # Which layer this is, by the identity of its cache (resolved once, when traced).
+        layer = next(index for index, (k, _) in enumerate(_KV_CACHES[self.caches])
+                     if k is k_cache)
+        output = torch.ops.slipstream.cpu_decode_attention(
+            query, key, value, self.caches, layer, self.slot_mapping, self.seq_info,
+            self.block_indices, scale)
+        return AttentionResult(output=output, lse_natural=None)
