@@ -38,6 +38,10 @@ def test_cuda_graph_flags_build_the_bucket_grid(tmp_path, monkeypatch):
     assert defaults.engine.cuda_graphs is None  # decode graphs: on where they can run
     assert not defaults.engine.short_prefill_graphs
     assert _parse(["--no-cuda-graphs"]).engine.cuda_graphs is False
+    assert defaults.engine.cpu_compile is None  # compiled CPU decodes: on for quantized weights
+    assert _parse(["--cpu-compile"]).engine.cpu_compile is True
+    assert serve_configs.engine_config(_parse(["--no-cpu-compile"]).changed(
+        model={"path": str(tmp_path)})).cpu_compile is False
     assert serve_configs.engine_config(
         defaults.changed(model={"path": str(tmp_path)})).short_prefill_buckets.num_buckets == 25
     config = _parse(["--model", str(tmp_path), "--short-prefill-graphs", "--cuda-graph-lengths",

@@ -8,13 +8,15 @@ a step's KV lengths. Attention does, so it stays outside the graph as one opaque
 buffers when it runs: it writes this step's key and value into their slots, gathers each
 row's blocks and runs SDPA over the row's length. It is registered with ``torch.library``, so
 inductor keeps it as a call and fuses everything around it. Like vLLM's attention operator
-under ``torch.compile``, it reaches the KV cache outside the graph (``register_kv_caches``). Sliding windows and
+under ``torch.compile``, it reaches the KV cache outside the graph (``kv_caches_in_use``). Sliding windows and
 soft-capping are not here: a model with such layers keeps eager decodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,32 +24,33 @@ import torch.nn.functional as F
 from slipstream.kernels.attention import BLOCK_START, KV_LEN, AttentionResult
 
 
-# KV caches of the compiled programs, by handle (register_kv_caches): the attention operator
-# finds its layer's cache here, so the cache is neither an input nor an output of the compiled
-# graph. That keeps the graph free of the cache's block count, which is sized from free memory
-# and differs between starts (a different count would miss inductor's on-disk cache and cost
-# a full compile), and of the bookkeeping of a mutated input (it measured 25 us per layer).
-_KV_CACHES: dict[int, Sequence[tuple[torch.Tensor, torch.Tensor]]] = {}
+# The KV caches of the program running on this thread (``kv_caches_in_use``): the attention
+# operator finds its layer's cache here, so the cache is neither an input nor an output of the
+# compiled graph. That keeps the graph free of the cache's block count, which is sized from
+# free memory and differs between starts (a different count would miss inductor's on-disk
+# cache and cost a full compile), and of the bookkeeping of a mutated input (it measured
+# 25 us per layer). Only layer indices are baked into the graph, so every engine's programs
+# of one model share inductor's cache entry.
+_in_use = threading.local()
 
 
-def register_kv_caches(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """A handle for ``kv_caches`` (one ``(k, v)`` per layer) that the operator can name."""
-    handle = max(_KV_CACHES, default=0) + 1
-    _KV_CACHES[handle] = kv_caches
-    return handle
-
-
-def release_kv_caches(handle: int) -> None:
-    _KV_CACHES.pop(handle, None)
+@contextlib.contextmanager
+def kv_caches_in_use(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """The caches that ``cpu_decode_attention`` calls on this thread read and write (one
+    ``(k, v)`` per layer), for the duration of a program's run."""
+    _in_use.caches = kv_caches
+    try:
+        yield
+    finally:
+        _in_use.caches = None
 
 
 @torch.library.custom_op("slipstream::cpu_decode_attention", mutates_args=())
 def cpu_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         caches: int, layer: int, slot_mapping: torch.Tensor,
-                         seq_info: torch.Tensor, block_indices: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         layer: int, slot_mapping: torch.Tensor, seq_info: torch.Tensor,
+                         block_indices: torch.Tensor, scale: float) -> torch.Tensor:
     """Write row ``r``'s ``key``/``value`` into flat slot ``slot_mapping[r]`` of layer
-    ``layer`` of the registered ``caches`` (padding rows, slot -1, come last and write
+    ``layer`` of the caches in use (``kv_caches_in_use``; padding rows, slot -1, come last and write
     nothing), then attend with ``query [rows, heads, dim]`` to each row's first
     ``seq_info[r, KV_LEN]`` cached tokens, whose blocks start at
     ``block_indices[seq_info[r, BLOCK_START]]``. A row without KV (padding) gets zeros.
@@ -55,7 +58,10 @@ def cpu_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     One operator for both, so that a layer pays one dispatch from the compiled program. It
     declares no mutated argument because it mutates none: the cache it writes is not an
     argument, and nothing else in the graph reads it."""
-    k_cache, v_cache = _KV_CACHES[caches][layer]
+    caches = getattr(_in_use, "caches", None)
+    if caches is None:
+        raise RuntimeError("cpu_decode_attention runs inside kv_caches_in_use()")
+    k_cache, v_cache = caches[layer]
     info = seq_info.tolist()
     rows = sum(1 for row in info if row[KV_LEN] > 0)
     if rows:
@@ -88,7 +94,7 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @cpu_decode_attention.register_fake
 def _cpu_decode_attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                caches: int, layer: int, slot_mapping: torch.Tensor,
+                                layer: int, slot_mapping: torch.Tensor,
                                 seq_info: torch.Tensor, block_indices: torch.Tensor,
                                 scale: float) -> torch.Tensor:
     return torch.empty_like(query)
@@ -101,9 +107,10 @@ class CpuStaticDecodeAttention:
 
     name = "cpu-static-decode"
 
-    def __init__(self, caches: int, slot_mapping: torch.Tensor, seq_info: torch.Tensor,
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 slot_mapping: torch.Tensor, seq_info: torch.Tensor,
                  block_indices: torch.Tensor) -> None:
-        self.caches = caches  # register_kv_caches' handle
+        self.kv_caches = kv_caches  # to name a layer by its cache (run)
         self.slot_mapping = slot_mapping
         self.seq_info = seq_info
         self.block_indices = block_indices
@@ -131,9 +138,8 @@ class CpuStaticDecodeAttention:
         key, value = self._pending
         self._pending = None
         # Which layer this is, by the identity of its cache (resolved once, when traced).
-        layer = next(index for index, (k, _) in enumerate(_KV_CACHES[self.caches])
-                     if k is k_cache)
+        layer = next(index for index, (k, _) in enumerate(self.kv_caches) if k is k_cache)
         output = torch.ops.slipstream.cpu_decode_attention(
-            query, key, value, self.caches, layer, self.slot_mapping, self.seq_info,
+            query, key, value, layer, self.slot_mapping, self.seq_info,
             self.block_indices, scale)
         return AttentionResult(output=output, lse_natural=None)

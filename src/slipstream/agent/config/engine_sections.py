@@ -88,11 +88,11 @@ class EngineSettings(Section):
         None, "decode steps from CUDA graphs (default: on with CUDA, one process and the "
         "Triton attention backend)")
     cpu_compile: bool | None = setting(
-        None, "on a CPU, decode steps of up to four sequences from programs compiled by "
-        "torch.compile (inductor) at start-up: about 1.5x faster for one stream. Default: on "
-        "when the weights are served quantized (the default model's Q4_1, --quantization) "
-        "and the model allows it; it needs a C++ compiler, and without one decodes stay eager "
-        "with a warning")
+        None, "on a CPU, decode steps of one or two sequences from programs compiled by "
+        "torch.compile (inductor) at start-up (seconds; cached on disk): about 1.6x faster for "
+        "one stream of the default model. Default: on when the weights are served quantized "
+        "(the default model's Q4_1, --quantization) and the model allows it; it needs a C++ "
+        "compiler, and without one decodes stay eager with a warning")
     short_prefill_graphs: bool = setting(
         False, "capture one CUDA graph per short-prefill (length, batch) bucket at start-up "
         "(on CPU the same padded path runs eagerly); single process only",

@@ -295,7 +295,7 @@ class EngineConfig:
     # run (CUDA, one process, the Triton attention backend); True asks for it (still eager on
     # a CPU, where the same static path runs without capture); False: eager decodes.
     cuda_graphs: bool | None = None
-    # Decode steps of up to four rows from inductor-compiled static programs on a CPU
+    # Decode steps of one or two rows from inductor-compiled static programs on a CPU
     # (decode_graphs.py, compile_cpu). None: on where the weights are served quantized and the
     # model can run them (one process, no sliding window or soft-capping, no experts); True
     # asks for them (an error where they cannot run or compile); False: eager decodes.
@@ -353,6 +353,9 @@ class EngineConfig:
         if self.short_prefill_graphs and not self.parallel.is_single_process:
             raise ValueError("short_prefill_graphs (the bucketed short-prefill path) runs in a "
                              "single process only; it is not wired into tp/spp/kvp workers yet")
+        if self.cpu_compile and self.cuda_graphs:
+            raise ValueError("cpu_compile and cuda_graphs are two ways to run decode steps; "
+                             "ask for one")
         if self.cpu_compile and not self.parallel.is_single_process:
             raise ValueError("cpu_compile (compiled CPU decode steps) runs in a single process "
                              "only; it is not wired into tp/spp/kvp workers yet")

@@ -56,7 +56,7 @@ from slipstream.agent.engine.sampling.sampler import plain_greedy
 from slipstream.agent.scheduler.batch import ScheduledChunk
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.kernels.attention import SEQ_INFO_COLUMNS
-from slipstream.kernels.cpu_static_decode import CpuStaticDecodeAttention, register_kv_caches
+from slipstream.kernels.cpu_static_decode import CpuStaticDecodeAttention, kv_caches_in_use
 
 if TYPE_CHECKING:  # Triton is imported only once decode graphs are built (CUDA, or tests)
     from slipstream.kernels.triton_backend import StaticDecodeAttention
@@ -108,7 +108,6 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.device = device
         self.cpu_attention = cpu_attention
-        self._caches_handle: int | None = None  # the caches as the CPU attention finds them
         self.sizes = tuple(sizes) if sizes is not None else capture_sizes(max_num_seqs)
         self.max_size = largest = self.sizes[-1]
         self.blocks_per_seq = -(-max_model_len // BLOCK_SIZE)
@@ -137,11 +136,9 @@ class DecodeGraphs:
         inputs, largest = self._inputs, self.max_size
         seq_info = inputs[self._seq_info_at:self._blocks_at].view(largest, SEQ_INFO_COLUMNS)
         if self.cpu_attention:
-            if self._caches_handle is None:
-                self._caches_handle = register_kv_caches(self.kv_caches)
             return _Program(size, inputs[:size], inputs[largest:largest + size],
                             CpuStaticDecodeAttention(
-                                self._caches_handle, slot_mapping=inputs[2 * largest:2 * largest + size],
+                                self.kv_caches, slot_mapping=inputs[2 * largest:2 * largest + size],
                                 seq_info=seq_info[:size],
                                 block_indices=inputs[self._blocks_at:]))
         attention = StaticDecodeAttention(
@@ -204,8 +201,9 @@ class DecodeGraphs:
 
             traced = torch.compile(functools.partial(self._compute, program), backend=keep,
                                    fullgraph=True, dynamic=False)
-            eager = self._compute(program)
-            traced()
+            with kv_caches_in_use(self.kv_caches):
+                eager = self._compute(program)
+                traced()
             if len(captured) != 1:
                 raise RuntimeError(f"compiling the size-{size} decode program gave "
                                    f"{len(captured)} graphs, not one")
@@ -217,7 +215,8 @@ class DecodeGraphs:
                 raise RuntimeError(f"a compiled decode program took inputs of type "
                                    f"{', '.join(sorted(odd))}, not plain tensors, so it "
                                    "cannot be called without its guards")
-            outputs = compiled(*inputs)
+            with kv_caches_in_use(self.kv_caches):
+                outputs = compiled(*inputs)
             if len(outputs) != 2 or any(out.shape != ref.shape
                                         for out, ref in zip(outputs, eager)):
                 raise RuntimeError("a compiled decode program returned "
@@ -258,10 +257,10 @@ class DecodeGraphs:
         if self.use_graphs and program.graph is not None:
             program.graph.replay()
         elif program.compiled is not None:
-            with torch.inference_mode():
+            with torch.inference_mode(), kv_caches_in_use(self.kv_caches):
                 program.logits, program.result = program.compiled(*program.compiled_inputs)
         else:
-            with torch.inference_mode():
+            with torch.inference_mode(), kv_caches_in_use(self.kv_caches):
                 self._forward(program)
         self.runs += 1
         return program

@@ -93,8 +93,9 @@ def cpu_compile_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def cpu_compile_refusal(config: EngineConfig, model_config: ModelConfig,
-                        backend_name: str) -> str | None:
-    """Why compiled CPU decodes cannot serve this engine, or None when they can."""
+                        backend_name: str, cpu_matmul: str = "torch") -> str | None:
+    """Why compiled CPU decodes cannot serve this engine, or None when they can.
+    ``cpu_matmul``: the path the loaded model's float matmuls run on (apply_cpu_matmul)."""
     if not config.parallel.is_single_process:
         return "they run in a single process (no --tp/--spp/--kvp)"
     if config.disagg.enabled:
@@ -109,6 +110,9 @@ def cpu_compile_refusal(config: EngineConfig, model_config: ModelConfig,
         return f"the {backend_name} attention backend runs its own kernels"
     if config.gguf_activations != "bf16":
         return "llama.cpp's 8-bit activation emulation is a measurement path"
+    if cpu_matmul == "onednn":
+        return ("float weights reordered for oneDNN cannot be compiled (--cpu-matmul torch "
+                "allows it)")
     return None
 
 
@@ -165,8 +169,12 @@ class ModelRunner:
         """Decode graphs on CUDA unless turned off; they run our Triton decode kernel, so a
         FlashInfer or torch attention backend keeps decodes eager. On a CPU, the same static
         programs compiled by inductor where ``cpu_compile`` resolves on."""
-        if self.device.type == "cpu" and self.config.cpu_compile is not False:
+        if self.device.type == "cpu" and self.config.cpu_compile is not False \
+                and not self.config.cuda_graphs:  # True on a CPU: the eager Triton path, tests
             return self._make_cpu_compiled_decodes()
+        if self.config.cpu_compile:
+            raise ValueError(f"--cpu-compile compiles decode steps on a CPU; this engine runs "
+                             f"on {self.device.type}, where decodes replay CUDA graphs")
         wanted = self.config.cuda_graphs
         if wanted is False or (wanted is None and self.device.type != "cuda"):
             return None
@@ -203,7 +211,8 @@ class ModelRunner:
         most of a step); a model they cannot run, or a failed compile, keeps decodes eager,
         with a log line that says why. True makes either an error."""
         wanted = self.config.cpu_compile
-        reason = cpu_compile_refusal(self.config, self.model_config, self.backend.name)
+        reason = cpu_compile_refusal(self.config, self.model_config, self.backend.name,
+                                     self.cpu_matmul)
         if reason is None and wanted is None and not self.config.serves_quantized_weights:
             reason = ("the weights are float (compiled decodes are on by default for "
                       "quantized weights; --cpu-compile turns them on)")

@@ -1,0 +1,177 @@
+"""Compiled CPU decode steps (decode_graphs.py ``compile_cpu``, kernels/cpu_static_decode.py):
+the same tokens and logits as eager decodes, the attention operator against a plain softmax,
+and where the path turns itself on, off, or refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from slipstream.agent.engine.config import EngineConfig, ModelConfig
+from slipstream.agent.engine.engine import LLMEngine
+from slipstream.agent.engine.parallel_config import ParallelConfig
+from slipstream.agent.engine.step.decode_graphs import DecodeGraphs
+from slipstream.agent.engine.step.model_runner import (
+    ModelRunner, cpu_compile_refusal, cpu_compile_sizes)
+from slipstream.agent.scheduler.config import SchedulerConfig
+from slipstream.contracts.sampling import SamplingParams
+from slipstream.kernels.attention import SEQ_INFO_COLUMNS
+from slipstream.kernels.cpu_static_decode import cpu_decode_attention, kv_caches_in_use
+
+PROMPTS = [[5, 17, 99, 3, 41, 8], [44] * 19]
+
+
+def engine(model_dir, **overrides) -> LLMEngine:
+    # The float matmuls through torch (oneDNN-reordered weights are not compiled).
+    settings = dict(model_dir=model_dir, device="cpu", dtype="float32", cpu_matmul="torch",
+                    scheduler=SchedulerConfig(max_num_seqs=8), num_kv_blocks=64,
+                    max_model_len=512)
+    return LLMEngine(EngineConfig(**{**settings, **overrides}))
+
+
+def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir):
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    eager = engine(tiny_model_dir, cpu_compile=False)
+    assert eager.runner.decode_graphs is None
+    compiled = engine(tiny_model_dir, cpu_compile=True)
+    graphs = compiled.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == (1, 2)
+    assert all(program.compiled is not None for program in graphs._programs.values())
+    for prompts in (PROMPTS, PROMPTS[:1]):  # decode steps of two rows, then of one
+        outputs = []
+        for eng in (eager, compiled):
+            for index, prompt in enumerate(prompts):
+                eng.add_request(prompt, params, f"r{index}")
+            logprobs: dict[str, list] = {}
+            while eng.has_unfinished():
+                for out in eng.step():
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+            outputs.append(logprobs)
+        want, got = outputs
+        assert want.keys() == got.keys()
+        for request_id in want:
+            assert [lp.token_id for lp in got[request_id]] == \
+                [lp.token_id for lp in want[request_id]]
+            for a, b in zip(want[request_id], got[request_id]):
+                assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+    # 2 prompts x 7 decode steps, then 7 more: every decode came from a compiled program.
+    assert graphs.runs == 14
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert compiled.generate(PROMPTS, greedy) == eager.generate(PROMPTS, greedy)
+
+
+def test_operator_writes_the_rows_and_attends_like_a_plain_softmax():
+    torch.manual_seed(0)
+    blocks, block_size, kv_heads, heads, dim = 12, 16, 2, 4, 8
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    before = (k_cache.clone(), v_cache.clone())
+    with kv_caches_in_use([(k_cache, v_cache)]):
+        # Row 0 holds 21 tokens in blocks 7 and 2 (its new token at position 20, slot 2*16+4);
+        # row 1 is padding: no KV, slot -1.
+        kv_len, table = 21, [7, 2]
+        seq_info = torch.zeros(2, SEQ_INFO_COLUMNS, dtype=torch.int64)
+        seq_info[0] = torch.tensor([0, 1, kv_len - 1, kv_len, 0, 0])
+        seq_info[1, 0], seq_info[1, 1] = 1, 1
+        block_indices = torch.tensor(table + [0, 0])
+        slots = torch.tensor([2 * block_size + 4, -1])
+        query, key, value = (torch.randn(2, heads, dim), torch.randn(2, kv_heads, dim),
+                             torch.randn(2, kv_heads, dim))
+        out = cpu_decode_attention(query, key, value, 0, slots, seq_info, block_indices, 0.3)
+    with pytest.raises(RuntimeError, match="inside kv_caches_in_use"):
+        cpu_decode_attention(query, key, value, 0, slots, seq_info, block_indices, 0.3)
+    # The new token is in its slot; nothing else in either cache changed.
+    assert torch.equal(k_cache[2, 4], key[0]) and torch.equal(v_cache[2, 4], value[0])
+    for cache, old in zip((k_cache, v_cache), before):
+        changed = (cache != old).any(dim=-1).any(dim=-1).nonzero().tolist()
+        assert changed == [[2, 4]]
+    keys = k_cache[table].reshape(-1, kv_heads, dim)[:kv_len]
+    values = v_cache[table].reshape(-1, kv_heads, dim)[:kv_len]
+    group = heads // kv_heads
+    for head in range(heads):
+        scores = keys[:, head // group] @ query[0, head] * 0.3
+        want = torch.softmax(scores, dim=0) @ values[:, head // group]
+        assert torch.allclose(out[0, head], want, atol=1e-5)
+    assert torch.equal(out[1], torch.zeros(heads, dim))  # the padding row
+
+
+def test_a_padded_program_serves_fewer_rows(tiny_model_dir):
+    """A size-2 program serving one row: the padding writes no KV and the row's logits are
+    the eager engine's."""
+    eager = engine(tiny_model_dir, cpu_compile=False)
+    compiled = engine(tiny_model_dir, cpu_compile=False)
+    runner = compiled.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, 512,
+                          runner.model_config.num_kv_heads, runner.device, sizes=(2,),
+                          cpu_attention=True)
+    graphs.compile_cpu()
+    runner.decode_graphs = graphs
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    before = [k.clone() for k, _ in runner.kv_caches]
+    assert compiled.generate(PROMPTS[:1], params) == eager.generate(PROMPTS[:1], params)
+    assert graphs.runs == 4
+    # Every layer holds the request's tokens (its prompt and 4 decodes) and nothing else:
+    # the padding row wrote nothing.
+    for (k_cache, _), old in zip(runner.kv_caches, before):
+        written = (k_cache != old).any(dim=-1).any(dim=-1)
+        assert int(written.sum()) == len(PROMPTS[0]) + 4
+
+
+def test_on_by_default_for_quantized_weights_only(tiny_model_dir):
+    assert engine(tiny_model_dir).runner.decode_graphs is None  # float weights
+    int8 = dict(quantization="int8")
+    quantized = engine(tiny_model_dir, **int8)
+    graphs = quantized.runner.decode_graphs
+    assert graphs is not None and graphs.compile_s is not None
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eager = engine(tiny_model_dir, **int8, cpu_compile=False)
+    assert quantized.generate(PROMPTS, params) == eager.generate(PROMPTS, params)
+    assert graphs.runs > 0
+
+
+def test_a_failed_compile_keeps_decodes_eager_unless_asked_for(tiny_model_dir, monkeypatch,
+                                                                caplog):
+    def fail(self):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(DecodeGraphs, "compile_cpu", fail)
+    with caplog.at_level(logging.WARNING):
+        quiet = engine(tiny_model_dir, quantization="int8")
+    assert quiet.runner.decode_graphs is None
+    assert "compiling CPU decode steps failed (RuntimeError: no C++ compiler found); " \
+        "decodes run eagerly" in caplog.text
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        engine(tiny_model_dir, cpu_compile=True)
+
+
+def test_what_the_compiled_path_cannot_run(tiny_model_dir):
+    model = ModelConfig.from_dir(tiny_model_dir)
+    config = EngineConfig(model_dir=tiny_model_dir, device="cpu")
+    assert cpu_compile_refusal(config, model, "torch") is None
+    capped = dataclasses.replace(model, attn_logit_softcap=50.0)
+    assert "soft-capped" in cpu_compile_refusal(config, capped, "torch")
+    assert "triton attention backend" in cpu_compile_refusal(config, model, "triton")
+    assert "--cpu-matmul torch" in cpu_compile_refusal(config, model, "torch", "onednn")
+    q8 = EngineConfig(model_dir=tiny_model_dir, device="cpu", gguf_file=tiny_model_dir / "x",
+                      gguf_activations="q8")
+    assert "measurement" in cpu_compile_refusal(q8, model, "torch")
+    spp = EngineConfig(model_dir=tiny_model_dir, device="cpu",
+                       parallel=ParallelConfig(spp=2))
+    assert "single process" in cpu_compile_refusal(spp, model, "torch")
+    with pytest.raises(ValueError, match="single process"):
+        EngineConfig(model_dir=tiny_model_dir, cpu_compile=True, parallel=ParallelConfig(spp=2))
+    with pytest.raises(ValueError, match="ask for one"):
+        EngineConfig(model_dir=tiny_model_dir, cpu_compile=True, cuda_graphs=True)
+    # Asked for where it cannot run: an error at start-up that says why.
+    with pytest.raises(ValueError, match="--cpu-compile: sliding-window and soft-capped"):
+        ModelRunner(EngineConfig(model_dir=tiny_model_dir, device="cpu", num_kv_blocks=16,
+                                 cpu_matmul="torch", cpu_compile=True), capped)
+
+
+def test_sizes_stop_at_two_rows_and_at_max_num_seqs():
+    assert cpu_compile_sizes(256) == (1, 2)
+    assert cpu_compile_sizes(2) == (1, 2)
+    assert cpu_compile_sizes(1) == (1,)
