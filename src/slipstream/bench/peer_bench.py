@@ -197,7 +197,12 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bars, timeline) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # Without a convoy part (--skip convoy) the figure is the throughput bars alone.
+    if report["convoy"]:
+        fig, (bars, timeline) = plt.subplots(1, 2, figsize=(12, 4.5))
+    else:
+        fig, bars = plt.subplots(1, 1, figsize=(7, 4.5))
+        timeline = None
     systems = list(report["throughput"])
     streams = [row["streams"] for row in next(iter(report["throughput"].values()), [])]
     width = 0.8 / max(len(systems), 1)
@@ -210,17 +215,18 @@ def plot(report: dict, path: Path) -> None:
     bars.set_ylabel("output tokens/s")
     bars.set_title("throughput (64-token prompts, 64 output tokens)")
     bars.legend(fontsize=8)
-    for name, result in report["convoy"].items():
-        points = result["short_ttft_s"]
-        timeline.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=4,
-                      label=f"{name} (p99 {result['short_ttft_p99_s']:.2f} s)")
-    for at in report["settings"]["long_arrivals_s"]:
-        timeline.axvline(at, color="grey", linewidth=0.5)
-    timeline.set_yscale("log")
-    timeline.set_xlabel("arrival time (s); grey: a long document arrives")
-    timeline.set_ylabel("short-request TTFT (s)")
-    timeline.set_title("convoy")
-    timeline.legend(fontsize=8)
+    if timeline is not None:
+        for name, result in report["convoy"].items():
+            points = result["short_ttft_s"]
+            timeline.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=4,
+                          label=f"{name} (p99 {result['short_ttft_p99_s']:.2f} s)")
+        for at in report["settings"]["long_arrivals_s"]:
+            timeline.axvline(at, color="grey", linewidth=0.5)
+        timeline.set_yscale("log")
+        timeline.set_xlabel("arrival time (s); grey: a long document arrives")
+        timeline.set_ylabel("short-request TTFT (s)")
+        timeline.set_title("convoy")
+        timeline.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

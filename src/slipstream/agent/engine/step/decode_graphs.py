@@ -184,6 +184,10 @@ class DecodeGraphs:
         from torch._inductor.compile_fx import compile_fx
 
         started = time.perf_counter()
+        log.info("compiling CPU decode programs for batch sizes %s with torch.compile "
+                 "(--no-cpu-compile skips it): about 15 s a size the first time for a 135M "
+                 "model on two cores, seconds once inductor's cache has them",
+                 _describe(self.sizes))
         for size in self.sizes:
             program = self._programs[size]
             captured: list[tuple[Callable[..., Sequence[torch.Tensor]], list[object]]] = []
