@@ -175,3 +175,19 @@ def test_sizes_stop_at_two_rows_and_at_max_num_seqs():
     assert cpu_compile_sizes(256) == (1, 2)
     assert cpu_compile_sizes(2) == (1, 2)
     assert cpu_compile_sizes(1) == (1,)
+
+
+def test_a_program_that_computes_other_logits_is_not_used(tiny_model_dir, monkeypatch):
+    """The start-up check runs each compiled program once against the eager forward."""
+    import torch._inductor.compile_fx as inductor
+
+    real = inductor.compile_fx
+
+    def off_by_one(graph, example_inputs):
+        compiled = real(graph, example_inputs)
+        return lambda *inputs: [out + 1 if out.is_floating_point() else out
+                                for out in compiled(*inputs)]
+
+    monkeypatch.setattr(inductor, "compile_fx", off_by_one)
+    with pytest.raises(RuntimeError, match="logits differ from the eager ones by 1"):
+        engine(tiny_model_dir, cpu_compile=True)

@@ -8,8 +8,8 @@ a step's KV lengths. Attention does, so it stays outside the graph as one opaque
 buffers when it runs: it writes this step's key and value into their slots, gathers each
 row's cached tokens and runs SDPA over them. It is registered with ``torch.library``, so
 inductor keeps it as a call and fuses everything around it. Like vLLM's attention operator
-under ``torch.compile``, it reaches the KV cache outside the graph (``kv_caches_in_use``). Sliding windows and
-soft-capping are not here: a model with such layers keeps eager decodes.
+under ``torch.compile``, it reaches the KV cache outside the graph (``kv_caches_in_use``).
+Sliding windows and soft-capping are not here: a model with such layers keeps eager decodes.
 """
 
 from __future__ import annotations

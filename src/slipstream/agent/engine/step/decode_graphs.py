@@ -31,10 +31,10 @@ to replay, but the same static program can be compiled once per size by inductor
 around the matmuls into a few C++ loops. The compiled callable is then called with the same
 tensors every step, the way a graph is replayed: no Dynamo guard evaluation (about 1 ms a call
 for a 30-layer model's hundreds of parameters). What a guard would check cannot change here:
-every input is a parameter, a KV cache tensor or a view of the static input buffer, with the
-same shapes for the program's whole life. Attention runs as two opaque operators that read
-the rows from those buffers (``kernels/cpu_static_decode.py``). On the default model one decode
-step went from 10.8 to 7.3 ms (docs/quantization.md).
+every input is a parameter or a view of the static input buffer, with the same shapes for the
+program's whole life. Attention runs as one opaque operator that reads the rows from those
+buffers and reaches the KV cache outside the graph (``kernels/cpu_static_decode.py``). On the
+default model one decode step went from 10.0 to 6.2 ms (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -226,6 +226,12 @@ class DecodeGraphs:
                 raise RuntimeError("a compiled decode program returned "
                                    f"{[tuple(out.shape) for out in outputs]}, not its logits "
                                    "and greedy result")
+            # The same rows (padding) as the eager run: the logits must agree, up to the
+            # rounding of fused float arithmetic.
+            error = float((outputs[0] - eager[0]).abs().max())
+            if not error <= 1e-3 * max(1.0, float(eager[0].abs().max())):
+                raise RuntimeError(f"a compiled decode program's logits differ from the eager "
+                                   f"ones by {error:.3g}")
             program.compiled = compiled
             program.compiled_inputs = tuple(inputs)  # type: ignore[arg-type]
         torch._dynamo.reset()  # the programs are called directly from now on
