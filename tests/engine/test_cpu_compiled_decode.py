@@ -14,8 +14,8 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.parallel_config import ParallelConfig
 from slipstream.agent.engine.step.decode_graphs import DecodeGraphs
-from slipstream.agent.engine.step.model_runner import (
-    ModelRunner, cpu_compile_refusal, cpu_compile_sizes)
+from slipstream.agent.engine.step.cpu_compile import cpu_compile_refusal, cpu_compile_sizes
+from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.contracts.sampling import SamplingParams
 from slipstream.kernels.attention import SEQ_INFO_COLUMNS
