@@ -135,7 +135,9 @@ class ModelRunner:
         programs compiled by inductor where ``cpu_compile`` resolves on."""
         if self.device.type == "cpu" and self.config.cpu_compile is not False \
                 and not self.config.cuda_graphs:  # True on a CPU: the eager Triton path, tests
-            return self._make_cpu_compiled_decodes()
+            return make_cpu_compiled_decodes(self.config, self.model_config, self.backend.name,
+                                             self.cpu_matmul, self.model, self.kv_caches,
+                                             self.device)
         if self.config.cpu_compile:
             raise ValueError(f"--cpu-compile compiles decode steps on a CPU; this engine runs "
                              f"on {self.device.type}, where decodes replay CUDA graphs")
@@ -167,11 +169,6 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
                 return None
         return graphs
-
-    def _make_cpu_compiled_decodes(self) -> DecodeGraphs | None:
-        return make_cpu_compiled_decodes(self.config, self.model_config, self.backend.name,
-                                         self.cpu_matmul, self.model, self.kv_caches,
-                                         self.device)
 
     def allocate_host_cache(self, num_blocks: int) -> None:
         """Host-memory KV blocks that swap preemption copies device blocks into."""
