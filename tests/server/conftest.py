@@ -190,6 +190,18 @@ class RouterHandle:
                    if sample.name == name and all(sample.labels.get(k) == v
                                                   for k, v in labels.items()))
 
+    def wait_for_metric(self, name: str, expected: float, timeout_s: float = 15.0,
+                        **labels: str) -> float:
+        """Poll until the (summed) metric equals ``expected``; return the last value seen. A
+        stream is counted when the router's side of it ends, which may be just after the
+        client has read its last event."""
+        deadline = time.monotonic() + timeout_s
+        value = self.metric(name, **labels)
+        while value != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+            value = self.metric(name, **labels)
+        return value
+
 
 @contextlib.contextmanager
 def _run_router(model_dir: Path, log_dir: Path, backends: list[str], *extra: str

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 BACKEND_HEADER = "x-slipstream-backend"
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE_EVENT = b"data: [DONE]"
 T = TypeVar("T")
 
 
@@ -236,10 +237,17 @@ class Proxy:
                             lease: Lease) -> AsyncIterator[bytes]:
         events = held.count(b"data: ")
         outcome = "error"
+        # The clients that stop reading at [DONE] (the openai client closes the connection
+        # there) may be seen leaving before the upstream body's end is read: such a stream
+        # was served whole, so it counts as ok, not cancelled.
+        tail = held[-len(_DONE_EVENT):]
+        done = _DONE_EVENT in held
         try:
             yield held
             async for chunk in chunks:
                 events += chunk.count(b"data: ")
+                done = done or _DONE_EVENT in tail + chunk
+                tail = (tail + chunk)[-len(_DONE_EVENT):]
                 yield chunk
             outcome = "ok"
         except httpx.TransportError as error:
@@ -249,7 +257,7 @@ class Proxy:
                                     f"({type(error).__name__})", code="instance_failed")
             yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
         except (GeneratorExit, asyncio.CancelledError):
-            outcome = "cancelled"  # the client went away
+            outcome = "ok" if done else "cancelled"  # the client went away
             raise
         finally:
             await upstream.aclose()
