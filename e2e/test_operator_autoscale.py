@@ -106,6 +106,19 @@ def instance_pools(dev_cluster, namespace: str, name: str) -> dict[str, str]:
             for p in replica_pods(dev_cluster, namespace, name)}
 
 
+def scaling_state(dev_cluster, namespace: str, name: str, load: ClosedLoopLoad) -> str:
+    """What a timed-out scaling wait prints: the autoscaler's status, each instance's pool and
+    readiness, the replica's Events and the load's counts."""
+    pods = [f"{p['metadata']['name']} pool={p['metadata']['labels'].get(POOL_LABEL, '')} "
+            f"ready={is_ready(p)}" for p in replica_pods(dev_cluster, namespace, name)]
+    items = dev_cluster.api.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+    recent = [f"{e.get('reason')}: {e.get('message')}" for e in items
+              if e.get("involvedObject", {}).get("kind") == "ServingReplica"][-12:]
+    return (f"status.autoscaling={autoscaling_status(dev_cluster, namespace, name)}; "
+            f"pods={pods}; events={recent}; load ok={load.ok} "
+            f"failures={load.failures[:3]} served_by={sorted(load.served_by)}")
+
+
 def operator_targets(dev_cluster, operator_release) -> list[str]:
     return [f"{pod_ip(pod)}:{OPERATOR_METRICS_PORT}"
             for pod in operator_pods(dev_cluster, operator_release, ready=True)]
@@ -165,7 +178,8 @@ def scale_up_and_down(dev_cluster, namespace: str, tiny_model_dir) -> None:
     started = time.monotonic()
     with Load(dev_cluster, namespace, clients=4, pause_s=0.0) as heavy:
         dev_cluster.wait_for(lambda: len(service_backends(dev_cluster, namespace)) >= 2,
-                             SCALE_UP_TIMEOUT_S, "a second instance serving under load")
+                             SCALE_UP_TIMEOUT_S, "a second instance serving under load",
+                             describe=lambda: scaling_state(dev_cluster, namespace, NAME, heavy))
         scaled_up_s = time.monotonic() - started
         # Let the new instance take requests through the Service.
         dev_cluster.wait_for(lambda: len(heavy.served_by) >= 2, 60.0,
@@ -186,7 +200,9 @@ def scale_up_and_down(dev_cluster, namespace: str, tiny_model_dir) -> None:
         dev_cluster.wait_for(lambda: len(live_instances(dev_cluster, namespace)) == 1
                              and autoscaling_status(dev_cluster, namespace).get(
                                  "desiredInstances") == 1,
-                             SCALE_DOWN_TIMEOUT_S, "back to minInstances")
+                             SCALE_DOWN_TIMEOUT_S, "back to minInstances",
+                             describe=lambda: scaling_state(dev_cluster, namespace, NAME,
+                                                            trickle))
         scaled_down_s = time.monotonic() - stopped
         # Requests after the last drain still succeed: wait for a few more answers.
         answered = trickle.ok
@@ -249,7 +265,8 @@ def test_with_pools_scale_up_feeds_the_pressured_pool_and_the_drain_keeps_min_pe
     with Load(dev_cluster, namespace, clients=4, pause_s=0.0, service=short_service) as heavy:
         dev_cluster.wait_for(
             lambda: len(service_backends(dev_cluster, namespace, short_service)) >= 2,
-            SCALE_UP_TIMEOUT_S, "a second short-pool instance serving under load")
+            SCALE_UP_TIMEOUT_S, "a second short-pool instance serving under load",
+            describe=lambda: scaling_state(dev_cluster, namespace, POOLED, heavy))
         dev_cluster.wait_for(lambda: len(heavy.served_by) >= 2, 60.0,
                              "requests served by both short instances")
     assert heavy.failures == [], heavy.failures[:5]
@@ -264,7 +281,8 @@ def test_with_pools_scale_up_feeds_the_pressured_pool_and_the_drain_keeps_min_pe
         dev_cluster.wait_for(
             lambda: len(live_instances(dev_cluster, namespace, POOLED)) == 2
             and autoscaling_status(dev_cluster, namespace, POOLED).get("desiredInstances") == 2,
-            SCALE_DOWN_TIMEOUT_S, "back to minInstances")
+            SCALE_DOWN_TIMEOUT_S, "back to minInstances",
+            describe=lambda: scaling_state(dev_cluster, namespace, POOLED, trickle))
         # Requests after the drain still succeed: wait for a few more to be answered.
         answered = trickle.ok
         dev_cluster.wait_for(lambda: trickle.ok >= answered + 2, 60.0,

@@ -18,15 +18,22 @@ from typing import Any, Callable
 
 
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str,
-             period_s: float = 0.25) -> Any:
-    """Poll until `check()` returns something truthy and return it."""
+             period_s: float = 0.25, describe: Callable[[], str] | None = None) -> Any:
+    """Poll until `check()` returns something truthy and return it. On a timeout the error
+    says what `describe()` (if given) returns: the state that explains why it never came."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = check()
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            state = ""
+            if describe is not None:
+                try:
+                    state = f"; {describe()}"
+                except Exception as error:  # noqa: BLE001 - the timeout is the failure
+                    state = f"; (describing the state failed: {error!r})"
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}{state}")
         time.sleep(period_s)
 
 

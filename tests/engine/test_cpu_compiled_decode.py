@@ -63,31 +63,40 @@ def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir):
     assert compiled.generate(PROMPTS, greedy) == eager.generate(PROMPTS, greedy)
 
 
-def test_operator_writes_the_rows_and_attends_like_a_plain_softmax():
+@pytest.mark.parametrize("table, padded", [
+    ([7, 2], True),    # scattered blocks: the row's tokens are gathered
+    ([1, 2], True),    # consecutive blocks: attention reads a view of the cache
+    ([7, 2], False),   # a lone row, scattered
+    ([1, 2], False),   # a lone row in consecutive blocks: the one-stream path
+])
+def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded):
     torch.manual_seed(0)
     blocks, block_size, kv_heads, heads, dim = 12, 16, 2, 4, 8
     k_cache = torch.randn(blocks, block_size, kv_heads, dim)
     v_cache = torch.randn(blocks, block_size, kv_heads, dim)
     before = (k_cache.clone(), v_cache.clone())
+    rows = 2 if padded else 1
     with kv_caches_in_use([(k_cache, v_cache)]):
-        # Row 0 holds 21 tokens in blocks 7 and 2 (its new token at position 20, slot 2*16+4);
-        # row 1 is padding: no KV, slot -1.
-        kv_len, table = 21, [7, 2]
-        seq_info = torch.zeros(2, SEQ_INFO_COLUMNS, dtype=torch.int64)
+        # Row 0 holds 21 tokens in the table's two blocks (its new token at position 20, in
+        # the second block's slot 4); row 1, if any, is padding: no KV, slot -1.
+        kv_len = 21
+        seq_info = torch.zeros(rows, SEQ_INFO_COLUMNS, dtype=torch.int64)
         seq_info[0] = torch.tensor([0, 1, kv_len - 1, kv_len, 0, 0])
-        seq_info[1, 0], seq_info[1, 1] = 1, 1
         block_indices = torch.tensor(table + [0, 0])
-        slots = torch.tensor([2 * block_size + 4, -1])
-        query, key, value = (torch.randn(2, heads, dim), torch.randn(2, kv_heads, dim),
-                             torch.randn(2, kv_heads, dim))
+        slots = torch.tensor([table[1] * block_size + 4, -1][:rows])
+        if padded:
+            seq_info[1, 0], seq_info[1, 1] = 1, 1
+        query, key, value = (torch.randn(rows, heads, dim), torch.randn(rows, kv_heads, dim),
+                             torch.randn(rows, kv_heads, dim))
         out = cpu_decode_attention(query, key, value, 0, slots, seq_info, block_indices, 0.3)
     with pytest.raises(RuntimeError, match="inside kv_caches_in_use"):
         cpu_decode_attention(query, key, value, 0, slots, seq_info, block_indices, 0.3)
     # The new token is in its slot; nothing else in either cache changed.
-    assert torch.equal(k_cache[2, 4], key[0]) and torch.equal(v_cache[2, 4], value[0])
+    assert torch.equal(k_cache[table[1], 4], key[0])
+    assert torch.equal(v_cache[table[1], 4], value[0])
     for cache, old in zip((k_cache, v_cache), before):
         changed = (cache != old).any(dim=-1).any(dim=-1).nonzero().tolist()
-        assert changed == [[2, 4]]
+        assert changed == [[table[1], 4]]
     keys = k_cache[table].reshape(-1, kv_heads, dim)[:kv_len]
     values = v_cache[table].reshape(-1, kv_heads, dim)[:kv_len]
     group = heads // kv_heads
@@ -95,7 +104,9 @@ def test_operator_writes_the_rows_and_attends_like_a_plain_softmax():
         scores = keys[:, head // group] @ query[0, head] * 0.3
         want = torch.softmax(scores, dim=0) @ values[:, head // group]
         assert torch.allclose(out[0, head], want, atol=1e-5)
-    assert torch.equal(out[1], torch.zeros(heads, dim))  # the padding row
+    assert out.shape == (rows, heads, dim)
+    if padded:
+        assert torch.equal(out[1], torch.zeros(heads, dim))  # the padding row
 
 
 def test_a_padded_program_serves_fewer_rows(tiny_model_dir):

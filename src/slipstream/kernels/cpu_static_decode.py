@@ -54,7 +54,9 @@ class _Rows:
 
     buffers: tuple[int, int, int]  # data pointers of the slots, seq_info and blocks read
     slots: torch.Tensor  # [rows with KV]
-    tokens: tuple[torch.Tensor, ...]  # per row with KV: its flat slots, [kv_len]
+    # Per row with KV: its flat slots [kv_len], or the slice of them when its blocks are
+    # consecutive (a view of the cache, no gather: usual for a lone stream).
+    tokens: tuple[torch.Tensor | slice, ...]
     padded: int  # rows including padding
 
 
@@ -70,7 +72,11 @@ def _rows(slot_mapping: torch.Tensor, seq_info: torch.Tensor, block_indices: tor
     for row in info:
         kv_len, start = row[KV_LEN], row[BLOCK_START]
         blocks = block_indices[start:start + -(-kv_len // block_size)]
-        tokens.append((blocks[:, None] * block_size + offsets).flatten()[:kv_len])
+        first = int(blocks[0])
+        if bool((blocks == torch.arange(first, first + len(blocks))).all()):
+            tokens.append(slice(first * block_size, first * block_size + kv_len))
+        else:
+            tokens.append((blocks[:, None] * block_size + offsets).flatten()[:kv_len])
     rows = _Rows(buffers, slot_mapping[:len(info)], tuple(tokens), seq_info.shape[0])
     _in_use.rows = rows
     return rows
@@ -107,11 +113,14 @@ def cpu_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 def _attend(query: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-            tokens: torch.Tensor, scale: float) -> torch.Tensor:
+            tokens: torch.Tensor | slice, scale: float) -> torch.Tensor:
     """One row: ``query [heads, dim]`` over the cached tokens at flat slots ``tokens``
     -> ``[heads, dim]``."""
-    keys = k_flat.index_select(0, tokens).transpose(0, 1)
-    values = v_flat.index_select(0, tokens).transpose(0, 1)
+    if isinstance(tokens, slice):
+        keys, values = k_flat[tokens].transpose(0, 1), v_flat[tokens].transpose(0, 1)
+    else:
+        keys = k_flat.index_select(0, tokens).transpose(0, 1)
+        values = v_flat.index_select(0, tokens).transpose(0, 1)
     return F.scaled_dot_product_attention(
         query.unsqueeze(1), keys.to(query.dtype), values.to(query.dtype), scale=scale,
         enable_gqa=True).squeeze(1)
