@@ -19,6 +19,8 @@ from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.scheduler.config import SchedulerConfig
 from slipstream.contracts.sampling import SamplingParams
 from slipstream.kernels.attention import SEQ_INFO_COLUMNS
+from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
+from slipstream.kernels import cpu_static_decode
 from slipstream.kernels.cpu_static_decode import cpu_decode_attention, kv_caches_in_use
 
 PROMPTS = [[5, 17, 99, 3, 41, 8], [44] * 19]
@@ -40,6 +42,8 @@ def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir):
     graphs = compiled.runner.decode_graphs
     assert graphs is not None and graphs.sizes == (1, 2)
     assert all(program.compiled is not None for program in graphs._programs.values())
+    # The programs attend through the C++ kernel (use_implementation answers what it chose).
+    assert cpu_static_decode.use_implementation(None) == cpu_static_decode.NATIVE
     for prompts in (PROMPTS, PROMPTS[:1]):  # decode steps of two rows, then of one
         outputs = []
         for eng in (eager, compiled):
@@ -63,13 +67,28 @@ def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir):
     assert compiled.generate(PROMPTS, greedy) == eager.generate(PROMPTS, greedy)
 
 
+def native_kernel() -> None:
+    """The operator's C++ kernel, as compiled decodes register it (a C++ compiler is part
+    of the setup: inductor needs one too)."""
+    built = cpu_static_decode.use_implementation(
+        slipstream_cache_dir() / "cpp" / "decode_attention")
+    assert built == cpu_static_decode.NATIVE, "the C++ decode attention kernel did not build"
+
+
+def call_operator(*args):
+    native_kernel()
+    return torch.ops.slipstream.cpu_decode_attention(*args)
+
+
+@pytest.mark.parametrize("kernel", [cpu_decode_attention, call_operator],
+                         ids=["python", "c++"])
 @pytest.mark.parametrize("table, padded", [
     ([7, 2], True),    # scattered blocks: the row's tokens are gathered
     ([1, 2], True),    # consecutive blocks: attention reads a view of the cache
     ([7, 2], False),   # a lone row, scattered
     ([1, 2], False),   # a lone row in consecutive blocks: the one-stream path
 ])
-def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded):
+def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded, kernel):
     torch.manual_seed(0)
     blocks, block_size, kv_heads, heads, dim = 12, 16, 2, 4, 8
     k_cache = torch.randn(blocks, block_size, kv_heads, dim)
@@ -88,9 +107,9 @@ def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded
             seq_info[1, 0], seq_info[1, 1] = 1, 1
         query, key, value = (torch.randn(rows, heads, dim), torch.randn(rows, kv_heads, dim),
                              torch.randn(rows, kv_heads, dim))
-        out = cpu_decode_attention(query, key, value, 0, slots, seq_info, block_indices, 0.3)
+        out = kernel(query, key, value, 0, slots, seq_info, block_indices, 0.3)
     with pytest.raises(RuntimeError, match="inside kv_caches_in_use"):
-        cpu_decode_attention(query, key, value, 0, slots, seq_info, block_indices, 0.3)
+        kernel(query, key, value, 0, slots, seq_info, block_indices, 0.3)
     # The new token is in its slot; nothing else in either cache changed.
     assert torch.equal(k_cache[table[1], 4], key[0])
     assert torch.equal(v_cache[table[1], 4], value[0])

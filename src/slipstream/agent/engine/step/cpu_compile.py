@@ -12,6 +12,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.models.llama import KVCache, LlamaForCausalLM
 from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
 from slipstream.agent.engine.step.decode_graphs import DecodeGraphs
+from slipstream.kernels import cpu_static_decode
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ def make_cpu_compiled_decodes(config: EngineConfig, model_config: ModelConfig,
     # Inductor's compiled code beside Slipstream's other generated files (a restart then
     # loads it: 6 s for the default model's two programs, 28 s compiled afresh).
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(slipstream_cache_dir() / "inductor"))
+    # The attention operator's C++ kernel (the Python one if it does not build).
+    cpu_static_decode.use_implementation(slipstream_cache_dir() / "cpp" / "decode_attention")
     try:
         graphs.compile_cpu()
     except Exception as error:  # inductor: no C++ compiler, an op it cannot lower, ...
