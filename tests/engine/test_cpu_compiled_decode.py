@@ -80,17 +80,29 @@ def call_operator(*args):
     return torch.ops.slipstream.cpu_decode_attention(*args)
 
 
-@pytest.mark.parametrize("kernel", [cpu_decode_attention, call_operator],
-                         ids=["python", "c++"])
+def call_operator_through_sdpa(*args):
+    """The C++ kernel's SDPA path, which contexts over 4,096 tokens (and other dtypes) take."""
+    native_kernel()
+    torch.ops.slipstream_cpu.set_force_sdpa(True)
+    try:
+        return torch.ops.slipstream.cpu_decode_attention(*args)
+    finally:
+        torch.ops.slipstream_cpu.set_force_sdpa(False)
+
+
+@pytest.mark.parametrize("dim", [8, 64])
+@pytest.mark.parametrize("kernel", [cpu_decode_attention, call_operator,
+                                    call_operator_through_sdpa],
+                         ids=["python", "c++", "c++-sdpa"])
 @pytest.mark.parametrize("table, padded", [
     ([7, 2], True),    # scattered blocks: the row's tokens are gathered
     ([1, 2], True),    # consecutive blocks: attention reads a view of the cache
     ([7, 2], False),   # a lone row, scattered
     ([1, 2], False),   # a lone row in consecutive blocks: the one-stream path
 ])
-def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded, kernel):
+def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded, kernel, dim):
     torch.manual_seed(0)
-    blocks, block_size, kv_heads, heads, dim = 12, 16, 2, 4, 8
+    blocks, block_size, kv_heads, heads = 12, 16, 2, 4
     k_cache = torch.randn(blocks, block_size, kv_heads, dim)
     v_cache = torch.randn(blocks, block_size, kv_heads, dim)
     before = (k_cache.clone(), v_cache.clone())

@@ -38,6 +38,7 @@ import torch
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.models.cpu_matmul import onednn_available
+from slipstream.agent.engine.models.cpu_quant import native_kernels
 from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
 
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --gguf: comma-separated activation paths for its blocks, "
                              "bf16 (served) and/or q8 (llama.cpp's 8-bit blocks, timed as "
                              "gguf-q8; models/q8_activations.py)")
+    parser.add_argument("--gguf-aten", action="store_true",
+                        help="with --gguf: also the default model on ATen's packed int4 kernel "
+                             "instead of Slipstream's AVX-512 one (the kernels side by side)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="print torch.profiler's top operators for each batch size")
     parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
@@ -160,13 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                 variants.append(("gguf-q8", activations, False))
             else:  # as served (compiled CPU decodes), and the same with eager decodes
                 variants += [("gguf", activations, None), ("gguf-eager", activations, False)]
+        if args.gguf_aten:
+            variants.append(("gguf-aten", "bf16", None))
         for name, activations, compiled in variants:
-            engines[name] = LLMEngine(
-                EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
-                             device="cpu", num_kv_blocks=blocks, gguf_file=gguf,
-                             gguf_activations=activations, cpu_compile=compiled),
-                SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
-                                max_num_seqs=max(batches + [2]), prefix_caching=False))
+            with native_kernels(name != "gguf-aten"):
+                engines[name] = LLMEngine(
+                    EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
+                                 device="cpu", num_kv_blocks=blocks, gguf_file=gguf,
+                                 gguf_activations=activations, cpu_compile=compiled),
+                    SchedulerConfig(max_batched_tokens=max(512, args.prompt_tokens),
+                                    max_num_seqs=max(batches + [2]), prefix_caching=False))
             matmuls.append(name)
     results: dict[str, dict[int, dict]] = {matmul: {} for matmul in matmuls}
     try:
@@ -192,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['tokens_per_s_p50']:6.1f} tok/s")
             if "torch_profile" in row:
                 print(row["torch_profile"])
+    if "gguf" in matmuls and "gguf-aten" in matmuls:
+        print("gguf on ATen's int4 kernel / on Slipstream's (as served) step time: " + ", ".join(
+            f"{results['gguf-aten'][b]['step_ms_p50'] / results['gguf'][b]['step_ms_p50']:.2f} "
+            f"at {b}" for b in batches))
     if "gguf" in matmuls and "gguf-eager" in matmuls:
         compiled_ratios = {batch: results["gguf-eager"][batch]["step_ms_p50"]
                            / results["gguf"][batch]["step_ms_p50"] for batch in batches}

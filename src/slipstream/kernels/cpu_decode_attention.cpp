@@ -12,7 +12,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -25,6 +27,11 @@ void set_kv_caches(at::TensorList caches) {
 }
 
 void clear_kv_caches() { caches_in_use.clear(); }
+
+// Tests set this to run the SDPA path on rows the direct path would take.
+bool force_sdpa = false;
+
+void set_force_sdpa(bool value) { force_sdpa = value; }
 
 // The first kv_len tokens of the blocks in table, from a contiguous flat cache
 // [num_blocks * block, kv_heads, dim] -> [kv_len, kv_heads, dim].
@@ -53,6 +60,62 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
       /*attn_mask=*/std::nullopt, /*dropout_p=*/0.0, /*is_causal=*/false, scale,
       /*enable_gqa=*/true);
   return out.squeeze(1);
+}
+
+// Contexts up to this many tokens attend in attend_direct; longer ones through SDPA, whose
+// blocked kernel runs on every thread.
+constexpr int64_t kDirectTokens = 4096;
+
+// The dot product of two float32 rows in 16 fixed lanes (the compiler vectorises them without
+// reordering any sum), then the lanes in order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) lanes[i & 15] += a[i] * b[i];
+  float total = 0.0f;
+  for (int j = 0; j < 16; ++j) total += lanes[j];
+  return total;
+}
+
+// The same row without SDPA: float32 query and cache, read in place through the block table
+// (no gather, no tensors made). SDPA's CPU kernel costs tens of microseconds a call whatever
+// the context, most of a short decode's attention; this costs what the arithmetic does. Each
+// query head: scores, a two-pass softmax (max, then exp and sum), then the weighted values.
+void attend_direct(const float* query, const float* k_base, const float* v_base,
+                   const int64_t* table, int64_t kv_len, int64_t block_size, int64_t heads,
+                   int64_t kv_heads, int64_t dim, double scale, float* out) {
+  thread_local std::vector<float> weights;
+  weights.resize(kv_len);
+  const int64_t token_stride = kv_heads * dim, group = heads / kv_heads;
+  const float scale_f = static_cast<float>(scale);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* q = query + h * dim;
+    const int64_t head_offset = (h / group) * dim;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < kv_len; ++t) {
+      const int64_t slot = table[t / block_size] * block_size + t % block_size;
+      const float score = scale_f * dot(q, k_base + slot * token_stride + head_offset, dim);
+      weights[t] = score;
+      top = std::max(top, score);
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < kv_len; ++t) {
+      weights[t] = std::exp(weights[t] - top);
+      total += weights[t];
+    }
+    float* o = out + h * dim;
+    std::fill(o, o + dim, 0.0f);
+    for (int64_t t = 0; t < kv_len; ++t) {
+      const int64_t slot = table[t / block_size] * block_size + t % block_size;
+      const float* v = v_base + slot * token_stride + head_offset;
+      const float w = weights[t];
+      for (int64_t d = 0; d < dim; ++d) o[d] += w * v[d];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
+  }
 }
 
 at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
@@ -85,12 +148,26 @@ at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
     k_flat.select(0, slots[r]).copy_(key.select(0, r));
     v_flat.select(0, slots[r]).copy_(value.select(0, r));
   }
+  // float32 throughout and short contexts: attend_direct (tests compare both paths).
+  int64_t longest = 0;
+  for (int64_t r = 0; r < with_kv; ++r) longest = std::max(longest, info[r][KV_LEN]);
+  const bool direct = !force_sdpa && query.scalar_type() == at::kFloat &&
+                      k_flat.scalar_type() == at::kFloat && v_flat.scalar_type() == at::kFloat &&
+                      query.is_contiguous() && longest <= kDirectTokens;
   at::Tensor output;
   if (!(rows == 1 && with_kv == 1)) output = at::zeros_like(query);
   for (int64_t r = 0; r < with_kv; ++r) {
     const int64_t kv_len = info[r][KV_LEN];
     const int64_t* table = blocks + info[r][BLOCK_START];
     const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
+    if (direct) {
+      if (!output.defined()) output = at::empty_like(query);
+      attend_direct(query.select(0, r).const_data_ptr<float>(), k_flat.const_data_ptr<float>(),
+                    v_flat.const_data_ptr<float>(), table, kv_len, block_size,
+                    query.size(1), k_flat.size(1), query.size(2), scale,
+                    output.select(0, r).data_ptr<float>());
+      continue;
+    }
     bool consecutive = true;
     for (int64_t b = 1; b < num_blocks && consecutive; ++b)
       consecutive = table[b] == table[0] + b;
@@ -114,6 +191,7 @@ at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.def("set_kv_caches(Tensor[] caches) -> ()", &set_kv_caches);
   m.def("clear_kv_caches() -> ()", &clear_kv_caches);
+  m.def("set_force_sdpa(bool value) -> ()", &set_force_sdpa);
 }
 
 TORCH_LIBRARY_IMPL(slipstream, CPU, m) {

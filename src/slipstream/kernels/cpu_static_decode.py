@@ -191,13 +191,10 @@ def use_implementation(build_dir: Path | None) -> str:
 
 
 def _load_native(build_dir: Path) -> None:
-    from torch.utils import cpp_extension
+    from slipstream.kernels import cpp_build
 
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name="slipstream_cpu_decode_attention", sources=[str(_SOURCE)],
-        extra_cflags=["-O2", f"-DKV_LEN={KV_LEN}", f"-DBLOCK_START={BLOCK_START}"],
-        build_directory=str(build_dir), is_python_module=False, verbose=False)
+    cpp_build.build("slipstream_cpu_decode_attention", _SOURCE, build_dir,
+                    [f"-DKV_LEN={KV_LEN}", f"-DBLOCK_START={BLOCK_START}"])
 
 
 class CpuStaticDecodeAttention:

@@ -2,25 +2,18 @@
 model holds: ``QuantLinear`` (a projection) and ``QuantEmbedding`` (a token lookup).
 
     QuantizedWeight (weight_formats.py) --QuantLinear.prepare(device)--> kernel
-        CPU:  int4 -> _weight_int4pack_mm_for_cpu      int8 -> _weight_int8pack_mm
+        CPU with AVX-512 BF16: int4 and int8 in groups (Q4_*, Q8_0) -> Slipstream's own
+              (cpu_quant.py, kernels/cpu_quant_gemm.cpp)
+        other CPUs: int4 -> _weight_int4pack_mm_for_cpu   int8 -> _weight_int8pack_mm
               int8 in groups (Q8_0) -> two int4 planes on the int4 kernel
         CUDA: int4 -> _weight_int4pack_mm (tinygemm)   int8 -> _weight_int8pack_mm, else
               F.linear on the int8 values then the scale   fp8 -> torch._scaled_mm (sm 8.9+)
 
-Why these on CPU. Measured on the 2-core development machine (AMD EPYC with AVX-512 BF16 and
-VNNI, two threads; SmolLM2-135M's 30 layers of q/k/v, o, gate/up and down run back to back so
-that weights come from memory; best of 15 runs on a shared machine; milliseconds per step):
-
-    rows   float32 oneDNN (today)   int4 packed, bf16 activations   int8 packed, bf16
-      1          10.4                        3.2                          5.5
-      8          12.0                        7.9                         12.6
-
-Both packed kernels take bfloat16 activations: their float32 variants are not vectorised here
-(a 49,152 x 576 LM head took 55 ms for one row against 0.4 ms in bf16), and float16 was 30-50x
-slower than bf16. So activations are rounded to bf16 at the kernel's input and its output is
-bf16; the model around it stays in its own dtype. torchao was not tried (its x86 CPU int4
-layout is understood to wrap the same ATen kernel; not checked here). The oneDNN path
-(``cpu_matmul.py``) stays for float32 weights.
+On CPU every kernel takes bfloat16 activations (ATen's float32 variants are not vectorised,
+float16 was 30-50x slower): activations are rounded to bf16 at the kernel's input. Slipstream's kernels measured
+about 2x ATen's int4 kernel on every shape and row count of the default model (1 to 256 rows,
+two threads; docs/quantization.md). The oneDNN path (``cpu_matmul.py``) stays for float32
+weights.
 
 Every kernel has static shapes and no host synchronisation, so decode steps that use it can be
 captured in CUDA graphs. A format with no kernel on the device raises ``WeightFormatError`` at
@@ -37,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.agent.engine.models.cpu_quant import Int8GroupAVX512, native_cpu_kernel
 from slipstream.agent.engine.models.q8_activations import Q8BlockProduct
 from slipstream.agent.engine.models.weight_formats import (FP8_MAX, Fp8Weight, Int4Weight,
                                                           WeightFormatError,
@@ -135,8 +129,7 @@ class Int8ThroughFloat:
     name = "int8 through the dense GEMM"
 
     def __init__(self, weight: Int8Weight) -> None:
-        self.values = weight.values
-        self.scale = weight.scale
+        self.values, self.scale = weight.values, weight.scale
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, self.values.to(rows.dtype)) * self.scale.to(rows.dtype)
@@ -206,6 +199,9 @@ def select_kernel(weight: QuantizedWeight, device: torch.device,
     if activations == "q8":
         return Q8BlockProduct(weight)
     if device.type == "cpu":
+        native = native_cpu_kernel(weight)
+        if native is not None:
+            return native
         if isinstance(weight, Int4Weight):
             return Int4PackedCPU(weight)
         if isinstance(weight, Int8Weight):
@@ -265,10 +261,12 @@ class QuantLinear(nn.Module):
             return
         if self._shared_with:
             self._shared_with[0].prepare(device)
-            weight = self._shared_with[0].weight_values
+            weight = cast(QuantizedWeight, self._shared_with[0].weight_values)
         else:
             weight = to_device(self.quantized, device)
         kernel = select_kernel(weight, device, activations)
+        if self._shared_with and isinstance(kernel, Int8GroupAVX512):  # embedding reads it too
+            self._shared_with[0].weight_values = kernel
         self.kernel = kernel
         self.kernel_name = f"{weight.describe()}: {getattr(kernel, 'name', type(kernel).__name__)}"
         self.quantized = None  # what the kernel needs, it keeps
@@ -296,19 +294,21 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight_values = weight
+        self.weight_values: QuantizedWeight | Int8GroupAVX512 = weight
         self.dtype = dtype
 
     def prepare(self, device: torch.device, activations: str = "bf16") -> None:
-        """Lookups dequantize rows; there are no activations to quantize."""
-        self.weight_values = to_device(self.weight_values, device)
+        """Lookups dequantize rows; there are no activations to quantize. (A tied LM head's
+        kernel may already hold the rows, packed its own way.)"""
+        if isinstance(self.weight_values, QuantizedWeight):
+            self.weight_values = to_device(self.weight_values, device)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.weight_values.rows(token_ids, self.dtype)
 
     def tied_lm_head(self) -> QuantLinear:
         """The LM head of a model with tied embeddings: the same quantized matrix."""
-        return QuantLinear(self.weight_values, shared_with=self)
+        return QuantLinear(cast(QuantizedWeight, self.weight_values), shared_with=self)
 
     def extra_repr(self) -> str:
         rows, width = self.weight_values.shape

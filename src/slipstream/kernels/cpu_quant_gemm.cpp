@@ -1,0 +1,287 @@
+// Quantized linear layers on x86 CPUs with AVX-512 BF16: slipstream::q4_linear (4-bit weights
+// in groups, GGUF's Q4_0/Q4_1/Q4_K and --quantization int4) and slipstream::q8_linear (8-bit
+// weights in groups, GGUF's Q8_0). cpu_quant_gemm.py defines the operators, packs the weights
+// for them and builds this file at start-up (torch.utils.cpp_extension); where it does not
+// build, or the CPU lacks the instructions, the engine keeps ATen's packed int4 kernel.
+//
+// Why a kernel of our own. ATen's _weight_int4pack_mm_for_cpu turns every weight into a
+// float32 and multiplies it in float32, so a one-row decode step of the default model is bound
+// by arithmetic rather than by the memory it reads. Here 32 weights become bfloat16 in one or
+// two integer instructions (kLowWord below) and one vdpbf16ps multiplies them (32 products,
+// summed in float32).
+//
+// Tiles of 16 output rows. A float32 vector's 16 lanes are 16 output rows: one vdpbf16ps takes
+// two weights of each row against one broadcast pair of activations, so a group's scale (one
+// per row and group) is a vector too, and costs one multiply-add per 16 rows and 32 inputs;
+// no output needs a horizontal sum. A tile's weights are unpacked once per group and serve
+// every activation row.
+//
+// The activations are rounded to bfloat16 first, as ATen's kernel does; products and sums are
+// float32. A group's scale multiplies its partial sums, and its minimum the group's sum of
+// activations. Each output's sums run in the same order whatever the number of rows, so a
+// row's result does not depend on the batch it is in.
+//
+// Layouts (packed by cpu_quant_gemm.py; N padded to a multiple of 16 with zero rows, T = N/16
+// tiles, S = K/32 slices of 32 inputs, G = K/group groups):
+//   q4: weights uint8 [T, S, 4 loads, 32 words, 2 bytes]. In slice s, nibble p of word j of
+//       load l is the weight of row j/2 and input 32 s + 2 (4 l + p) + j%2: each nibble plane
+//       of a 64-byte load is 16 rows x 2 inputs, the operand of one vdpbf16ps.
+//       scales, mins: float16 [T, G, 16]; w = q * scale + min, q in 0..15.
+//   q8: weights uint8 [T, S, 8 loads, 32 words, 2 bytes] holding q + 128; byte b of word j
+//       of load l is the weight of row j/2 and input 32 s + 2 (2 l + b) + j%2.
+//       scales: float16 [T, G, 16]; w = q * scale.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VL__)
+#define SLIPSTREAM_QGEMM 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+bool q_gemm_supported() {
+#ifdef SLIPSTREAM_QGEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef SLIPSTREAM_QGEMM
+
+constexpr int64_t kTile = 16;  // output rows per tile: the lanes of a float32 vector
+
+// Activations rounded to bfloat16 (round to nearest even, as Tensor.to(torch.bfloat16)) and,
+// per group, the float32 sum of the rounded values (for the minimum term). The buffers belong
+// to the calling thread and are reused from call to call.
+void round_rows(const at::Tensor& x, int64_t group, std::vector<uint16_t>& rounded,
+                std::vector<float>& sums) {
+  const int64_t rows = x.size(0), width = x.size(1), groups = width / group;
+  rounded.resize(rows * width);
+  sums.resize(rows * groups);
+  if (x.scalar_type() == at::kBFloat16) {
+    std::memcpy(rounded.data(), x.const_data_ptr(), rows * width * 2);
+  } else {  // width is a multiple of 32
+    const float* source = x.const_data_ptr<float>();
+    for (int64_t i = 0; i < rows * width; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded.data() + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(source + i)));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = rounded.data() + r * width;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+        total = _mm512_add_ps(total, _mm512_castsi512_ps(
+                                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+      }
+      sums[r * groups + g] = _mm512_reduce_add_ps(total);
+    }
+  }
+}
+
+// The words of 4-bit values: a value v (0..15) under 0x4300 is bfloat16 128 + v, exactly,
+// and under 0x4500 it is 16 (128 + v). So a shift and one ternary-logic instruction
+// (v & 0xF | word) turn one nibble of each of 32 words into 32 bfloat16 weights, with no
+// shuffle; the offset is undone by the group's coefficient (q4: min - 128 scale; q8:
+// -2304 scale, since 16 (128 + h) + 128 + l = q + 2304 for the byte q + 128 = 16 h + l).
+constexpr int16_t kLowWord = 0x4300;   // 128 + v
+constexpr int16_t kHighWord = 0x4500;  // 16 (128 + v)
+constexpr int kAndOr = 0xEA;           // ternary logic: (a & b) | c
+
+inline __m512i plane(__m512i shifted, __m512i nibble, __m512i word) {
+  return _mm512_ternarylogic_epi32(shifted, nibble, word, kAndOr);
+}
+
+inline __m512 dot(__m512 acc, __m512i weights, const uint16_t* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, 4);
+  return _mm512_dpbf16_ps(acc, (__m512bh)weights, (__m512bh)_mm512_set1_epi32(bits));
+}
+
+// One slice (32 inputs) of one tile as 16 vectors of bfloat16 words, vector p holding inputs
+// 2p and 2p + 1 of the 16 rows. q8 slices are 32 vectors: high then low parts, alternating.
+struct Q4Slice {
+  static constexpr int kVectors = 16;
+  static constexpr int64_t kBytes = 256;
+  static constexpr float kOffset = -128.0f;
+  static inline void unpack(const uint8_t* bytes, __m512i (&v)[kVectors]) {
+    const __m512i nibble = _mm512_set1_epi16(0x000F), word = _mm512_set1_epi16(kLowWord);
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      const __m512i w = _mm512_loadu_si512(bytes + 64 * l);
+      v[4 * l] = plane(w, nibble, word);
+      v[4 * l + 1] = plane(_mm512_srli_epi16(w, 4), nibble, word);
+      v[4 * l + 2] = plane(_mm512_srli_epi16(w, 8), nibble, word);
+      v[4 * l + 3] = _mm512_or_si512(_mm512_srli_epi16(w, 12), word);
+    }
+  }
+  // Four chains of partial sums, pair p into chain p % 4.
+  static inline void multiply(const __m512i (&v)[kVectors], const uint16_t* x, __m512 (&p)[4]) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) p[i & 3] = dot(p[i & 3], v[i], x + 2 * i);
+  }
+};
+
+struct Q8Slice {
+  static constexpr int kVectors = 32;
+  static constexpr int64_t kBytes = 512;
+  static constexpr float kOffset = -2304.0f;
+  static inline void unpack(const uint8_t* bytes, __m512i (&v)[kVectors]) {
+    const __m512i nibble = _mm512_set1_epi16(0x000F);
+    const __m512i low = _mm512_set1_epi16(kLowWord), high = _mm512_set1_epi16(kHighWord);
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      const __m512i w = _mm512_loadu_si512(bytes + 64 * l);
+      v[4 * l] = plane(_mm512_srli_epi16(w, 4), nibble, high);      // pair 2l, high part
+      v[4 * l + 1] = plane(w, nibble, low);                          // pair 2l, low part
+      v[4 * l + 2] = _mm512_or_si512(_mm512_srli_epi16(w, 12), high);  // pair 2l + 1
+      v[4 * l + 3] = plane(_mm512_srli_epi16(w, 8), nibble, low);
+    }
+  }
+  static inline void multiply(const __m512i (&v)[kVectors], const uint16_t* x, __m512 (&p)[4]) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) p[i & 3] = dot(dot(p[i & 3], v[2 * i], x + 2 * i), v[2 * i + 1], x + 2 * i);
+  }
+};
+
+// out[r, 16 t ..] for every activation row r, from tile t. acc holds the rows' 16 lanes.
+template <class Slice>
+void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* min16,
+              const uint16_t* x, const float* x_sums, int64_t rows, int64_t width,
+              int64_t group, float* acc) {
+  const int64_t slices_per_group = group / 32, groups = width / group;
+  const __m512 offset = _mm512_set1_ps(Slice::kOffset);
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(acc + kTile * r, _mm512_setzero_ps());
+  __m512i v[Slice::kVectors];
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale16 + kTile * g)));
+    const __m512 minimum = min16 == nullptr
+        ? _mm512_setzero_ps()
+        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min16 + kTile * g)));
+    const __m512 coefficient = _mm512_fmadd_ps(offset, scale, minimum);
+    if (slices_per_group == 1) {  // the slice stays in registers for every row
+      Slice::unpack(weights + Slice::kBytes * g, v);
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+        Slice::multiply(v, x + r * width + 32 * g, p);
+        __m512 total = _mm512_loadu_ps(acc + kTile * r);
+        total = _mm512_fmadd_ps(scale, _mm512_add_ps(_mm512_add_ps(p[0], p[1]),
+                                                     _mm512_add_ps(p[2], p[3])), total);
+        total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sums[r * groups + g]), total);
+        _mm512_storeu_ps(acc + kTile * r, total);
+      }
+    } else {  // groups of 64 or 128: slice by slice, each row's partial sums kept across them
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+        for (int64_t s = 0; s < slices_per_group; ++s) {
+          const int64_t slice = g * slices_per_group + s;
+          Slice::unpack(weights + Slice::kBytes * slice, v);
+          Slice::multiply(v, x + r * width + 32 * slice, p);
+        }
+        __m512 total = _mm512_loadu_ps(acc + kTile * r);
+        total = _mm512_fmadd_ps(scale, _mm512_add_ps(_mm512_add_ps(p[0], p[1]),
+                                                     _mm512_add_ps(p[2], p[3])), total);
+        total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sums[r * groups + g]), total);
+        _mm512_storeu_ps(acc + kTile * r, total);
+      }
+    }
+  }
+}
+
+// out [m, n] = x [m, k] times the weight, tiles of 16 rows split between threads.
+template <class Slice>
+void run_tiles(const at::Tensor& x, const uint8_t* weights, const at::Half* scale16,
+               const at::Half* min16, int64_t group, int64_t n, float* out) {
+  thread_local std::vector<uint16_t> rounded;
+  thread_local std::vector<float> sums;
+  const int64_t m = x.size(0), width = x.size(1), groups = width / group;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  round_rows(x, group, rounded, sums);
+  const uint16_t* xs = rounded.data();
+  const float* ss = sums.data();
+  const int64_t tile_bytes = Slice::kBytes * (width / 32);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> acc;
+    acc.resize(kTile * m);
+    for (int64_t t = begin; t < end; ++t) {
+      run_tile<Slice>(weights + tile_bytes * t, scale16 + kTile * groups * t,
+                      min16 == nullptr ? nullptr : min16 + kTile * groups * t, xs, ss, m, width,
+                      group, acc.data());
+      const int64_t live = std::min(kTile, n - kTile * t);
+      for (int64_t r = 0; r < m; ++r)
+        std::memcpy(out + r * n + kTile * t, acc.data() + kTile * r, live * sizeof(float));
+    }
+  });
+}
+
+#endif  // SLIPSTREAM_QGEMM
+
+void check_common(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& scales,
+                  int64_t group, int64_t n, int64_t slice_bytes, const char* name) {
+  TORCH_CHECK(q_gemm_supported(), name, ": built without AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x is a contiguous [rows, in]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": x is float32 or bfloat16");
+  TORCH_CHECK(n > 0 && weights.scalar_type() == at::kByte && weights.is_contiguous() &&
+                  weights.numel() % (((n + 15) / 16) * slice_bytes) == 0,
+              name, ": weights are packed uint8 for ", n, " outputs");
+  const int64_t width = weights.numel() / (((n + 15) / 16) * slice_bytes) * 32;
+  TORCH_CHECK(x.size(1) == width, name, ": x has ", x.size(1), " columns, the weight ", width);
+  TORCH_CHECK((group == 32 || group == 64 || group == 128) && width % group == 0, name,
+              ": groups of 32, 64 or 128 that divide the inputs");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == ((n + 15) / 16) * 16 * (width / group),
+              name, ": scales are float16 [tiles, groups, 16]");
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& mins, int64_t group, int64_t out_features) {
+  check_common(x, packed, scales, group, out_features, 256, "q4_linear");
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf &&
+                  mins.is_contiguous(), "q4_linear: mins are like scales");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+#ifdef SLIPSTREAM_QGEMM
+  if (x.size(0) > 0 && out_features > 0)
+    run_tiles<Q4Slice>(x, packed.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::Half>(),
+                       mins.const_data_ptr<at::Half>(), group, out_features,
+                       out.data_ptr<float>());
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                     int64_t group, int64_t out_features) {
+  check_common(x, values, scales, group, out_features, 512, "q8_linear");
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+#ifdef SLIPSTREAM_QGEMM
+  if (x.size(0) > 0 && out_features > 0)
+    run_tiles<Q8Slice>(x, values.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::Half>(),
+                       nullptr, group, out_features, out.data_ptr<float>());
+#endif
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(slipstream_cpu_quant, m) {
+  m.def("supported() -> bool", &q_gemm_supported);
+}
+
+TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}

@@ -1,0 +1,143 @@
+"""Slipstream's AVX-512 BF16 kernels for quantized CPU layers (kernels/cpu_quant_gemm.cpp):
+against the weights' float formula in float64, rows independent of the batch they are in,
+the tied embedding read from the LM head's packed copy, compiled decode steps, and the
+refusals. Skipped, with the reason, on a CPU without AVX-512 BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.agent.engine.models.cpu_quant import (Int4AVX512, Int8GroupAVX512,
+                                                      native_cpu_kernel, native_cpu_kernels,
+                                                      native_kernels)
+from slipstream.agent.engine.models.quant_kernels import (Int4PackedCPU, QuantEmbedding,
+                                                          select_kernel)
+from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8GroupWeight,
+                                                           Int8Weight, pack_nibbles)
+from slipstream.kernels import cpu_quant_gemm
+
+pytestmark = pytest.mark.skipif(not native_cpu_kernels(),
+                                reason="this CPU has no AVX-512 BF16, or no C++ compiler")
+
+
+def int4_weight(rows: int, width: int, group: int, seed: int = 0) -> Int4Weight:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (rows, width), generator=generator, dtype=torch.uint8)
+    # float16-exact scales and minimums, as a GGUF stores them
+    scale = (torch.rand(rows, width // group, generator=generator) * 0.1).half().float()
+    minimum = (-torch.rand(rows, width // group, generator=generator) * 0.8).half().float()
+    return Int4Weight(pack_nibbles(values), scale, minimum, group)
+
+
+def int8_weight(rows: int, width: int, group: int, seed: int = 0) -> Int8GroupWeight:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(-128, 128, (rows, width), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(rows, width // group, generator=generator) * 0.02).half().float()
+    return Int8GroupWeight(values, scale, group)
+
+
+def expected(rows: torch.Tensor, weight: Int4Weight | Int8GroupWeight) -> torch.Tensor:
+    """float64 product of the bf16-rounded activations and the exact float weights."""
+    return rows.to(torch.bfloat16).double() @ weight.dequantize(torch.float64).T
+
+
+# Widths with and without a 128-input remainder, output counts that are not multiples of
+# the 16-row tile, every group size, one row to more than a register tile's worth.
+SHAPES = [(1, 960, 576, 32), (2, 576, 1536, 32), (3, 33, 128, 32), (5, 64, 1536, 64),
+          (2, 48, 1024, 128), (7, 17, 96, 32), (33, 40, 192, 64), (1, 8, 640, 128)]
+
+
+@pytest.mark.parametrize("rows,out,width,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_matches_the_float_formula(rows, out, width, group, dtype):
+    weight = int4_weight(out, width, group)
+    x = torch.randn(rows, width).to(dtype)
+    got = Int4AVX512(weight)(x)
+    assert got.dtype == dtype and got.shape == (rows, out)
+    reference = expected(x, weight)
+    tolerance = 2e-6 if dtype == torch.float32 else 1e-2  # bf16 output rounding
+    assert float((got.double() - reference).abs().max() / reference.abs().max()) < tolerance
+
+
+@pytest.mark.parametrize("rows,out,width,group", SHAPES)
+def test_int8_groups_match_the_float_formula(rows, out, width, group):
+    weight = int8_weight(out, width, group)
+    x = torch.randn(rows, width)
+    got = Int8GroupAVX512(weight)(x)
+    reference = expected(x, weight)
+    assert float((got.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+
+
+def test_more_precise_than_atens_kernel():
+    """ATen's kernel keeps bf16 scales and rounds its output to bf16; ours keeps the file's
+    float16 scales and float32 sums."""
+    weight = int4_weight(256, 576, 32, seed=3)
+    x = torch.randn(4, 576)
+    reference = expected(x, weight)
+    ours = (Int4AVX512(weight)(x).double() - reference).abs().max()
+    aten = (Int4PackedCPU(weight)(x).double() - reference).abs().max()
+    assert ours < aten / 100
+
+
+@pytest.mark.parametrize("kernel,weight", [
+    (Int4AVX512, int4_weight(100, 576, 32)), (Int8GroupAVX512, int8_weight(100, 576, 32))])
+def test_a_rows_result_does_not_depend_on_its_batch(kernel, weight):
+    run = kernel(weight)
+    x = torch.randn(37, 576)
+    together = run(x)
+    for row in (0, 5, 36):
+        assert torch.equal(run(x[row:row + 1]), together[row:row + 1])
+
+
+def test_the_tied_embedding_reads_the_lm_heads_packed_rows():
+    weight = int8_weight(100, 576, 32, seed=5)
+    embedding = QuantEmbedding(weight, torch.float32)
+    head = embedding.tied_lm_head()
+    head.prepare(torch.device("cpu"))
+    embedding.prepare(torch.device("cpu"))
+    assert embedding.weight_values is head.kernel  # one copy of the matrix
+    ids = torch.tensor([[0, 17, 99], [16, 15, 31]])
+    assert torch.equal(embedding(ids), weight.rows(ids.flatten(), torch.float32).view(2, 3, 576))
+
+
+def test_widths_and_formats_it_does_not_take_keep_atens_kernels():
+    assert native_cpu_kernel(int4_weight(16, 96, 32)) is not None
+    assert native_cpu_kernel(Int8Weight(torch.zeros(16, 64, dtype=torch.int8),
+                                        torch.ones(16))) is None  # int8 per channel
+    odd = Int4Weight(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1),
+                     torch.zeros(16, 1), 80)
+    assert native_cpu_kernel(odd) is None  # a group size of 80
+    with native_kernels(False):
+        assert isinstance(select_kernel(int4_weight(16, 96, 32), torch.device("cpu")),
+                          Int4PackedCPU)
+    assert isinstance(select_kernel(int4_weight(16, 96, 32), torch.device("cpu")), Int4AVX512)
+
+
+def test_bad_arguments_are_refused_in_words():
+    kernel = Int4AVX512(int4_weight(32, 128, 32))
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_quant_gemm.q4_linear(torch.randn(2, 64), kernel.packed, kernel.scales,
+                                 kernel.mins, 32, 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_quant_gemm.q4_linear(torch.randn(2, 128).half(), kernel.packed, kernel.scales,
+                                 kernel.mins, 32, 32)
+    with pytest.raises(RuntimeError, match="packed uint8 for 48 outputs"):
+        cpu_quant_gemm.q4_linear(torch.randn(2, 128), kernel.packed, kernel.scales,
+                                 kernel.mins, 32, 48)
+    with pytest.raises(RuntimeError, match="groups of 32, 64 or 128"):
+        cpu_quant_gemm.q4_linear(torch.randn(2, 128), kernel.packed, kernel.scales,
+                                 kernel.mins, 16, 32)
+
+
+def test_compiled_programs_call_the_operator():
+    """Inductor keeps the operator as a call (its shape function) and gives its result."""
+    weight = int4_weight(64, 128, 32, seed=7)
+    kernel = Int4AVX512(weight)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(kernel(x)) * 2
+
+    x = torch.randn(2, 128)
+    compiled = torch.compile(layer, dynamic=False)
+    assert torch.allclose(compiled(x), layer(x), rtol=1e-6, atol=1e-6)
