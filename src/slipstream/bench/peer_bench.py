@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {**{k: v for k, v in vars(args).items() if k != "out"},
                           "model": quantized.name, "f32_model": full.name,
                           "llama_cpp": str(bin_dir().parent.name), "slots": SLOTS,
-                          "profile_dirs": {k: str(v) if v else None
+                          # names only: a report is shared, this machine's paths stay here
+                          "profile_dirs": {k: Path(v).name if v else None
                                            for k, v in profiles.items()},
                           "profile_s": profile_s, "cpu_count": os.cpu_count(),
                           # What `slipstream serve --cpu-matmul auto` runs for float32 on CPU.

@@ -43,6 +43,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.models.loader import resolve_dtype, weight_source
 from slipstream.agent.engine.step.model_runner import resolve_device
 from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
+from slipstream.kernels import cpu_quant_gemm
 from slipstream.kernels.attention import backend_name
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ log = logging.getLogger(__name__)
 #    on every device, and CPU steps that reuse their freed temporaries (step/cpu_heap.py): the
 #    fitted per-sequence overhead no longer holds temperature draws, first-shape costs, page
 #    faults and other processes' time; the runner's fit has a term per prefill token
-PROFILER_VERSION = "8"
+# 9: quantized CPU layers on Slipstream's AVX-512 BF16 kernels (about 2x ATen's int4 kernel)
+#    and compiled decodes that attend short contexts without SDPA
+PROFILER_VERSION = "9"
 GRID = "quick"
 GPU_GRID = "quick-gpu"
 
@@ -115,7 +118,10 @@ def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
                       engine_version=f"slipstream {__version__}, profiler {PROFILER_VERSION}, "
                                      f"torch {torch.__version__}, grid {grid}"
                                      + (", cpu matmul onednn" if matmul == "onednn" else "")
-                                     + f", attention {attention}",
+                                     + f", attention {attention}"
+                                     + (", cpu quant kernel aten"
+                                        if os.environ.get(cpu_quant_gemm.DISABLE_ENV) == "aten"
+                                        and weights != "dense" else ""),
                       weights=weights)
 
 
