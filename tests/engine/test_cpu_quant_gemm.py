@@ -141,3 +141,18 @@ def test_compiled_programs_call_the_operator():
     x = torch.randn(2, 128)
     compiled = torch.compile(layer, dynamic=False)
     assert torch.allclose(compiled(x), layer(x), rtol=1e-6, atol=1e-6)
+
+
+def test_the_kernel_benchmark_writes_its_report(tmp_path):
+    import json
+
+    from slipstream.bench import cpu_quant_bench
+
+    assert cpu_quant_bench.main(["--rows", "1", "--trials", "1", "--threads", "1",
+                                 "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "cpu_quant.json").read_text())
+    assert {row["shape"] for row in report["shapes"]} == {name for name, *_ in
+                                                          cpu_quant_bench.SHAPES}
+    assert all(row["ours_us"] > 0 and row["aten_us"] > 0 for row in report["shapes"])
+    assert report["forward"]["1"]["ours_ms"] > 0
+    assert (tmp_path / "cpu_quant.png").stat().st_size > 0

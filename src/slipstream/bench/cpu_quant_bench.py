@@ -68,6 +68,8 @@ def measure(rows_list: list[int], trials: int) -> list[dict]:
     results = []
     for rows in rows_list:
         for name, outputs, inputs, per_forward in SHAPES:
+            ours: Callable[[torch.Tensor], torch.Tensor]
+            aten: Callable[[torch.Tensor], torch.Tensor]
             if name.startswith("lm_head"):
                 weight8 = _int8(outputs, inputs)
                 ours, aten = Int8GroupAVX512(weight8), TwoInt4Planes(weight8, Int4PackedCPU)
