@@ -151,7 +151,8 @@ struct Q8Slice {
   }
   static inline void multiply(const __m512i (&v)[kVectors], const uint16_t* x, __m512 (&p)[4]) {
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) p[i & 3] = dot(dot(p[i & 3], v[2 * i], x + 2 * i), v[2 * i + 1], x + 2 * i);
+    for (int i = 0; i < 16; ++i)
+      p[i & 3] = dot(dot(p[i & 3], v[2 * i], x + 2 * i), v[2 * i + 1], x + 2 * i);
   }
 };
 

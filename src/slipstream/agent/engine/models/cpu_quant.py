@@ -95,7 +95,7 @@ def _build_dir() -> Path:
 def native_cpu_kernel(weight: QuantizedWeight) -> Int4AVX512 | Int8GroupAVX512 | None:
     """Slipstream's kernel for ``weight`` on this CPU, or None where it has none (another
     format, a width or group size it does not take, or kernels that did not build)."""
-    if not _enabled[0] or not isinstance(weight, (Int4Weight, Int8GroupWeight)) \
+    if not isinstance(weight, (Int4Weight, Int8GroupWeight)) \
             or not cpu_quant_gemm.packs(weight.shape[1], weight.group_size) \
             or not native_cpu_kernels():
         return None

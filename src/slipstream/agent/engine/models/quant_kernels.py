@@ -10,10 +10,9 @@ model holds: ``QuantLinear`` (a projection) and ``QuantEmbedding`` (a token look
               F.linear on the int8 values then the scale   fp8 -> torch._scaled_mm (sm 8.9+)
 
 On CPU every kernel takes bfloat16 activations (ATen's float32 variants are not vectorised,
-float16 was 30-50x slower): activations are rounded to bf16 at the kernel's input. Slipstream's kernels measured
-about 2x ATen's int4 kernel on every shape and row count of the default model (1 to 256 rows,
-two threads; docs/quantization.md). The oneDNN path (``cpu_matmul.py``) stays for float32
-weights.
+float16 was 30-50x slower): activations are rounded to bf16 at the kernel's input.
+Slipstream's kernels ran the default model's projections 1.6-2.3x faster than ATen's (1 to
+256 rows, two threads; docs/quantization.md). oneDNN (``cpu_matmul.py``) serves float32.
 
 Every kernel has static shapes and no host synchronisation, so decode steps that use it can be
 captured in CUDA graphs. A format with no kernel on the device raises ``WeightFormatError`` at
