@@ -156,6 +156,16 @@ struct Q8Slice {
   }
 };
 
+// A row's 16 lanes += scale * (its four chains of partial sums) + coefficient * x_sum.
+inline void add_group(float* lanes, __m512 scale, __m512 coefficient, const __m512 (&p)[4],
+                      float x_sum) {
+  __m512 total = _mm512_loadu_ps(lanes);
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+  total = _mm512_fmadd_ps(scale, sum, total);
+  total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sum), total);
+  _mm512_storeu_ps(lanes, total);
+}
+
 // out[r, 16 t ..] for every activation row r, from tile t. acc holds the rows' 16 lanes.
 template <class Slice>
 void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* min16,
@@ -178,11 +188,7 @@ void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* m
         __m512 p[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                        _mm512_setzero_ps()};
         Slice::multiply(v, x + r * width + 32 * g, p);
-        __m512 total = _mm512_loadu_ps(acc + kTile * r);
-        total = _mm512_fmadd_ps(scale, _mm512_add_ps(_mm512_add_ps(p[0], p[1]),
-                                                     _mm512_add_ps(p[2], p[3])), total);
-        total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sums[r * groups + g]), total);
-        _mm512_storeu_ps(acc + kTile * r, total);
+        add_group(acc + kTile * r, scale, coefficient, p, x_sums[r * groups + g]);
       }
     } else {  // groups of 64 or 128: slice by slice, each row's partial sums kept across them
       for (int64_t r = 0; r < rows; ++r) {
@@ -193,11 +199,7 @@ void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* m
           Slice::unpack(weights + Slice::kBytes * slice, v);
           Slice::multiply(v, x + r * width + 32 * slice, p);
         }
-        __m512 total = _mm512_loadu_ps(acc + kTile * r);
-        total = _mm512_fmadd_ps(scale, _mm512_add_ps(_mm512_add_ps(p[0], p[1]),
-                                                     _mm512_add_ps(p[2], p[3])), total);
-        total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sums[r * groups + g]), total);
-        _mm512_storeu_ps(acc + kTile * r, total);
+        add_group(acc + kTile * r, scale, coefficient, p, x_sums[r * groups + g]);
       }
     }
   }
