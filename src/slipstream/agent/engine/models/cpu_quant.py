@@ -46,7 +46,6 @@ class Int8GroupAVX512:
 
     def __init__(self, weight: Int8GroupWeight) -> None:
         self.shape = weight.shape
-        self.out_features = weight.shape[0]
         self.values = cpu_quant_gemm.pack_q8(weight.values)
         self.scales = cpu_quant_gemm.pack_scales(weight.scale)
         self.group_size = weight.group_size
@@ -65,7 +64,7 @@ class Int8GroupAVX512:
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         return cpu_quant_gemm.q8_linear(rows.contiguous(), self.values, self.scales,
-                                        self.group_size, self.out_features)
+                                        self.group_size, self.shape[0])
 
 
 _enabled = [True]
