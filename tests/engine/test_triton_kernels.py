@@ -106,6 +106,7 @@ def check_against_dense(seqs, heads=4, kv_heads=2, dim=16, seed=0, kv_start=None
     [(0, 33)],                                  # a fresh prompt across three tiles
     [(48, 20), (0, 7)],                         # a chunk after a cached prefix, and a fresh one
     [(20, 1), (90, 1), (31, 45), (0, 16)],      # decodes before prefills, as runners list them
+    [(300, 3), (0, 70), (129, 17)],             # idle tiles: short chunks over long prefixes
 ])
 def test_triton_equals_dense_in_float32(seqs):
     check_against_dense(seqs)
@@ -324,3 +325,21 @@ def test_split_prefill_on_cuda_equals_torch_ref():
                                atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(triton_result.lse_natural, torch_result.lse_natural,
                                atol=2e-2, rtol=2e-2)
+
+
+def test_the_split_counts_only_tiles_that_hold_queries(monkeypatch):
+    """The backend tells the split how many query tiles have work: a 3-token chunk beside a
+    70-token prompt is one busy tile plus five, not six plus six."""
+    from slipstream.kernels import triton_attention
+
+    seen: list[int] = []
+    real = triton_attention.prefill_segments
+
+    def recording(query_tiles, *args, **kwargs):
+        seen.append(query_tiles)
+        return real(query_tiles, *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "prefill_segments", recording)
+    check_against_dense([(300, 3), (0, 70)])
+    tile = triton_attention.MIN_DOT  # the interpreter's tile height
+    assert seen == [1 + -(-70 // tile)]

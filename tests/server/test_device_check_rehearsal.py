@@ -25,6 +25,14 @@ def test_the_rehearsal_writes_every_figure(tmp_path):
         assert row["failed"] == 0 and row["completed"] == row["requests"], row
         assert row["output_tok_per_s"] > 0 and row["tpot_p50_ms"] > 0
     assert serving["long_prompt"]["completed"] and serving["long_prompt"]["ttft_s"] > 0
+    # What the engine did meanwhile: the prompt's chunks, and steps that took time.
+    steps = serving["long_prompt"]["engine_steps"]
+    assert steps["prefill_chunks"] >= 1 and steps["steps"] >= steps["prefill_chunks"], steps
+    assert 0 < steps["chunk_tokens_mean"] <= 2_048 and steps["step_ms_mean"] > 0, steps
+    assert 0 < steps["step_s_total"] <= serving["long_prompt"]["duration_s"], steps
+    assert serving["convoy_lars"]["engine_steps"]["prefill_chunks"] > 2, serving["convoy_lars"]
+    # The measured runtime profile comes back with the report.
+    assert list((tmp_path / "runtime-profiles").iterdir())
     for policy in ("lars", "fcfs"):
         convoy = serving[f"convoy_{policy}"]
         assert convoy["short_completed"] == convoy["short_sent"] > 0, convoy

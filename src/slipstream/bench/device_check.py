@@ -12,6 +12,10 @@ fits a short lease, written as one JSON file and one plot.
                     LARS, then under FCFS on a restarted server
     engine_tier   the rest of tests/engine with the GPU visible, in whatever time is left
 
+The long prompt and the convoys also record ``engine_steps``: the engine's step histograms
+(/metrics) over the measurement, so a slow figure says whether the steps, the chunks or the
+host were slow; and the runtime profiles measured go to ``runtime-profiles/``.
+
 Each stage runs against a deadline and its result is written as soon as it ends, so a stage
 that fails or runs out of time costs only itself. Without CUDA the same code rehearses on the
 CPU with the tiny model and small loads (the GPU stages are skipped): CI runs the rehearsal,
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -144,14 +149,82 @@ def throughput(base_url: str, scale: Scale, streams: int, timeout_s: float) -> d
             "completed": metrics["completed"], "failed": metrics["failed"]}
 
 
+# The engine's per-step histograms (contracts/metric_names.py): their counts and sums around a
+# measurement say how it went when it is slow: how many steps, how large the chunks, and the
+# measured against the predicted step time (a step far over its prediction is the kernels',
+# many small chunks the packer's, time outside the steps the host's).
+STEP_HISTOGRAMS = {"steps": "slipstream_batch_time_actual_seconds",
+                   "predicted": "slipstream_batch_time_predicted_seconds",
+                   "chunks": "slipstream_prefill_chunk_tokens",
+                   "schedule": "slipstream_schedule_time_seconds"}
+
+
+def step_counters(base_url: str) -> dict[str, float]:
+    """``{name}_count`` and ``{name}_sum`` of each of STEP_HISTOGRAMS, summed over labels;
+    empty if /metrics does not answer (the measurement itself still counts)."""
+    import httpx
+
+    root = base_url.removesuffix("/v1")
+    try:
+        text = httpx.get(f"{root}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    wanted = {f"{name}_{part}" for name in STEP_HISTOGRAMS.values() for part in ("count", "sum")}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        name = key.split("{", 1)[0]
+        if name in wanted:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def step_summary(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the engine did between two ``step_counters``: steps, mean chunk, measured and
+    predicted step time (ms), scheduling time."""
+    if not before or not after:
+        return {}
+
+    def delta(key: str, part: str) -> float:
+        name = f"{STEP_HISTOGRAMS[key]}_{part}"
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps, chunks = delta("steps", "count"), delta("chunks", "count")
+    predicted = delta("predicted", "count")
+    return {"steps": int(steps), "step_s_total": round(delta("steps", "sum"), 3),
+            "step_ms_mean": round(1e3 * delta("steps", "sum") / steps, 2) if steps else None,
+            "predicted_ms_mean": round(1e3 * delta("predicted", "sum") / predicted, 2)
+            if predicted else None,
+            "prefill_chunks": int(chunks),
+            "chunk_tokens_mean": round(delta("chunks", "sum") / chunks, 1) if chunks else None,
+            "schedule_s_total": round(delta("schedule", "sum"), 3)}
+
+
+def with_steps(base_url: str, action: Callable[[], dict]) -> dict:
+    """``action()``'s result with ``engine_steps``: the step histograms' change over it.
+    A measurement that fails (a timeout above all) keeps them beside its error, since that
+    is when they are wanted."""
+    before = step_counters(base_url)
+    try:
+        result = action()
+    except Exception as error:  # noqa: BLE001 - reported with what the engine did meanwhile
+        result = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    result["engine_steps"] = step_summary(before, step_counters(base_url))
+    return result
+
+
 def long_prompt(base_url: str, scale: Scale, timeout_s: float) -> dict:
-    timings, duration_s = load(base_url, scale,
-                               [TraceRequest(0.0, scale.long_prompt_tokens, 4)], None, seed=7,
-                               timeout_s=timeout_s)
-    timing = timings[0]
-    return {"prompt_tokens": scale.long_prompt_tokens, "ttft_s": timing.ttft_s,
-            "completed": timing.success, "error": timing.error or None,
-            "duration_s": round(duration_s, 2)}
+    def measure() -> dict:
+        timings, duration_s = load(base_url, scale,
+                                   [TraceRequest(0.0, scale.long_prompt_tokens, 4)], None,
+                                   seed=7, timeout_s=timeout_s)
+        timing = timings[0]
+        return {"prompt_tokens": scale.long_prompt_tokens, "ttft_s": timing.ttft_s,
+                "completed": timing.success, "error": timing.error or None,
+                "duration_s": round(duration_s, 2)}
+    return with_steps(base_url, measure)
 
 
 def convoy_workload(scale: Scale, seed: int = 0) -> list[TraceRequest]:
@@ -172,6 +245,10 @@ def convoy_workload(scale: Scale, seed: int = 0) -> list[TraceRequest]:
 
 
 def convoy(base_url: str, scale: Scale, timeout_s: float) -> dict:
+    return with_steps(base_url, lambda: _convoy(base_url, scale, timeout_s))
+
+
+def _convoy(base_url: str, scale: Scale, timeout_s: float) -> dict:
     requests = convoy_workload(scale)
     timings, duration_s = load(base_url, scale, requests, None, seed=3, timeout_s=timeout_s)
     short = [(r.arrival_s, t.ttft_s) for t, r in zip(timings, requests)
@@ -241,6 +318,8 @@ def serving(scale: Scale, device: str, out: Path, deadline: Deadline,
                 measure("convoy_fcfs", lambda left: convoy(url, scale, left), 5)
         except Exception as error:  # noqa: BLE001
             result["fcfs_server_error"] = f"{type(error).__name__}: {error}"[-3000:]
+    keep_profiles(cache_dir, out)
+    record(result)
     # Last, where time is left: the convoys are goals of their own.
     if scale.quantized and deadline.left_s() > 60:
         # The same body with quantized weights (quantized at load from the dummy weights), one
@@ -257,6 +336,15 @@ def serving(scale: Scale, device: str, out: Path, deadline: Deadline,
             result["quantized_server_error"] = f"{type(error).__name__}: {error}"[-3000:]
             record(result)
     return result
+
+
+def keep_profiles(cache_dir: Path, out: Path) -> None:
+    """The runtime profiles the servers measured, under ``out/runtime-profiles``: with them
+    the packer's choices on this chip can be replayed in the simulator after the lease."""
+    profiles = cache_dir / "runtime-profiles"
+    if profiles.is_dir():
+        shutil.copytree(profiles, out / "runtime-profiles", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.lock"))
 
 
 ENGINE_LOG_FACTS = ("attention backend", "weights ", "captured", "graph capture failed", "profiled",

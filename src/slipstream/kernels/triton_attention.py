@@ -43,6 +43,7 @@ Log-sum-exp values are natural-log (``lse_natural``), as everywhere in our API.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -290,6 +291,53 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # -- prefill -----------------------------------------------------------------------------------
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # the online softmax runs in base 2
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _prefill_kv_tile(acc, total, max_score, query, kv_tile, end, positions, oldest,
+                     k_cache_ptr, v_cache_ptr, block_indices_ptr, block_start, kv_head, kv_pos,
+                     cache_block_stride, cache_token_stride, cache_head_stride, dims, dim_mask,
+                     scale, softcap, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                     MASKED: tl.constexpr):
+    """One KV tile of the online softmax, in base 2 (``max_score`` is a base-2 maximum).
+    Without MASKED every key of the tile is in range and visible to every row."""
+    offsets = kv_tile + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_range = offsets < end
+        block = tl.load(block_indices_ptr + block_start + offsets // PAGE, mask=in_range,
+                        other=0).to(tl.int64)
+        kv_mask = in_range[:, None] & dim_mask[None, :]
+    else:
+        block = tl.load(block_indices_ptr + block_start + offsets // PAGE).to(tl.int64)
+        kv_mask = dim_mask[None, :]
+    kv_rows = (block * cache_block_stride + (offsets % PAGE) * cache_token_stride
+               + kv_head * cache_head_stride)
+    keys = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        scores = _soft_cap(scores * scale, softcap) * LOG2E
+    else:
+        scores = scores * (scale * LOG2E)
+    if MASKED:
+        key_pos = kv_pos + offsets[None, :]
+        visible = in_range[None, :] & (key_pos <= positions[:, None]) \
+            & (key_pos >= oldest[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(max_score, tl.max(scores, 1))
+    # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(max_score - safe_max)
+    probs = tl.exp2(scores - safe_max[:, None])
+    total = total * rescale + tl.sum(probs, 1)
+    values = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values,
+                                          input_precision=DOT_PRECISION)
+    return acc, total, new_max
+
+
 @triton.jit(do_not_specialize=["num_segments", "first_token", "window"])
 def _prefill_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, seq_info_ptr, block_indices_ptr, out_ptr, lse_ptr,
@@ -322,9 +370,13 @@ def _prefill_kernel(
     query = tl.load(query_ptr + tokens[:, None] * query_token_stride + head * query_head_stride
                     + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
-    # KV past the tile's last query is invisible to all its rows.
+    # KV past the tile's last query is invisible to all its rows. A tile wholly past this
+    # sequence's queries (the grid is sized for the longest chunk) reads no KV at all: a
+    # 32-token chunk over a 64K prefix beside a 1,000-token prompt would otherwise walk its
+    # whole prefix once per idle tile.
     last_row = tl.minimum(query_len, (tile + 1) * BLOCK_M) - 1
     end = tl.maximum(tl.minimum(kv_len, query_pos + last_row - kv_pos + 1), 0)
+    end = tl.where(tile * BLOCK_M < query_len, end, 0)
     # With SPLIT, this program reads one segment of that KV (split-KV, as for decodes).
     # KV before the tile's first query's window is invisible to all its rows too.
     first = tl.where(window > 0,
@@ -335,39 +387,32 @@ def _prefill_kernel(
     end = tl.minimum(start + per_segment, end)
     # The oldest key position each row sees (a huge negative number without a window).
     oldest = tl.where(window > 0, positions - window + 1, positions - positions - (1 << 62))
-    max_score = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    max_score = tl.full([BLOCK_M], float("-inf"), tl.float32)  # base 2: scores x log2(e)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    for kv_tile in range(start, end, BLOCK_N):
-        offsets = kv_tile + tl.arange(0, BLOCK_N)
-        in_range = offsets < end
-        block = tl.load(block_indices_ptr + block_start + offsets // PAGE, mask=in_range,
-                        other=0).to(tl.int64)
-        kv_rows = (block * cache_block_stride + (offsets % PAGE) * cache_token_stride
-                   + kv_head * cache_head_stride)
-        kv_mask = in_range[:, None] & dim_mask[None, :]
-        keys = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale
-        if SOFTCAP:
-            scores = _soft_cap(scores, softcap)
-        key_pos = kv_pos + offsets[None, :]
-        visible = in_range[None, :] & (key_pos <= positions[:, None]) \
-            & (key_pos >= oldest[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(max_score, tl.max(scores, 1))
-        # A row that has seen nothing yet keeps max -inf; shift it by 0 instead (no NaN).
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(max_score - safe_max)
-        probs = tl.exp(scores - safe_max[:, None])
-        total = total * rescale + tl.sum(probs, 1)
-        values = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values,
-                                              input_precision=DOT_PRECISION)
-        max_score = new_max
+    # KV tiles that every row of the tile sees whole (below the first row's diagonal, no
+    # window) go without masks; only the tiles at the diagonal, the end and a window's edge
+    # pay for them. Most of a long prefix is the former.
+    visible_to_all = tl.where(window > 0, start,
+                              tl.minimum(end, query_pos + tile * BLOCK_M - kv_pos + 1))
+    interior_end = start + tl.maximum(visible_to_all - start, 0) // BLOCK_N * BLOCK_N
+    for kv_tile in range(start, interior_end, BLOCK_N):
+        acc, total, max_score = _prefill_kv_tile(
+            acc, total, max_score, query, kv_tile, end, positions, oldest, k_cache_ptr,
+            v_cache_ptr, block_indices_ptr, block_start, kv_head, kv_pos, cache_block_stride,
+            cache_token_stride, cache_head_stride, dims, dim_mask, scale, softcap, PAGE,
+            BLOCK_N, DOT_PRECISION, SOFTCAP, False)
+    for kv_tile in range(interior_end, end, BLOCK_N):
+        acc, total, max_score = _prefill_kv_tile(
+            acc, total, max_score, query, kv_tile, end, positions, oldest, k_cache_ptr,
+            v_cache_ptr, block_indices_ptr, block_start, kv_head, kv_pos, cache_block_stride,
+            cache_token_stride, cache_head_stride, dims, dim_mask, scale, softcap, PAGE,
+            BLOCK_N, DOT_PRECISION, SOFTCAP, True)
 
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
-    lse = tl.where(seen, max_score + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    lse = tl.where(seen, (max_score + tl.log2(tl.where(seen, total, 1.0))) * LN2,
+                   float("-inf"))
     if SPLIT:
         # partial_out [prefill tokens, heads, segments, dim], partial_lse [.., segments]
         rows_out = ((tokens - first_token) * NUM_HEADS + head) * num_segments + segment
@@ -438,12 +483,15 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   out: torch.Tensor, lse: torch.Tensor | None, longest_query: int,
                   longest_kv: int = 0, num_tokens: int = 0, first_token: int = 0,
                   num_segments: int | None = None,
-                  options: KernelOptions = KernelOptions()) -> None:
+                  options: KernelOptions = KernelOptions(),
+                  query_lens: Sequence[int] | None = None) -> None:
     """Attention of the query chunks of ``seq_info``'s sequences over their paged KV (the
     chunk's own keys must be written already). Host values size the launch, so nothing
     waits for the GPU: ``longest_query`` the grid; ``longest_kv``, ``num_tokens`` (the
     chunks' tokens, the first of them ``first_token`` in the flat dimension) whether to
-    split the KV into segments (``prefill_segments``; ``num_segments`` forces a count)."""
+    split the KV into segments (``prefill_segments``; ``num_segments`` forces a count).
+    ``query_lens`` (host ints, one per sequence) lets that choice count only the tiles that
+    hold queries; without it every sequence counts as the longest."""
     num_seqs = seq_info.shape[0]
     if num_seqs == 0 or longest_query == 0:
         return
@@ -459,7 +507,9 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_m, block_n, num_warps, num_stages = MIN_DOT, MIN_DOT, 1, 1
     query_tiles = triton.cdiv(longest_query, block_m)
     if num_segments is None:
-        num_segments = prefill_segments(num_seqs * query_tiles, num_heads, longest_kv,
+        busy_tiles = num_seqs * query_tiles if query_lens is None else sum(
+            triton.cdiv(length, block_m) for length in query_lens)
+        num_segments = prefill_segments(busy_tiles, num_heads, longest_kv,
                                         num_tokens, head_dim)
     if not 1 <= num_segments <= MAX_DECODE_SEGMENTS:
         raise ValueError(f"num_segments must be 1..{MAX_DECODE_SEGMENTS}, got {num_segments}")

@@ -84,7 +84,7 @@ class TritonBackend:
                           max(metadata.query_lens[num_decodes:]),
                           longest_kv=max(metadata.kv_lens[num_decodes:]),
                           num_tokens=num_tokens - num_decodes, first_token=num_decodes,
-                          options=options)
+                          options=options, query_lens=metadata.query_lens[num_decodes:])
         return AttentionResult(output=output, lse_natural=lse)
 
     def _decode_scratch(self, metadata: AttentionMetadata, num_heads: int, head_dim: int,
