@@ -109,10 +109,14 @@ class _NoSync(contextlib.AbstractContextManager):
 
     NAMES = ("item", "tolist", "cpu", "numpy")
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, mixed_graphs=None) -> None:
+        """``mixed_graphs``: a runner's piecewise graphs, whose forward runs the model's
+        parts without calling the model, guarded the same way."""
         self.model = model
+        self.mixed_graphs = mixed_graphs
         self.inside = False
         self.calls: list[str] = []
+        self.mixed_runs = 0
 
     def __enter__(self):
         self.originals = {name: getattr(torch.Tensor, name) for name in self.NAMES}
@@ -120,6 +124,18 @@ class _NoSync(contextlib.AbstractContextManager):
             setattr(torch.Tensor, name, self._guard(name, original))
         self.hooks = [self.model.register_forward_pre_hook(lambda *_: self._set(True)),
                       self.model.register_forward_hook(lambda *_: self._set(False))]
+        mixed = self.mixed_graphs
+        if mixed is not None:
+            original_forward = mixed.forward
+
+            def guarded_forward(*args, **kwargs):
+                self._set(True)
+                try:
+                    return original_forward(*args, **kwargs)
+                finally:
+                    self._set(False)
+                    self.mixed_runs += 1
+            mixed.forward = guarded_forward
         return self
 
     def __exit__(self, *exc):
@@ -127,6 +143,8 @@ class _NoSync(contextlib.AbstractContextManager):
             setattr(torch.Tensor, name, original)
         for hook in self.hooks:
             hook.remove()
+        if self.mixed_graphs is not None:
+            del self.mixed_graphs.forward  # the class's method again
         return False
 
     def _set(self, inside: bool) -> None:
@@ -146,18 +164,21 @@ def test_the_forward_never_reads_a_tensor_back(tiny_model_dir, cuda_graphs):
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     eng = engine(tiny_model_dir, attention_backend="triton", cuda_graphs=cuda_graphs)
     model = eng.runner.model
-    with _NoSync(model) as guard:
+    with _NoSync(model, eng.runner.mixed_graphs) as guard:
         # Mixed steps (prefills beside decodes), a cached prefix, and decode-only steps.
         eng.generate(PROMPTS, params)
         eng.generate([PROMPTS[2] + [77, 78]], params)
         forward_ran = guard.inside is False
     assert forward_ran and guard.calls == []
-    # The guard does catch a read inside the forward.
+    # With graphs, the steps with prefills went through the piecewise graphs' forward.
+    assert (guard.mixed_runs > 0) == cuda_graphs
+    # The guard does catch a read inside the forward (on either path: the first layer's
+    # norm runs in both).
     def read_back(_module, args) -> None:
-        args[1].max().item()  # the positions
+        args[0].max().item()  # the embeddings
 
-    with _NoSync(model) as guard:
-        handle = model.register_forward_pre_hook(read_back)  # runs after the guard's
+    with _NoSync(model, eng.runner.mixed_graphs) as guard:
+        handle = model.model.layers["0"].input_layernorm.register_forward_pre_hook(read_back)
         try:
             eng.generate([PROMPTS[0]], SamplingParams(max_tokens=1, ignore_eos=True))
         finally:

@@ -86,7 +86,8 @@ class EngineSettings(Section):
         metavar="N", ge=0)
     cuda_graphs: bool | None = setting(
         None, "decode steps from CUDA graphs (default: on with CUDA, one process and the "
-        "Triton attention backend)")
+        "Triton attention backend), and other steps of up to 512 tokens from piecewise graphs "
+        "with attention run between them (on with CUDA, any backend, dense models)")
     cpu_compile: bool | None = setting(
         None, "on a CPU, decode steps of one or two sequences from programs compiled by "
         "torch.compile (inductor) at start-up (seconds; cached on disk): about 1.6x faster for "

@@ -291,9 +291,11 @@ class EngineConfig:
     # With no profile_dir: measure one (or read the cached one) before the engine is built
     # (auto_profile.with_runtime_profile; `slipstream serve` without --profile/--no-profile).
     auto_profile: bool = False
-    # Replay decode-only steps from CUDA graphs (decode_graphs.py). None: on where it can
-    # run (CUDA, one process, the Triton attention backend); True asks for it (still eager on
-    # a CPU, where the same static path runs without capture); False: eager decodes.
+    # Replay decode-only steps from CUDA graphs (decode_graphs.py), and other steps of up to
+    # 512 tokens from piecewise graphs, attention eager between them (mixed_graphs.py). None:
+    # on where they can run (CUDA, one process; decodes need the Triton attention backend,
+    # the pieces a model without experts); True asks for them (still eager on a CPU, where
+    # the same static paths run without capture); False: eager steps.
     cuda_graphs: bool | None = None
     # Decode steps of one or two rows from inductor-compiled static programs on a CPU
     # (decode_graphs.py, compile_cpu). None: on where the weights are served quantized and the

@@ -189,21 +189,40 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache], backend: AttentionBackend,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         if hidden is None:
-            if self.embed_tokens is None:
-                raise ValueError("a later pipeline stage starts from the previous stage's "
-                                 "hidden states, not from token ids")
-            hidden = self.embed_tokens(input_ids)
-            if self.embedding_scale is not None:  # Gemma: the scale rounded to the dtype
-                hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        angles = {False: self.rotary(positions, hidden.dtype)}
-        if self.rotary_local is not None:  # Gemma 3's sliding layers
-            angles[True] = self.rotary_local(positions, hidden.dtype)
+            hidden = self.embed(input_ids)
+        angles = self.angles(positions, hidden.dtype)
         # The residual stream travels beside the layer outputs, so that each norm can add
         # them in the same pass (one kernel on CUDA).
         residual: torch.Tensor | None = None
         for layer, local, kv_cache in zip(self.layers.values(), self.local_rope, kv_caches):
             cos, sin = angles[local]
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, backend)
+        return self.finish(hidden, residual)
+
+    # The forward's parts, for the piecewise CUDA graphs of mixed steps (step/mixed_graphs.py),
+    # which run everything but attention from graphs: embed, then per layer
+    # before_attention / attention / after_attention, then finish.
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise ValueError("a later pipeline stage starts from the previous stage's "
+                             "hidden states, not from token ids")
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale is not None:  # Gemma: the scale rounded to the dtype
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        return hidden
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary ``(cos, sin)`` of the positions: ``[True]`` for local-RoPE layers."""
+        angles = {False: self.rotary(positions, dtype)}
+        if self.rotary_local is not None:  # Gemma 3's sliding layers
+            angles[True] = self.rotary_local(positions, dtype)
+        return angles
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """After the last layer: the final norm of the stream (or, on a pipeline stage
+        without it, the stream itself)."""
         if residual is None:  # a stage without layers
             return self.norm(hidden) if self.norm is not None else hidden
         if self.norm is None:  # a pipeline stage hands the whole residual stream on
@@ -232,12 +251,30 @@ class LlamaDecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``; the caller adds them (the next layer's norm
         does, fused). The first layer gets ``residual=None``: its input is the stream."""
+        query, key, value, residual = self.before_attention(hidden, residual, cos, sin)
+        attended = self.self_attn.attend(query, key, value, kv_cache, backend)
+        return self.after_attention(attended, residual)
+
+    def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                         cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input norm, q/k/v and the rotary embedding: ``(query, key, value,
+        residual stream)``."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, backend)
+        query, key, value = self.self_attn.qkv(hidden)
+        query, key = rotate(query, key, cos, sin)
+        return query, key, value, residual
+
+    def after_attention(self, attended: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection of ``attended`` ``[tokens, heads, dim]``, the norms and the
+        MLP: ``(mlp output, residual stream)``."""
+        attn = self.self_attn
+        hidden = attn.o_proj(attended.reshape(attended.shape[0], attn.num_heads * attn.head_dim))
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
@@ -309,12 +346,17 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv(hidden)
         query, key = rotate(query, key, cos, sin)
+        attended = self.attend(query, key, value, kv_cache, backend)
+        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: KVCache, backend: AttentionBackend) -> torch.Tensor:
+        """Write the new keys and values, and attend: ``[tokens, heads, dim]``."""
         k_cache, v_cache = kv_cache
         backend.write_kv(k_cache, v_cache, key, value)
-        attended = backend.run(query, k_cache, v_cache, self.scale, return_lse=False,
-                               sliding_window=self.sliding_window,
-                               logit_softcap=self.logit_softcap).output
-        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+        return backend.run(query, k_cache, v_cache, self.scale, return_lse=False,
+                           sliding_window=self.sliding_window,
+                           logit_softcap=self.logit_softcap).output
 
 
 class LlamaMLP(nn.Module):

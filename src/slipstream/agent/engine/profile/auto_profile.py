@@ -62,7 +62,9 @@ log = logging.getLogger(__name__)
 #    faults and other processes' time; the runner's fit has a term per prefill token
 # 9: quantized CPU layers on Slipstream's AVX-512 BF16 kernels (about 2x ATen's int4 kernel)
 #    and compiled decodes that attend short contexts without SDPA
-PROFILER_VERSION = "9"
+# 10: on CUDA, steps that mix prefills with decodes (up to 512 tokens) replay piecewise
+#     graphs (step/mixed_graphs.py); prefill tiles past their chunk skip the KV
+PROFILER_VERSION = "10"
 GRID = "quick"
 GPU_GRID = "quick-gpu"
 

@@ -8,6 +8,8 @@ It makes no policy decisions: it runs exactly the chunks it is given. Three path
 
 - decodes only, on CUDA (``EngineConfig.cuda_graphs``, on by default there): one replay of
   the captured graph of the smallest size holding the batch (``decode_graphs.py``);
+- any other step of up to 512 tokens, under the same switch: piecewise graphs, everything
+  but attention replayed at the padded token count (``mixed_graphs.py``);
 - with ``EngineConfig.short_prefill_graphs``, a batch made only of whole fresh short prompts
   that fits a (length, batch) bucket: the padded static path of ``short_prefill.py``;
 - everything else: eager, here. Token ids, positions, the rows to sample and the attention
@@ -28,6 +30,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.step.cpu_compile import make_cpu_compiled_decodes
 from slipstream.agent.engine.step.cpu_heap import keep_step_buffers_mapped
 from slipstream.agent.engine.step.decode_graphs import DecodeGraphs, graph_friendly, greedy_only
+from slipstream.agent.engine.step.mixed_graphs import MixedGraphs
 from slipstream.agent.engine.kv.memory import (
     KVCachePlan, allocate_kv_tensor, available_memory_bytes, plan_kv_cache)
 from slipstream.agent.engine.kv.tier_settings import KVTierSettings
@@ -110,6 +113,7 @@ class ModelRunner:
         self.last_forward_s = 0.0
         self.short_prefill = self._make_short_prefill() if config.short_prefill_graphs else None
         self.decode_graphs = self._make_decode_graphs()
+        self.mixed_graphs = self._make_mixed_graphs()
         self._next_seq = 0
         self._done: deque[tuple[int, dict[str, SampledToken]]] = deque()
         if self.device.type == "cpu":  # after loading: steps reuse their freed temporaries
@@ -166,6 +170,27 @@ class ModelRunner:
                     raise
                 log.warning("decode CUDA graph capture failed (%s); decodes run eagerly "
                             "(--no-cuda-graphs silences this)", error)
+                torch.cuda.synchronize(self.device)
+                return None
+        return graphs
+
+    def _make_mixed_graphs(self) -> MixedGraphs | None:
+        """Piecewise graphs for the other steps of up to 512 tokens, under the decode
+        graphs' switch: on by default on CUDA, eager pieces on a CPU when asked for."""
+        wanted = self.config.cuda_graphs
+        if wanted is False or (wanted is None and self.device.type != "cuda"):
+            return None
+        if self.model_config.moe is not None:
+            return None  # logged with the decode graphs
+        graphs = MixedGraphs(self.model, self.kv_caches, self.device, self.dtype)
+        if self.device.type == "cuda":
+            try:
+                graphs.capture()
+            except RuntimeError as error:
+                if wanted:
+                    raise
+                log.warning("piecewise CUDA graph capture failed (%s); mixed steps run "
+                            "eagerly (--no-cuda-graphs silences this)", error)
                 torch.cuda.synchronize(self.device)
                 return None
         return graphs
@@ -327,7 +352,11 @@ class ModelRunner:
             input_ids, positions, metadata, sample_rows, sample_index = self._prepare(batch)
             started = time.perf_counter()
             self.backend.plan(metadata)
-            hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
+            mixed = self.mixed_graphs
+            if mixed is not None and mixed.size_for(input_ids.shape[0]) is not None:
+                hidden = mixed.forward(input_ids, positions, self.backend)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, self.backend)
             logits = self.model.compute_logits(hidden.index_select(0, sample_index))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
