@@ -77,3 +77,59 @@ def test_fused_layers_on_cuda_match_torch_in_bfloat16():
     rotary_(query, key, cos, sin)
     torch.testing.assert_close(query.float(), expected_q.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(key.float(), expected_k.float(), atol=2e-2, rtol=2e-2)
+
+
+def _torch_fp8_rows(rows: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fp8ScaledMM's torch ops, per row, before the cast to e4m3."""
+    as_float = torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0])).float()
+    scale = as_float.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (as_float / scale).clamp(-448.0, 448.0), scale
+
+
+@pytest.mark.parametrize("rows,size", [(1, 64), (5, 5000), (16, 2048)])
+def test_fused_fp8_rows_equal_torchs_before_the_cast(rows, size):
+    """The values the kernel casts and its scales are torch's, bit for bit, over several
+    2,048-column blocks, padding rows included (zeros). (The interpreter does not
+    round to e4m3 as the hardware does, so the cast itself is checked on a GPU.)"""
+    from slipstream.kernels.triton_layers import quantize_fp8_rows
+
+    generator = torch.Generator().manual_seed(rows)
+    hidden = (torch.randn(rows, size, generator=generator) * 3).to(torch.bfloat16)
+    hidden[0, : size // 2] = 0.0  # a row's maximum in its second half
+    if rows > 2:
+        hidden[2] = 0.0  # a zero row: the smallest scale, zeros out
+    values, scales = quantize_fp8_rows(hidden, 16 * -(-rows // 16), torch.float32)
+    expected_values, expected_scales = _torch_fp8_rows(hidden, values.shape[0])
+    assert torch.equal(scales, expected_scales) and torch.equal(values, expected_values)
+    assert not values[rows:].any()
+
+
+def test_the_fused_fp8_kernel_is_used_only_where_it_matches():
+    from slipstream.kernels.triton_layers import checked_fp8_quantizer, quantize_fp8_rows
+
+    def wrong(rows, padded):
+        return (torch.zeros(padded, rows.shape[1], dtype=torch.float8_e4m3fn),
+                torch.ones(padded, 1))
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert checked_fp8_quantizer(wrong, 64, device) is wrong
+    assert checked_fp8_quantizer(quantize_fp8_rows, 64, device) is quantize_fp8_rows
+
+
+@pytest.mark.gpu
+def test_fused_fp8_rows_on_cuda_equal_torchs_bytes():
+    from slipstream.kernels.triton_layers import checked_fp8_quantizer, quantize_fp8_rows
+
+    hidden = torch.randn(33, 14336, device="cuda", dtype=torch.bfloat16) * 5
+    values, scales = quantize_fp8_rows(hidden, 48)
+    expected_values, expected_scales = _torch_fp8_rows(hidden, 48)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.view(torch.uint8),
+                       expected_values.to(torch.float8_e4m3fn).view(torch.uint8))
+
+    def reference(rows, padded):
+        values, scales = _torch_fp8_rows(rows, padded)
+        return values.to(torch.float8_e4m3fn), scales
+
+    # So the layer uses the fused kernel on this GPU (Fp8ScaledMM's own check).
+    assert checked_fp8_quantizer(reference, 4096, torch.device("cuda")) is quantize_fp8_rows

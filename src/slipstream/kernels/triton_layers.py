@@ -1,9 +1,10 @@
-"""Two small per-layer operations as one Triton kernel each, for CUDA: what eager torch runs as
+"""Small per-layer operations as one Triton kernel each, for CUDA: what eager torch runs as
 several launches (and several passes over the activations) on every layer.
 
     fused_add_rms_norm(hidden, residual, weight)  residual += hidden; hidden = norm(residual)
                                                   -- one pass, both written in place
     rotary_(query, key, cos, sin)                 rotate q and k in place, one launch
+    quantize_fp8_rows(rows, padded_rows)          e4m3 rows and their scales for _scaled_mm
 
 Numerics follow the Hugging Face Llama reference, which the model's torch path reproduces:
 the residual sum is rounded to the activation dtype, normalised in float32 from that rounded
@@ -13,9 +14,14 @@ on a CPU and is what tests compare against (``models/llama.py``).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -100,3 +106,81 @@ def rotary_(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
             HEADS_PAD=triton.next_power_of_2(max(num_heads, num_kv_heads)), HALF=half,
             HALF_PAD=triton.next_power_of_2(half))
     return query, key
+
+
+# -- fp8 activations -----------------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def _quantize_fp8_rows_kernel(rows_ptr, out_ptr, scale_ptr, count, size, rows_stride,
+                              max_value, BLOCK: tl.constexpr):
+    """Row ``r < count``: its absolute maximum over ``max_value`` is its scale, and the row
+    divided by it is cast to e4m3; a padding row (``r >= count``) is zeros, as torch pads."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    real = row < count
+    readable = tl.where(real, size, 0)  # a padding row reads nothing
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, size, BLOCK):
+        value = tl.load(rows_ptr + row * rows_stride + start + columns,
+                        mask=start + columns < readable, other=0.0)
+        amax = tl.maximum(amax, tl.abs(value.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, 0), 1e-12) / max_value
+    for start in range(0, size, BLOCK):
+        mask = start + columns < size
+        value = tl.load(rows_ptr + row * rows_stride + start + columns,
+                        mask=start + columns < readable, other=0.0)
+        quantized = tl.clamp(tl.math.div_rn(value.to(tl.float32), scale), -max_value,
+                             max_value)
+        tl.store(out_ptr + row * size + start + columns,
+                 quantized.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_fp8_rows(rows: torch.Tensor, padded_rows: int,
+                      dtype: torch.dtype = torch.float8_e4m3fn
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` ``[n, k]`` as e4m3 with one float32 scale per row (``[padded_rows, k]`` and
+    ``[padded_rows, 1]``, padding rows zero): what ``torch._scaled_mm`` takes with row-wise
+    scales, in one launch where torch runs about eight (cast, abs, max, clamp, two divides,
+    clamp, cast) plus the padding. The arithmetic is torch's (``Fp8ScaledMM``): IEEE
+    division, then the cast. ``dtype`` float32 keeps the values before the cast (tests:
+    Triton's interpreter does not round to e4m3 as the hardware does)."""
+    count, size = rows.shape
+    if rows.stride(-1) != 1 or padded_rows < count:
+        raise ValueError("quantize_fp8_rows needs contiguous rows and padded_rows >= rows")
+    out = torch.empty(padded_rows, size, dtype=dtype, device=rows.device)
+    scale = torch.empty(padded_rows, 1, dtype=torch.float32, device=rows.device)
+    if padded_rows:
+        block = min(2048, triton.next_power_of_2(size))
+        _quantize_fp8_rows_kernel[(padded_rows,)](
+            rows, out, scale, count, size, rows.stride(0), FP8_E4M3_MAX, BLOCK=block,
+            num_warps=max(1, min(8, block // 256)))
+    return out, scale
+
+
+Fp8Quantizer = Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]]
+
+
+def checked_fp8_quantizer(reference: Fp8Quantizer, size: int,
+                          device: torch.device) -> Fp8Quantizer:
+    """``quantize_fp8_rows`` where it gives ``reference``'s bytes and scales on a probe of 5
+    rows of ``size`` (padded to 16) on ``device``; otherwise ``reference``, with a warning.
+    The fused kernel has not met every GPU yet; a mismatch costs speed, never tokens."""
+    probe = torch.randn(5, size, device=device, dtype=torch.bfloat16) * 3.0
+    try:
+        fused = quantize_fp8_rows(probe, 16)
+        expected = reference(probe, 16)
+        same = torch.equal(fused[0].view(torch.uint8), expected[0].view(torch.uint8)) and \
+            torch.equal(fused[1], expected[1].reshape(fused[1].shape))
+    except Exception as error:  # noqa: BLE001 - a compiler or driver refusal: the reference
+        log.warning("the fused fp8 activation kernel failed on %s (%s); quantizing with "
+                    "torch ops", device, error)
+        return reference
+    if not same:
+        log.warning("the fused fp8 activation kernel differs from torch's on %s; quantizing "
+                    "with torch ops", device)
+        return reference
+    return quantize_fp8_rows

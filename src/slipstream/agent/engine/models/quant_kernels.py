@@ -157,19 +157,20 @@ class Fp8ScaledMM:
         self.rowwise = weight.per_channel
         self.weight_scale = (weight.scale.view(1, -1) if self.rowwise
                              else weight.scale.reshape(())).float()
+        # Per channel: one Triton launch instead of about nine (checked against them).
+        from slipstream.kernels.triton_layers import Fp8Quantizer, checked_fp8_quantizer
+        self.quantize: Fp8Quantizer = checked_fp8_quantizer(
+            self.quantize_torch, in_features, device) if self.rowwise else self.quantize_torch
+
+    def quantize_torch(self, rows: torch.Tensor, padded: int) -> tuple[torch.Tensor, ...]:
+        rows = F.pad(rows, (0, 0, 0, padded - rows.shape[0])).float()
+        amax = rows.abs().amax(dim=1, keepdim=True) if self.rowwise else rows.abs().amax()
+        scale = amax.clamp(min=1e-12) / FP8_MAX
+        return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         count = rows.shape[0]
-        padded = -(-count // 16) * 16
-        if padded != count:
-            rows = F.pad(rows, (0, 0, 0, padded - count))
-        as_float = rows.float()
-        if self.rowwise:
-            amax = as_float.abs().amax(dim=1, keepdim=True)
-        else:
-            amax = as_float.abs().amax()
-        scale = amax.clamp(min=1e-12) / FP8_MAX
-        quantized = (as_float / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        quantized, scale = self.quantize(rows, -(-count // 16) * 16)
         out = torch._scaled_mm(quantized, self.weight_t, scale_a=scale,
                                scale_b=self.weight_scale, out_dtype=torch.bfloat16)
         return out[:count].to(rows.dtype)
