@@ -157,3 +157,23 @@ def _logits_without_sync(runner: ModelRunner, batch: Batch) -> torch.Tensor:
     logits = runner.model.compute_logits(hidden.index_select(0, sample_index))
     torch.cuda.synchronize()
     return logits
+
+
+def test_the_start_up_check_catches_a_piece_that_replays_wrongly(tiny_model_dir):
+    """capture() compares each size's replays with the same pieces run eagerly; here the
+    pieces stand in for the replays, once faithful and once with a broken middle piece."""
+    graphs = make_runner(tiny_model_dir, True).mixed_graphs
+    size = graphs._sizes[64]
+    before = (size.angles, size.hidden)
+    graphs.check(size, graphs._pieces(size))
+    assert (size.angles, size.hidden) == before  # the check leaves the bound outputs alone
+    pieces = graphs._pieces(size)
+    middle = pieces[1]
+
+    def broken() -> None:
+        middle()
+        graphs._residual.mul_(1.5)
+
+    pieces[1] = broken
+    with pytest.raises(RuntimeError, match="differ from the same pieces run eagerly"):
+        graphs.check(size, pieces)

@@ -151,6 +151,8 @@ class MixedGraphs:
             size = self._sizes[count]
             size.graphs = [capture_graph(piece, self.device, pool)[0]
                            for piece in self._pieces(size)]
+        for size in self._sizes.values():
+            self.check(size, [graph.replay for graph in size.graphs])
         torch.cuda.synchronize(self.device)
         self.use_graphs = True
         self.capture_s = time.perf_counter() - started
@@ -159,6 +161,41 @@ class MixedGraphs:
                  "counts %s) in %.1f s, %.2f GiB reserved",
                  sum(len(size.graphs) for size in self._sizes.values()), len(self.layers) + 1,
                  ", ".join(map(str, self.sizes)), self.capture_s, reserved / 2**30)
+
+    @torch.inference_mode()
+    def check(self, size: _Size, replays: list[Callable[[], None]]) -> None:
+        """Run ``replays`` (a size's graph replays) and the same pieces eagerly on random
+        tokens, with a fixed tensor standing in for every layer's attention (no KV is
+        touched), and raise RuntimeError unless the final hidden states agree: a graph that
+        replays wrongly turns the pieces off at start-up instead of serving bad tokens."""
+        count = size.size
+        generator = torch.Generator(device=self.device).manual_seed(count)
+        vocab = self.model.config.vocab_size
+        ids = torch.randint(0, vocab, (count,), generator=generator, device=self.device)
+        positions = torch.randint(0, 4096, (count,), generator=generator, device=self.device)
+        attended = torch.randn(self._attended[:count].shape, generator=generator,
+                               device=self.device).to(self._attended.dtype)
+        kept = size.angles, size.hidden  # the eager run rebinds them; the graphs own these
+
+        def run(pieces: list[Callable[[], None]]) -> torch.Tensor:
+            self._ids[:count].copy_(ids)
+            self._positions[:count].copy_(positions)
+            for piece in pieces[:-1]:
+                piece()
+                self._attended[:count].copy_(attended)
+            pieces[-1]()
+            assert size.hidden is not None
+            return size.hidden.float().clone()
+
+        try:
+            replayed = run(replays)
+            eager = run(self._pieces(size))
+        finally:
+            size.angles, size.hidden = kept
+        error = float((replayed - eager).abs().max())
+        if not error <= 1e-2 * max(1.0, float(eager.abs().max())):
+            raise RuntimeError(f"the piecewise graphs of {count} tokens differ from the same "
+                               f"pieces run eagerly by {error:.3g}")
 
     # -- a step ----------------------------------------------------------------------------
 
