@@ -2,7 +2,9 @@
 the eager path (GPU only; skipped without CUDA).
 
 Both runners use float32 weights and the torch attention backend, so the eager side is the
-same reference as on CPU and tolerances stay tight. The classic CUDA-graph bug is a replay
+same reference as on CPU and tolerances stay tight. Both turn ``cuda_graphs`` off (on CUDA it
+defaults on: decode and piecewise mixed-step graphs), so the eager side is eager and the only
+graphs on the other are the short-prefill buckets. The classic CUDA-graph bug is a replay
 that reads stale inputs (a copy into a new tensor instead of the captured buffer): the
 sequence test replays the same bucket with different prompts back to back.
 """
@@ -38,7 +40,7 @@ TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}  # fp32; cuBLAS picks different kernels
 
 def make_runner(model_dir, cuda_graphs: bool) -> ModelRunner:
     config = EngineConfig(model_dir=model_dir, device="cuda", dtype="float32",
-                          attention_backend="torch", num_kv_blocks=NUM_BLOCKS,
+                          attention_backend="torch", num_kv_blocks=NUM_BLOCKS, cuda_graphs=False,
                           short_prefill_graphs=cuda_graphs, short_prefill_buckets=BUCKETS)
     return ModelRunner(config, ModelConfig.from_dir(model_dir))
 
@@ -127,7 +129,8 @@ def test_engine_output_is_the_same_with_graphs_on_and_off(tiny_model_dir):
     for cuda_graphs in (False, True):
         engine = LLMEngine(EngineConfig(model_dir=tiny_model_dir, device="cuda",
                                         dtype="float32", attention_backend="torch",
-                                        num_kv_blocks=NUM_BLOCKS, short_prefill_graphs=cuda_graphs,
+                                        num_kv_blocks=NUM_BLOCKS, cuda_graphs=False,
+                                        short_prefill_graphs=cuda_graphs,
                                         scheduler=SchedulerConfig(max_batched_tokens=4096)))
         outputs.append(engine.generate(prompts, params))
         if cuda_graphs:  # 141 tokens in 6 prompts: bucket (64, 8), under the padding cap

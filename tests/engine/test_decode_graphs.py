@@ -172,17 +172,22 @@ def test_the_forward_never_reads_a_tensor_back(tiny_model_dir, cuda_graphs):
     assert forward_ran and guard.calls == []
     # With graphs, the steps with prefills went through the piecewise graphs' forward.
     assert (guard.mixed_runs > 0) == cuda_graphs
-    # The guard does catch a read inside the forward (on either path: the first layer's
-    # norm runs in both).
-    def read_back(_module, args) -> None:
-        args[0].max().item()  # the embeddings
+    # The guard does catch a read inside the forward, on either path: the first layer's
+    # attention runs eagerly in both (the norms of the piecewise path replay from CUDA
+    # graphs on a GPU, where a hook on them would never run).
+    attention = model.model.layers["0"].self_attn
+    attend = attention.attend
+
+    def read_back(query, *args, **kwargs):
+        query.max().item()
+        return attend(query, *args, **kwargs)
 
     with _NoSync(model, eng.runner.mixed_graphs) as guard:
-        handle = model.model.layers["0"].input_layernorm.register_forward_pre_hook(read_back)
+        attention.attend = read_back
         try:
             eng.generate([PROMPTS[0]], SamplingParams(max_tokens=1, ignore_eos=True))
         finally:
-            handle.remove()
+            del attention.attend  # the class's method again
     assert "item" in guard.calls
 
 

@@ -24,6 +24,9 @@ PROMPTS = [
     [1],
 ]
 NEW_TOKENS = 12
+# The Triton kernels run compiled on a CUDA machine (which does not set TRITON_INTERPRET, so
+# they cannot run on a CPU there), else under the interpreter; float32 either way.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
@@ -73,14 +76,16 @@ def test_an_unsupported_model_type_is_one_line_naming_it():
 def test_prefill_logits_match_transformers(family, backend):
     name, model_dir = family
     prompt = PROMPTS[1] if backend == "torch" else PROMPTS[1][:24]  # the interpreter is slow
-    runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=16,
-                                      attention_backend=backend), ModelConfig.from_dir(model_dir))
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    runner = ModelRunner(EngineConfig(model_dir=model_dir, device=device, dtype="float32",
+                                      num_kv_blocks=16, attention_backend=backend),
+                         ModelConfig.from_dir(model_dir))
     blocks = tuple(range(15, 15 - (len(prompt) + 15) // 16, -1))  # non-contiguous, descending
     ours = runner.compute_logits(Batch(chunks=(ScheduledChunk("r", tuple(prompt), 0, blocks,
                                                               True),)))
     with torch.no_grad():
         reference = load_reference(model_dir)(torch.tensor([prompt])).logits[0].float()
-    torch.testing.assert_close(ours, reference, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(ours.cpu(), reference, atol=5e-5, rtol=1e-4)
 
 
 def test_greedy_tokens_match_transformers_generate(family):
@@ -104,13 +109,15 @@ def test_mistral_sliding_window_past_the_window_matches_transformers(tmp_path, t
 
 
 def test_triton_decodes_past_the_window_match_transformers(family_model_dirs):
-    """Gemma 2 (soft-capped scores) and Gemma 3 on the Triton kernels, under the interpreter:
-    prompts of 5 and 14 tokens decode to 20, past the 12-token window."""
+    """Gemma 2 (soft-capped scores) and Gemma 3 on the Triton kernels, under the interpreter
+    (compiled, eager, on a CUDA machine): prompts of 5 and 14 tokens decode to 20, past the
+    12-token window."""
     for name in ("gemma2", "gemma3_text"):
         model_dir = family_model_dirs[name]
         prompts = [PROMPTS[0], PROMPTS[1][:14]]
-        engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=16,
-                                        attention_backend="triton"))
+        engine = LLMEngine(EngineConfig(model_dir=model_dir, device=TRITON_DEVICE,
+                                        dtype="float32", num_kv_blocks=16,
+                                        attention_backend="triton", cuda_graphs=False))
         assert engine.generate(prompts, greedy(6)) == reference_tokens(model_dir, prompts, 6)
 
 

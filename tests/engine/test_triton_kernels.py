@@ -1,8 +1,9 @@
 """The Triton attention kernels against the torch reference and dense float64 attention.
 
-On a CPU they run under Triton's interpreter (tests/engine/conftest.py sets
-``TRITON_INTERPRET=1`` before anything imports Triton), in float32, and must agree within
-1e-5. The ``gpu`` tests run the same kernels compiled on CUDA, in bfloat16 and float32.
+On a CPU they run under Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``
+before anything imports Triton), in float32, and must agree within 1e-5; on a CUDA machine
+the same checks run the compiled kernels (``DEVICE``), still in float32 (IEEE dots). The
+``gpu`` tests add larger shapes on CUDA, in bfloat16 and float32.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.skipif(
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 
 BLOCK = 16
+# Where the kernels run: compiled on CUDA, else under the interpreter on CPU tensors (without
+# TRITON_INTERPRET, which a CUDA machine does not set, a kernel cannot take CPU pointers).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def dense_attention(query, keys, values, query_pos, key_pos):
@@ -82,7 +86,7 @@ def run_backend(backend, case, scale, return_lse=True):
 
 
 def check_against_dense(seqs, heads=4, kv_heads=2, dim=16, seed=0, kv_start=None,
-                        device="cpu", dtype=torch.float32, atol=1e-5):
+                        device=DEVICE, dtype=torch.float32, atol=1e-5):
     case = paged_case(seqs, heads, kv_heads, dim, device, dtype, seed, kv_start=kv_start)
     scale = 1 / math.sqrt(dim)
     result, k_cache, v_cache = run_backend(TritonBackend(device), case, scale)
@@ -120,27 +124,27 @@ def test_gqa_groups_and_head_dims(heads, kv_heads, dim):
 
 def test_triton_writes_the_same_cache_and_output_as_torch_ref():
     seqs = [(50, 1), (7, 1), (33, 29)]
-    case = paged_case(seqs, 4, 2, 16, "cpu", torch.float32, seed=3)
+    case = paged_case(seqs, 4, 2, 16, DEVICE, torch.float32, seed=3)
     scale = 0.25
-    triton_result, triton_k, triton_v = run_backend(TritonBackend("cpu"), case, scale)
+    triton_result, triton_k, triton_v = run_backend(TritonBackend(DEVICE), case, scale)
     torch_result, torch_k, torch_v = run_backend(TorchReferenceBackend(), case, scale)
     assert torch.equal(triton_k, torch_k) and torch.equal(triton_v, torch_v)
     torch.testing.assert_close(triton_result.output, torch_result.output, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(triton_result.lse_natural, torch_result.lse_natural,
                                atol=1e-5, rtol=1e-5)
-    no_lse, _, _ = run_backend(TritonBackend("cpu"), case, scale, return_lse=False)
+    no_lse, _, _ = run_backend(TritonBackend(DEVICE), case, scale, return_lse=False)
     assert no_lse.lse_natural is None
     torch.testing.assert_close(no_lse.output, triton_result.output, atol=0, rtol=0)
 
 
 def test_skipped_slots_leave_the_cache_alone():
-    case = paged_case([(10, 6)], 4, 2, 16, "cpu", torch.float32, seed=5)
+    case = paged_case([(10, 6)], 4, 2, 16, DEVICE, torch.float32, seed=5)
     k_cache, v_cache, metadata, keys, values, *_ = case
     metadata = AttentionMetadata.build(
         query_lens=[6], kv_lens=[16], query_start_pos=[10], block_tables=[[0]],
         slot_mapping=[-1, 3, -1, -1, 7, -1], block_size=BLOCK)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    backend = TritonBackend("cpu")
+    backend = TritonBackend(DEVICE)
     backend.plan(metadata)
     backend.write_kv(k_cache, v_cache, keys, values)
     changed = (k_cache != before_k).any(-1).any(-1).flatten().nonzero().flatten().tolist()
@@ -174,27 +178,29 @@ def test_kv_shards_merge_to_the_unsharded_result(num_shards):
         metadata = AttentionMetadata.build(
             query_lens=[new], kv_lens=[length], query_start_pos=[60], block_tables=[table],
             slot_mapping=[-1] * new, block_size=BLOCK, kv_start_pos=[start])
-        backend = TritonBackend("cpu")
+        backend = TritonBackend(DEVICE)
         backend.plan(metadata)
-        partials.append(backend.run(query, k_cache, v_cache, 1 / math.sqrt(dim)))
+        partials.append(backend.run(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                    1 / math.sqrt(dim)))
     if num_shards == 3:  # shard [60, 90) starts at the first query: it sees part of it
         assert torch.isfinite(partials[-1].lse_natural).all()
     merged = merge_many(partials)
-    torch.testing.assert_close(merged.output.double(), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(merged.lse_natural.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged.output.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged.lse_natural.double().cpu(), expected_lse, atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_a_shard_wholly_after_the_query_sees_nothing():
     heads, kv_heads, dim = 4, 2, 16
-    k_cache = torch.randn(2, BLOCK, kv_heads, dim)
-    v_cache = torch.randn(2, BLOCK, kv_heads, dim)
+    k_cache = torch.randn(2, BLOCK, kv_heads, dim, device=DEVICE)
+    v_cache = torch.randn(2, BLOCK, kv_heads, dim, device=DEVICE)
     metadata = AttentionMetadata.build(
         query_lens=[1, 3], kv_lens=[20, 20], query_start_pos=[40, 41],
         block_tables=[[0, 1], [0, 1]], slot_mapping=[-1] * 4, block_size=BLOCK,
         kv_start_pos=[100, 100])
-    backend = TritonBackend("cpu")
+    backend = TritonBackend(DEVICE)
     backend.plan(metadata)
-    result = backend.run(torch.randn(4, heads, dim), k_cache, v_cache, 0.25)
+    result = backend.run(torch.randn(4, heads, dim, device=DEVICE), k_cache, v_cache, 0.25)
     assert torch.isneginf(result.lse_natural).all()
     assert torch.equal(result.output, torch.zeros_like(result.output))
 
@@ -207,14 +213,14 @@ def test_decode_segments_fill_the_chip_without_empty_tiles():
 
 
 def test_many_segments_equal_one():
-    case = paged_case([(300, 1), (17, 1)], 4, 2, 16, "cpu", torch.float32, seed=9)
+    case = paged_case([(300, 1), (17, 1)], 4, 2, 16, DEVICE, torch.float32, seed=9)
     k_cache, v_cache, metadata, keys, values, query, _, _ = case
     from slipstream.kernels.triton_attention import paged_decode, write_kv
     write_kv(keys, values, k_cache, v_cache, metadata.slot_mapping)
     outputs = []
     for segments in (1, 5, 32):
         out = torch.empty_like(query)
-        lse = torch.empty(query.shape[:2])
+        lse = torch.empty(query.shape[:2], device=DEVICE)
         paged_decode(query, k_cache, v_cache, metadata.seq_info, metadata.block_indices, 0.25,
                      out, lse, segments)
         outputs.append((out, lse))
@@ -227,7 +233,8 @@ def test_select_backend_names_the_choices():
     with pytest.raises(ValueError, match="auto, torch, triton, flashinfer"):
         select_backend("cpu", "cudnn")
     assert select_backend("cpu", "auto").name == "torch"
-    assert select_backend("cpu", "triton").name == "triton"  # under the interpreter
+    # Compiled on a CUDA machine; on a CPU under the interpreter.
+    assert select_backend(DEVICE, "triton").name == "triton"
 
 
 # -- on a GPU ------------------------------------------------------------------------------
@@ -262,14 +269,14 @@ def test_split_kv_prefill_equals_one_pass(segments):
     from slipstream.kernels.triton_attention import paged_decode, paged_prefill, write_kv
 
     seqs = [(70, 1), (200, 1), (260, 20), (0, 37), (100, 5)]
-    case = paged_case(seqs, 4, 2, 16, "cpu", torch.float32, seed=segments)
+    case = paged_case(seqs, 4, 2, 16, DEVICE, torch.float32, seed=segments)
     k_cache, v_cache, metadata, keys, values, query, _, _ = case
     write_kv(keys, values, k_cache, v_cache, metadata.slot_mapping)
     num_decodes, num_tokens = metadata.num_decodes, metadata.num_tokens
     results = []
     for count in (1, segments):
         out = torch.full_like(query, float("nan"))  # every row must be written
-        lse = torch.full(query.shape[:2], float("nan"))
+        lse = torch.full(query.shape[:2], float("nan"), device=DEVICE)
         paged_decode(query, k_cache, v_cache, metadata.seq_info[:num_decodes],
                      metadata.block_indices, 0.25, out, lse, 2)
         paged_prefill(query, k_cache, v_cache, metadata.seq_info[num_decodes:],
@@ -285,14 +292,14 @@ def test_split_kv_prefill_equals_one_pass(segments):
 def test_split_kv_prefill_of_a_kv_shard_after_the_queries_sees_nothing():
     from slipstream.kernels.triton_attention import paged_prefill
 
-    k_cache = torch.randn(4, BLOCK, 2, 16)
-    v_cache = torch.randn(4, BLOCK, 2, 16)
+    k_cache = torch.randn(4, BLOCK, 2, 16, device=DEVICE)
+    v_cache = torch.randn(4, BLOCK, 2, 16, device=DEVICE)
     metadata = AttentionMetadata.build(
         query_lens=[3], kv_lens=[60], query_start_pos=[10], block_tables=[[0, 1, 2, 3]],
-        slot_mapping=[-1] * 3, block_size=BLOCK, kv_start_pos=[100])
-    out = torch.full((3, 4, 16), float("nan"))
-    lse = torch.full((3, 4), float("nan"))
-    paged_prefill(torch.randn(3, 4, 16), k_cache, v_cache, metadata.seq_info,
+        slot_mapping=[-1] * 3, block_size=BLOCK, kv_start_pos=[100], device=DEVICE)
+    out = torch.full((3, 4, 16), float("nan"), device=DEVICE)
+    lse = torch.full((3, 4), float("nan"), device=DEVICE)
+    paged_prefill(torch.randn(3, 4, 16, device=DEVICE), k_cache, v_cache, metadata.seq_info,
                   metadata.block_indices, 0.25, out, lse, 3, longest_kv=60, num_tokens=3,
                   num_segments=4)
     assert torch.isneginf(lse).all() and torch.equal(out, torch.zeros_like(out))
@@ -329,7 +336,8 @@ def test_split_prefill_on_cuda_equals_torch_ref():
 
 def test_the_split_counts_only_tiles_that_hold_queries(monkeypatch):
     """The backend tells the split how many query tiles have work: a 3-token chunk beside a
-    70-token prompt is one busy tile plus five, not six plus six."""
+    130-token prompt is one busy tile plus the prompt's, not the prompt's twice (under the
+    interpreter's 16-row tiles 1 + 9, not 9 + 9; on CUDA's 128-row tiles 1 + 2, not 2 + 2)."""
     from slipstream.kernels import triton_attention
 
     seen: list[int] = []
@@ -340,6 +348,8 @@ def test_the_split_counts_only_tiles_that_hold_queries(monkeypatch):
         return real(query_tiles, *args, **kwargs)
 
     monkeypatch.setattr(triton_attention, "prefill_segments", recording)
-    check_against_dense([(300, 3), (0, 70)])
-    tile = triton_attention.MIN_DOT  # the interpreter's tile height
-    assert seen == [1 + -(-70 // tile)]
+    check_against_dense([(300, 3), (0, 130)])
+    # The prefill's tile height: the interpreter's, or CUDA's for a chunk over 64 tokens.
+    tile = 128 if DEVICE == "cuda" else triton_attention.MIN_DOT
+    prompt_tiles = -(-130 // tile)
+    assert seen == [1 + prompt_tiles] and 1 + prompt_tiles < 2 * prompt_tiles

@@ -1,6 +1,6 @@
 """The fused add + RMSNorm and the in-place rotary kernels against the model's torch path
-(which the Hugging Face equivalence tests pin): under Triton's interpreter on a CPU, and
-compiled on CUDA in bfloat16."""
+(which the Hugging Face equivalence tests pin): in float32 under Triton's interpreter on a
+CPU, or compiled on a CUDA machine (``DEVICE``), and compiled on CUDA in bfloat16."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from slipstream.kernels.triton_backend import interpreting
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and not interpreting(),
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+# Where the kernels run: a CUDA machine does not set TRITON_INTERPRET, and a compiled kernel
+# cannot take CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _norm_case(size: int, rows: int, dtype, device, seed: int):
@@ -30,7 +33,7 @@ def _norm_case(size: int, rows: int, dtype, device, seed: int):
 def test_fused_add_rms_norm_equals_add_then_norm(size, rows):
     from slipstream.kernels.triton_layers import fused_add_rms_norm
 
-    norm, hidden, residual = _norm_case(size, rows, torch.float32, "cpu", seed=size)
+    norm, hidden, residual = _norm_case(size, rows, torch.float32, DEVICE, seed=size)
     expected_sum = hidden + residual
     expected = norm(expected_sum)
     out, summed = fused_add_rms_norm(hidden.clone(), residual.clone(), norm.weight, norm.eps)
@@ -44,11 +47,11 @@ def test_rotary_in_place_equals_torch(heads, kv_heads, dim):
 
     generator = torch.Generator().manual_seed(dim)
     tokens = 7
-    positions = torch.tensor([0, 1, 2, 50, 51, 900, 3])
-    rotary = RotaryEmbedding(dim, 10_000.0, RopeScaling())
+    positions = torch.tensor([0, 1, 2, 50, 51, 900, 3], device=DEVICE)
+    rotary = RotaryEmbedding(dim, 10_000.0, RopeScaling()).to(DEVICE)
     cos, sin = rotary(positions, torch.float32)
     # q, k and v as views of one fused projection, as the model has them.
-    fused = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(DEVICE)
     query = fused[:, :heads * dim].view(tokens, heads, dim)
     key = fused[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     value_before = fused[:, (heads + kv_heads) * dim:].clone()
@@ -94,7 +97,7 @@ def test_fused_fp8_rows_equal_torchs_before_the_cast(rows, size):
     from slipstream.kernels.triton_layers import quantize_fp8_rows
 
     generator = torch.Generator().manual_seed(rows)
-    hidden = (torch.randn(rows, size, generator=generator) * 3).to(torch.bfloat16)
+    hidden = (torch.randn(rows, size, generator=generator) * 3).to(DEVICE, torch.bfloat16)
     hidden[0, : size // 2] = 0.0  # a row's maximum in its second half
     if rows > 2:
         hidden[2] = 0.0  # a zero row: the smallest scale, zeros out
@@ -107,9 +110,9 @@ def test_fused_fp8_rows_equal_torchs_before_the_cast(rows, size):
 def test_the_fused_fp8_kernel_is_used_only_where_it_matches():
     from slipstream.kernels.triton_layers import checked_fp8_quantizer, quantize_fp8_rows
 
-    def wrong(rows, padded):
-        return (torch.zeros(padded, rows.shape[1], dtype=torch.float8_e4m3fn),
-                torch.ones(padded, 1))
+    def wrong(rows, padded):  # on the rows' device: the check compares, it does not fail
+        return (torch.zeros(padded, rows.shape[1], dtype=torch.float8_e4m3fn, device=rows.device),
+                torch.ones(padded, 1, device=rows.device))
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert checked_fp8_quantizer(wrong, 64, device) is wrong
