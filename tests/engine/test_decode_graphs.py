@@ -202,12 +202,25 @@ def test_graph_replay_on_cuda_equals_eager_and_syncs_only_to_read_tokens(tiny_mo
     assert graphed.generate(PROMPTS, params) == expected
     assert graphs.runs >= 11
     # No synchronisation inside the model forward on CUDA: the sync debug mode raises on one.
-    model = graphed.runner.model
+    # The prompt's step runs the piecewise graphs' forward, not the model's: guard both.
+    model, mixed = graphed.runner.model, graphed.runner.mixed_graphs
     hooks = [model.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("error")),
              model.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode("default"))]
+    mixed_forward, mixed_runs = mixed.forward, mixed.runs
+
+    def strict_forward(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return mixed_forward(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    mixed.forward = strict_forward
     try:
         assert graphed.generate([PROMPTS[1] + [5] * 40], params)
     finally:
         for hook in hooks:
             hook.remove()
+        del mixed.forward
         torch.cuda.set_sync_debug_mode("default")
+    assert mixed.runs > mixed_runs

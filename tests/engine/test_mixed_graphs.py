@@ -22,6 +22,8 @@ from slipstream.contracts.sampling import SamplingOptions, SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GREEDY = SamplingOptions(temperature=0.0)
+# float32 on CUDA: cuBLAS may pick other kernels for the padded shapes than for the step's.
+TOLERANCE = 1e-5 if DEVICE == "cpu" else 1e-4
 
 
 def make_runner(model_dir, cuda_graphs: bool, backend: str = "torch") -> ModelRunner:
@@ -65,12 +67,12 @@ def check_pieces_equal_the_forward(model_dir, backend: str = "torch") -> ModelRu
         runs = pieces.mixed_graphs.runs
         expected = eager.sample_logits(batch)
         got = pieces.sample_logits(batch)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
         assert pieces.mixed_graphs.runs == runs + small
     # The KV both wrote is the same (the pieces write only the real tokens' slots).
     for (k_eager, v_eager), (k_pieces, v_pieces) in zip(eager.kv_caches, pieces.kv_caches):
-        torch.testing.assert_close(k_pieces, k_eager, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(v_pieces, v_eager, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k_pieces, k_eager, atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(v_pieces, v_eager, atol=TOLERANCE, rtol=TOLERANCE)
     return pieces
 
 

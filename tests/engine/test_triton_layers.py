@@ -85,7 +85,7 @@ def test_fused_layers_on_cuda_match_torch_in_bfloat16():
 def _torch_fp8_rows(rows: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Fp8ScaledMM's torch ops, per row, before the cast to e4m3."""
     as_float = torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0])).float()
-    scale = as_float.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    scale = as_float.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / 448.0)
     return (as_float / scale).clamp(-448.0, 448.0), scale
 
 

@@ -115,7 +115,7 @@ FP8_E4M3_MAX = 448.0
 
 @triton.jit
 def _quantize_fp8_rows_kernel(rows_ptr, out_ptr, scale_ptr, count, size, rows_stride,
-                              max_value, BLOCK: tl.constexpr):
+                              max_value, inverse_max, BLOCK: tl.constexpr):
     """Row ``r < count``: its absolute maximum over ``max_value`` is its scale, and the row
     divided by it is cast to e4m3; a padding row (``r >= count``) is zeros, as torch pads."""
     row = tl.program_id(0).to(tl.int64)
@@ -127,7 +127,7 @@ def _quantize_fp8_rows_kernel(rows_ptr, out_ptr, scale_ptr, count, size, rows_st
         value = tl.load(rows_ptr + row * rows_stride + start + columns,
                         mask=start + columns < readable, other=0.0)
         amax = tl.maximum(amax, tl.abs(value.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0), 1e-12) / max_value
+    scale = tl.maximum(tl.max(amax, 0), 1e-12) * inverse_max  # as torch does: x * (1/448)
     for start in range(0, size, BLOCK):
         mask = start + columns < size
         value = tl.load(rows_ptr + row * rows_stride + start + columns,
@@ -145,8 +145,8 @@ def quantize_fp8_rows(rows: torch.Tensor, padded_rows: int,
     """``rows`` ``[n, k]`` as e4m3 with one float32 scale per row (``[padded_rows, k]`` and
     ``[padded_rows, 1]``, padding rows zero): what ``torch._scaled_mm`` takes with row-wise
     scales, in one launch where torch runs about eight (cast, abs, max, clamp, two divides,
-    clamp, cast) plus the padding. The arithmetic is torch's (``Fp8ScaledMM``): IEEE
-    division, then the cast. ``dtype`` float32 keeps the values before the cast (tests:
+    clamp, cast) plus the padding. The arithmetic is torch's (``Fp8ScaledMM``): the scale
+    times the float32 reciprocal of 448, IEEE division of the row by it, then the cast. ``dtype`` float32 keeps the values before the cast (tests:
     Triton's interpreter does not round to e4m3 as the hardware does)."""
     count, size = rows.shape
     if rows.stride(-1) != 1 or padded_rows < count:
@@ -156,7 +156,8 @@ def quantize_fp8_rows(rows: torch.Tensor, padded_rows: int,
     if padded_rows:
         block = min(2048, triton.next_power_of_2(size))
         _quantize_fp8_rows_kernel[(padded_rows,)](
-            rows, out, scale, count, size, rows.stride(0), FP8_E4M3_MAX, BLOCK=block,
+            rows, out, scale, count, size, rows.stride(0), FP8_E4M3_MAX, 1.0 / FP8_E4M3_MAX,
+            BLOCK=block,
             num_warps=max(1, min(8, block // 256)))
     return out, scale
 

@@ -165,7 +165,7 @@ class Fp8ScaledMM:
     def quantize_torch(self, rows: torch.Tensor, padded: int) -> tuple[torch.Tensor, ...]:
         rows = F.pad(rows, (0, 0, 0, padded - rows.shape[0])).float()
         amax = rows.abs().amax(dim=1, keepdim=True) if self.rowwise else rows.abs().amax()
-        scale = amax.clamp(min=1e-12) / FP8_MAX
+        scale = amax.clamp(min=1e-12) * (1.0 / FP8_MAX)  # a multiply, as the kernel does
         return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
