@@ -21,7 +21,7 @@ def test_teacher_forced_share_finds_our_own_continuations_and_rejects_others():
     assert GGUF is not None
     model_dir = cached_model_dir(GGUF, slipstream_cache_dir(), weights=False)
     prompts = prompt_ids(model_dir)[::7]  # a chat and two completions
-    ours = slipstream_greedy(model_dir, GGUF, prompts, 12)
+    ours = slipstream_greedy(model_dir, GGUF, prompts, 12, cpu_compile=False)  # eager: quick
     # One prefill against token-by-token decoding: the same choices but for a rare near-tie.
     assert teacher_forced_share(model_dir, GGUF, prompts, ours) >= 0.9
     unlikely = [[token + 1000 for token in tokens] for tokens in ours]

@@ -78,13 +78,17 @@ def llamacpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int, threa
 
 
 def slipstream_greedy(model_dir: Path, gguf: Path, prompts: list[list[int]],
-                      new_tokens: int, activations: str = "bf16") -> list[list[int]]:
+                      new_tokens: int, activations: str = "bf16",
+                      cpu_compile: bool | None = None) -> list[list[int]]:
+    """Slipstream's greedy tokens, decoded as served (``cpu_compile`` None: compiled decode
+    programs where the engine would compile them; False skips that compile, for tests)."""
     from slipstream.agent.engine.config import EngineConfig
     from slipstream.agent.engine.engine import LLMEngine
     from slipstream.contracts.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=512,
-                                    gguf_file=gguf, gguf_activations=activations))
+                                    gguf_file=gguf, gguf_activations=activations,
+                                    cpu_compile=cpu_compile))
     try:
         return engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0,
                                                        ignore_eos=True))
@@ -107,7 +111,9 @@ def teacher_forced_share(model_dir: Path, gguf: Path, prompts: list[list[int]],
     blocks = -(-longest // BLOCK_SIZE)
     runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=blocks,
                                       gguf_file=gguf, gguf_activations=activations,
-                                      cuda_graphs=False), ModelConfig.from_dir(model_dir))
+                                      # prefills only: no decode programs to compile
+                                      cuda_graphs=False, cpu_compile=False),
+                         ModelConfig.from_dir(model_dir))
     equal = total = 0
     for ids, new in zip(prompts, theirs):
         tokens = ids + new
