@@ -149,7 +149,8 @@ def test_setting_reaches_every_gguf_layer_and_stays_close_to_bf16():
     for activations in ("bf16", "q8"):
         runner = ModelRunner(EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=4,
                                           gguf_file=GGUF, gguf_activations=activations,
-                                          cuda_graphs=False), ModelConfig.from_dir(model_dir))
+                                          cuda_graphs=False, cpu_compile=False),  # prefills
+                             ModelConfig.from_dir(model_dir))
         model = runner.model
         kernels = [kernel_of(model.model.layers["0"].mlp.gate_up_fused), kernel_of(model.lm_head)]
         if activations == "q8":
