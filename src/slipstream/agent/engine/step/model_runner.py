@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Collection
+from typing import TypeVar
 
 import torch
 
@@ -48,6 +49,7 @@ from slipstream.kernels.attention import AttentionMetadata, select_backend
 from slipstream.agent.engine.step.batch_io import FlatInputs, SampledToken, sample_batch
 
 log = logging.getLogger(__name__)
+Graphs = TypeVar("Graphs", DecodeGraphs, MixedGraphs)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -162,17 +164,7 @@ class ModelRunner:
             self.model, self.kv_caches, self.config.scheduler.max_num_seqs,
             self.config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.num_kv_heads, self.device)
-        if self.device.type == "cuda":
-            try:
-                graphs.capture()
-            except RuntimeError as error:  # a driver or allocator refusing capture
-                if wanted:
-                    raise
-                log.warning("decode CUDA graph capture failed (%s); decodes run eagerly "
-                            "(--no-cuda-graphs silences this)", error)
-                torch.cuda.synchronize(self.device)
-                return None
-        return graphs
+        return self._captured(graphs, "decode", "decodes run eagerly")
 
     def _make_mixed_graphs(self) -> MixedGraphs | None:
         """Piecewise graphs for the other steps of up to 512 tokens, under the decode
@@ -183,14 +175,19 @@ class ModelRunner:
         if self.model_config.moe is not None:
             return None  # logged with the decode graphs
         graphs = MixedGraphs(self.model, self.kv_caches, self.device, self.dtype)
+        return self._captured(graphs, "piecewise", "mixed steps run eagerly")
+
+    def _captured(self, graphs: Graphs, kind: str, otherwise: str) -> Graphs | None:
+        """``graphs`` captured on CUDA (as they are on a CPU); None where capture fails and
+        graphs were not asked for explicitly (a driver or allocator refusing it)."""
         if self.device.type == "cuda":
             try:
                 graphs.capture()
             except RuntimeError as error:
-                if wanted:
+                if self.config.cuda_graphs:
                     raise
-                log.warning("piecewise CUDA graph capture failed (%s); mixed steps run "
-                            "eagerly (--no-cuda-graphs silences this)", error)
+                log.warning("%s CUDA graph capture failed (%s); %s (--no-cuda-graphs "
+                            "silences this)", kind, error, otherwise)
                 torch.cuda.synchronize(self.device)
                 return None
         return graphs
