@@ -12,7 +12,8 @@ import torch
 
 from slipstream.kernels.attention import AttentionMetadata
 from slipstream.kernels.torch_ref import TorchReferenceBackend
-from slipstream.kernels.triton_attention import KernelOptions, paged_decode, paged_prefill
+from slipstream.kernels.triton_attention import KernelOptions, paged_decode
+from slipstream.kernels.triton_prefill import paged_prefill
 from tests.engine.test_kernels import BLOCK, DIM, HEADS, KV_HEADS, build_paged
 
 # (cached, new) per sequence: decodes first (new == 1), then prefill chunks.

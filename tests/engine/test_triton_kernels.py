@@ -266,7 +266,8 @@ def test_split_kv_prefill_equals_one_pass(segments):
     """A prefill's KV split into segments merged by lse (what a short chunk over a long
     prefix gets on a GPU) equals the single pass, output and lse, also with decodes first
     and a sequence whose early tiles see little of the KV."""
-    from slipstream.kernels.triton_attention import paged_decode, paged_prefill, write_kv
+    from slipstream.kernels.triton_attention import paged_decode, write_kv
+    from slipstream.kernels.triton_prefill import paged_prefill
 
     seqs = [(70, 1), (200, 1), (260, 20), (0, 37), (100, 5)]
     case = paged_case(seqs, 4, 2, 16, DEVICE, torch.float32, seed=segments)
@@ -290,7 +291,7 @@ def test_split_kv_prefill_equals_one_pass(segments):
 
 
 def test_split_kv_prefill_of_a_kv_shard_after_the_queries_sees_nothing():
-    from slipstream.kernels.triton_attention import paged_prefill
+    from slipstream.kernels.triton_prefill import paged_prefill
 
     k_cache = torch.randn(4, BLOCK, 2, 16, device=DEVICE)
     v_cache = torch.randn(4, BLOCK, 2, 16, device=DEVICE)
@@ -306,7 +307,7 @@ def test_split_kv_prefill_of_a_kv_shard_after_the_queries_sees_nothing():
 
 
 def test_prefill_segments_split_only_what_leaves_the_chip_idle():
-    from slipstream.kernels.triton_attention import prefill_segments
+    from slipstream.kernels.triton_prefill import prefill_segments
 
     # 64 tokens (one tile) x 32 heads over a 64K prefix: 32 programs -> split 9 ways.
     assert prefill_segments(1, 32, 65536, 64, 128) == 9
@@ -338,16 +339,16 @@ def test_the_split_counts_only_tiles_that_hold_queries(monkeypatch):
     """The backend tells the split how many query tiles have work: a 3-token chunk beside a
     130-token prompt is one busy tile plus the prompt's, not the prompt's twice (under the
     interpreter's 16-row tiles 1 + 9, not 9 + 9; on CUDA's 128-row tiles 1 + 2, not 2 + 2)."""
-    from slipstream.kernels import triton_attention
+    from slipstream.kernels import triton_attention, triton_prefill
 
     seen: list[int] = []
-    real = triton_attention.prefill_segments
+    real = triton_prefill.prefill_segments
 
     def recording(query_tiles, *args, **kwargs):
         seen.append(query_tiles)
         return real(query_tiles, *args, **kwargs)
 
-    monkeypatch.setattr(triton_attention, "prefill_segments", recording)
+    monkeypatch.setattr(triton_prefill, "prefill_segments", recording)
     check_against_dense([(300, 3), (0, 130)])
     # The prefill's tile height: the interpreter's, or CUDA's for a chunk over 64 tokens.
     tile = 128 if DEVICE == "cuda" else triton_attention.MIN_DOT

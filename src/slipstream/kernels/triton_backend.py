@@ -19,7 +19,8 @@ import torch
 
 from slipstream.kernels.attention import AttentionMetadata, AttentionResult
 from slipstream.kernels.triton_attention import (KernelOptions, decode_segments, paged_decode,
-                                                 paged_prefill, write_kv)
+                                                 write_kv)
+from slipstream.kernels.triton_prefill import paged_prefill
 
 
 def interpreting() -> bool:
