@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from slipstream.contracts.request import EngineRequest
 from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
-from slipstream.contracts.sampling import SamplingParams
+from slipstream.agent.engine.sampling.sampler import NON_FINITE_ERROR, Sampler
+from slipstream.contracts.sampling import SamplingOptions, SamplingParams
 
 PROMPT = [11, 222, 3333, 44, 555, 66]
 OTHERS = [[5, 6, 7], list(range(100, 140)), [900] * 20]
@@ -80,6 +82,59 @@ def test_logprobs_are_normalised_and_sorted(engine):
         assert entry.token_id == entry.top[0][0]  # greedy picks the most likely token
         assert math.isclose(entry.logprob, values[0], abs_tol=1e-6)
         assert all(v <= 0 for v in values) and sum(math.exp(v) for v in values) <= 1 + 1e-5
+
+
+class _Reads:
+    """Counts the reads of a tensor back to the host (each is a device sync on a GPU)."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__float__", "__int__")
+
+    def __enter__(self):
+        self.calls: list[str] = []
+        self.originals = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, self._counted(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+
+    def _counted(self, name, original):
+        def counted(tensor, *args, **kwargs):
+            self.calls.append(name)
+            return original(tensor, *args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logprob_rows_come_back_in_the_steps_one_copy(device):
+    """However many rows ask for logprobs, the tokens, flags and logprobs are one read (on
+    a CPU the finite flags are read first, which costs nothing there), and the values are
+    the log-softmax's own."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=generator).to(device)
+    logits[4, 7] = float("nan")
+    options = [SamplingOptions(temperature=0.0, logprobs=5), SamplingOptions(temperature=0.0),
+               SamplingOptions(temperature=0.9, seed=3, logprobs=2),
+               SamplingOptions(temperature=0.0, logprobs=0),
+               SamplingOptions(temperature=0.0, logprobs=1),
+               SamplingOptions(temperature=1.0, top_k=4, seed=8, logprobs=20)]
+    with _Reads() as reads:
+        result = Sampler()(logits, options, positions=[0] * 6)
+    assert len(reads.calls) == (2 if device == "cpu" else 1), reads.calls
+    assert result.errors == {4: NON_FINITE_ERROR}
+    expected = torch.log_softmax(logits.float().cpu(), dim=-1)
+    assert result.logprobs[1] is None and result.logprobs[3].top == ()
+    assert result.tokens[0] == int(expected[0].argmax())
+    for row in (0, 2, 3, 5):
+        entry, wanted = result.logprobs[row], options[row].logprobs
+        assert entry.token_id == result.tokens[row]
+        assert entry.logprob == pytest.approx(float(expected[row, entry.token_id]), abs=1e-6)
+        values, ids = torch.topk(expected[row], wanted)
+        assert [token for token, _ in entry.top] == ids.tolist()
+        assert [value for _, value in entry.top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert result.tokens[5] in [token for token, _ in result.logprobs[5].top[:4]]
 
 
 def test_stop_token_max_tokens_and_stop_string(engine):

@@ -106,15 +106,14 @@ class Sampler:
                 # On a GPU the draw stays there: the distribution never crosses to the host.
                 generator = self._generator(options[row].seed, positions[row], probs.device)
                 tokens[row] = torch.multinomial(probs[row_index], 1, generator=generator)[0]
-        if on_host:
-            token_list = tokens.tolist()
-        else:
-            rows = torch.stack([tokens, finite.long()], dim=1).tolist()
-            token_list = [token for token, _ in rows]
-            for row, (_, ok) in enumerate(rows):
+        # One copy back per step: each row's token and finite flag, with the logprobs where
+        # a request asks for them (see ``_read_back``).
+        token_list, finite_list, logprobs = _read_back(tokens, finite, raw_logprobs, options)
+        if not on_host:
+            for row, ok in enumerate(finite_list):
                 if not ok:
                     errors[row] = NON_FINITE_ERROR
-        return SampleResult(token_list, _logprobs(raw_logprobs, token_list, options), errors)
+        return SampleResult(token_list, logprobs, errors)
 
     def _generator(self, seed: int | None, position: int,
                    device: torch.device) -> torch.Generator:
@@ -294,18 +293,36 @@ def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torc
     return torch.softmax(logits, dim=-1)
 
 
-def _logprobs(raw: torch.Tensor | None, tokens: list[int],
-              options: list[SamplingOptions]) -> list[TokenLogprob | None]:
+def _read_back(tokens: torch.Tensor, finite: torch.Tensor, raw: torch.Tensor | None,
+               options: list[SamplingOptions],
+               ) -> tuple[list[int], list[bool], list[TokenLogprob | None]]:
+    """The step's tokens, finite flags and logprobs, read from the device in one copy.
+
+    The columns go back as one float64 tensor, which holds token ids and float32 logprobs
+    exactly: [token, finite, the token's logprob, the top-k values, the top-k ids], with k the
+    most that any row asks for (each row keeps its own first k; ``topk`` sorts). Reading each
+    row's logprobs on its own cost a device sync per row on a GPU.
+    """
+    columns = [tokens.double().unsqueeze(1), finite.double().unsqueeze(1)]
+    k = 0
+    if raw is not None:
+        k = min(max((o.logprobs or 0) for o in options), raw.shape[-1])
+        columns.append(raw.gather(1, tokens.unsqueeze(1)).double())
+        if k:
+            values, ids = torch.topk(raw, k, dim=-1)
+            columns += [values.double(), ids.double()]
+    rows = torch.cat(columns, dim=1).tolist()
+    token_list = [int(row[0]) for row in rows]
+    finite_list = [row[1] != 0 for row in rows]
     if raw is None:
-        return [None] * len(tokens)
-    results: list[TokenLogprob | None] = []
-    for row, (token, option) in enumerate(zip(tokens, options)):
+        return token_list, finite_list, [None] * len(rows)
+    logprobs: list[TokenLogprob | None] = []
+    for row, option in zip(rows, options):
         if option.logprobs is None:
-            results.append(None)
+            logprobs.append(None)
             continue
-        top: tuple[tuple[int, float], ...] = ()
-        if option.logprobs > 0:
-            values, ids = torch.topk(raw[row], min(option.logprobs, raw.shape[-1]))
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        results.append(TokenLogprob(token, float(raw[row, token]), top))
-    return results
+        wanted = min(option.logprobs, k)
+        top = tuple((int(token), value) for token, value
+                    in zip(row[3 + k:3 + k + wanted], row[3:3 + wanted]))
+        logprobs.append(TokenLogprob(int(row[0]), row[2], top))
+    return token_list, finite_list, logprobs
