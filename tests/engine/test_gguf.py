@@ -40,6 +40,7 @@ COMPLETIONS = [
     "1, 2, 3, 5, 8, 13,",
 ]
 NEW_TOKENS = 64
+ATOL = 2.5e-4  # logits against transformers' (see the logits test)
 PAD = 2  # <|im_end|>; padding columns are masked out
 CORPUS = [
     "Hello, world!", "  leading spaces and   runs of    blanks\t\ttabs\n\n\nnewlines ",
@@ -140,11 +141,14 @@ def test_prefill_and_decode_logits_match_transformers(model_dir, prompts, refere
         blocks = tuple(range(31 - 4 * index, 31 - 4 * index - 4, -1))  # descending, disjoint
         prefill = runner.compute_logits(Batch(chunks=(
             ScheduledChunk("r", tuple(sequence[:prompt_len]), 0, blocks, True),)))
-        torch.testing.assert_close(prefill, expected[:prompt_len], atol=1e-4, rtol=1e-4)
+        # float32 through 30 layers: the matmul kernels' summation order depends on the CPU
+        # model, and so does the last bit. Logits near zero stayed within 1e-4 of
+        # transformers' on an AMD Zen 4 and reached 1.26e-4 on an Intel Xeon.
+        torch.testing.assert_close(prefill, expected[:prompt_len], atol=ATOL, rtol=1e-4)
         for position in range(prompt_len, len(sequence)):  # decode through the paged KV
             step = runner.compute_logits(Batch(chunks=(
                 ScheduledChunk("r", (sequence[position],), position, blocks, True),)))
-            torch.testing.assert_close(step[0], expected[position], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(step[0], expected[position], atol=ATOL, rtol=1e-4)
 
 
 def test_greedy_tokens_match_transformers_chat_and_completion_batched(model_dir, prompts,
