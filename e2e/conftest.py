@@ -11,6 +11,7 @@ import importlib.util
 import ipaddress
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -33,6 +34,31 @@ devcluster = _load("slipstream_e2e_devcluster", E2E_DIR / "cluster" / "devcluste
 handle = _load("slipstream_e2e_handle", E2E_DIR / "cluster" / "handle.py")
 DevCluster = handle.DevCluster
 wait_for = handle.wait_for
+
+
+_background_build = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When e2e tests are selected, start the control plane's build now (niced), so that a
+    first run builds while the earlier tiers run instead of after them."""
+    global _background_build
+    if session.config.option.collectonly or not any(
+            item.get_closest_marker("e2e") for item in session.items):
+        return
+    started = devcluster.build.start_background_build()
+    if started is not None:
+        _background_build, log_file = started
+        print(f"\n[k8s-build] building the control plane in the background (log {log_file})",
+              file=sys.stderr, flush=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session that ends before the build does stops it (its stamps are per binary, so
+    the next session goes on from the binaries already built)."""
+    if _background_build is not None and _background_build.poll() is None:
+        os.killpg(_background_build.pid, signal.SIGTERM)
+        _background_build.wait()
 
 
 @pytest.fixture(scope="session")

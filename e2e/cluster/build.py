@@ -271,7 +271,11 @@ def build_lock(paths: BuildPaths):
     """Serialise concurrent builds (make and pytest may both start one)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     with open(paths.root / ".lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for the build already running (its log is under {paths.log_dir})")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -289,6 +293,9 @@ def ensure_binaries(version: str = KUBERNETES_VERSION, cache_root: Path | None =
     with build_lock(paths):
         paths.bin_dir.mkdir(parents=True, exist_ok=True)
         todo = [name for name in only if not is_fresh(paths, name, version)]
+        if not todo:  # another process built them while this one waited for the lock
+            log("the binaries are ready")
+            return paths.bin_dir
         log(f"Kubernetes v{version}: building {', '.join(todo)} into {paths.bin_dir}")
         started = time.monotonic()
         for index, name in enumerate(todo, start=1):
@@ -304,6 +311,33 @@ def ensure_binaries(version: str = KUBERNETES_VERSION, cache_root: Path | None =
             paths.stamp(name).write_text(recipe(name, version) + "\n")
         log(f"all binaries ready in {time.monotonic() - started:.0f} s")
     return paths.bin_dir
+
+
+def start_background_build(version: str = KUBERNETES_VERSION, cache_root: Path | None = None,
+                           ) -> tuple[subprocess.Popen, Path] | None:
+    """Start building the missing binaries in a niced child process: it and its log, or
+    None when there is nothing to build (or no Go to build it with).
+
+    The first e2e test waits for the binaries; a build started when the session begins runs
+    on whatever CPU the earlier tiers leave idle (they use about one core of two), so it is
+    mostly done by then. `ensure_binaries` takes the same lock, so the fixture waits for this
+    build and then finds everything fresh; if this one fails, the fixture builds again in
+    the foreground and reports the error.
+    """
+    paths = paths_for(version, cache_root)
+    if all(is_fresh(paths, name, version) for name in ALL_BINARIES) or shutil.which("go") is None:
+        return None
+    log_file = paths.log_dir / "background-build.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if cache_root is not None:
+        env["SLIPSTREAM_CACHE_DIR"] = str(cache_root)
+    with open(log_file, "w") as out:
+        process = subprocess.Popen(["nice", "-n", "19", sys.executable, __file__,
+                                    "--version", version],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    return process, log_file
 
 
 def main(argv: list[str] | None = None) -> int:
