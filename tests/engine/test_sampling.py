@@ -137,6 +137,27 @@ def test_logprob_rows_come_back_in_the_steps_one_copy(device):
     assert result.tokens[5] in [token for token, _ in result.logprobs[5].top[:4]]
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_draws_follow_the_distribution_and_never_pick_a_zero(seeded):
+    """The inverse-CDF draw: over 4,000 rows of one distribution (at temperature 1, with a
+    token of probability 0 and top-k), each token's frequency is within 4.5 standard deviations of its
+    probability; nothing outside the top-k is drawn."""
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    # A logit of -1e4 has probability 0 in float32 (-inf would be a model fault).
+    logits = probs.log().clamp(min=-1e4).repeat(4000, 1)
+    logits[:, 5] = math.log(0.04)  # the fifth most likely: outside the top 4, never drawn
+    rows = logits.shape[0]
+    options = [SamplingOptions(temperature=1.0, top_k=4, seed=row if seeded else None)
+               for row in range(rows)]
+    result = Sampler(seed=11)(logits, options, positions=[0] * rows)
+    counts = torch.bincount(torch.tensor(result.tokens), minlength=6).double()
+    expected = probs.double() * rows
+    spread = (expected * (1 - probs.double())).sqrt()
+    assert counts[1] == 0 and counts[5] == 0
+    assert result.errors == {}
+    assert ((counts - expected).abs() <= 4.5 * spread).all(), counts.tolist()
+
+
 def test_stop_token_max_tokens_and_stop_string(engine):
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs, finals = run(engine, [PROMPT], [greedy])

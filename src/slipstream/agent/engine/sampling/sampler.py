@@ -98,14 +98,22 @@ class Sampler:
         if grammar is not None:
             for row in grammar.dead_rows:
                 errors.setdefault(row, "the grammar allows no token here")
-        tokens = torch.argmax(logits, dim=-1)
         random_rows = [i for i, o in enumerate(options) if not o.greedy and i not in errors]
+        every_row = bool(random_rows) and len(random_rows) == len(options)
+        # argmax and the gather of the random rows each cost a pass over [rows, vocab]: a
+        # batch that samples every row skips both.
+        tokens = None if every_row else torch.argmax(logits, dim=-1)
         if random_rows:
-            probs = filtered_probs(logits[random_rows], [options[i] for i in random_rows])
-            for row_index, row in enumerate(random_rows):
-                # On a GPU the draw stays there: the distribution never crosses to the host.
-                generator = self._generator(options[row].seed, positions[row], probs.device)
-                tokens[row] = torch.multinomial(probs[row_index], 1, generator=generator)[0]
+            probs = filtered_probs(logits if every_row else logits[random_rows],
+                                   [options[i] for i in random_rows])
+            drawn = _inverse_cdf_draw(probs, self._uniforms(
+                [options[row].seed for row in random_rows],
+                [positions[row] for row in random_rows], probs.device))
+            if tokens is None:
+                tokens = drawn
+            else:
+                tokens[random_rows] = drawn
+        assert tokens is not None
         # One copy back per step: each row's token and finite flag, with the logprobs where
         # a request asks for them (see ``_read_back``).
         token_list, finite_list, logprobs = _read_back(tokens, finite, raw_logprobs, options)
@@ -114,6 +122,25 @@ class Sampler:
                 if not ok:
                     errors[row] = NON_FINITE_ERROR
         return SampleResult(token_list, logprobs, errors)
+
+    def _uniforms(self, seeds: list[int | None], positions: list[int],
+                  device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row, made on ``device`` (a draw never crosses to the
+        host). The rows without a seed take theirs from the sampler's generator in one call;
+        a seeded row from its own generator, so its token does not depend on the batch."""
+        uniforms = torch.empty(len(seeds), dtype=torch.float32, device=device)
+        unseeded = [row for row, seed in enumerate(seeds) if seed is None]
+        if unseeded:
+            drawn = torch.rand(len(unseeded), generator=self._generator(None, 0, device),
+                               device=device)
+            if len(unseeded) == len(seeds):
+                return drawn
+            uniforms[unseeded] = drawn
+        for row, seed in enumerate(seeds):
+            if seed is not None:
+                uniforms[row] = torch.rand(1, generator=self._generator(
+                    seed, positions[row], device), device=device)[0]
+        return uniforms
 
     def _generator(self, seed: int | None, position: int,
                    device: torch.device) -> torch.Generator:
@@ -266,14 +293,28 @@ def grammar_penalty(allowed: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([penalty, padding], dim=-1)
 
 
+def _inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row: the first whose cumulative probability passes the row's uniform
+    (scaled by the row's own total, so rounding cannot push it past the end).
+
+    ``torch.multinomial`` draws one exponential variate per vocabulary entry for a single
+    sample; over a 49K vocabulary on a CPU core that was 1.25 ms a row (40 ms for 32 rows).
+    A float32 cumulative sum and a binary search take 1.2 ms for all 32 (the sum is within
+    6e-8 of a float64 one). A token of probability zero is never drawn: ``right=True``
+    returns the first index whose sum is strictly above the target."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = (uniforms * cumulative[:, -1]).unsqueeze(-1)
+    drawn = torch.searchsorted(cumulative, targets, right=True).squeeze(-1)
+    return drawn.clamp_(max=probs.shape[-1] - 1)
+
+
 def filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
     """The distribution each row samples from, after temperature, top-k and top-p. Every row
     keeps at least its most likely token, so every row sums to 1."""
     vocab = logits.shape[-1]
     temperature = torch.tensor([max(o.temperature, _MIN_TEMPERATURE) for o in options],
                                dtype=torch.float32, device=logits.device)
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    logits = shifted / temperature.unsqueeze(-1)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values).div_(temperature.unsqueeze(-1))
     needs_top_k = any(0 < o.top_k < vocab for o in options)
     needs_top_p = any(o.top_p < 1.0 for o in options)
     if needs_top_k or needs_top_p:
