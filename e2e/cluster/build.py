@@ -313,7 +313,7 @@ def ensure_binaries(version: str = KUBERNETES_VERSION, cache_root: Path | None =
     return paths.bin_dir
 
 
-def start_background_build(version: str = KUBERNETES_VERSION, cache_root: Path | None = None,
+def start_background_build(version: str = KUBERNETES_VERSION,
                            ) -> tuple[subprocess.Popen, Path] | None:
     """Start building the missing binaries in a niced child process: it and its log, or
     None when there is nothing to build (or no Go to build it with).
@@ -329,19 +329,15 @@ def start_background_build(version: str = KUBERNETES_VERSION, cache_root: Path |
     scheduling group that gets an equal share of the CPU whatever its nice value, and the
     build then took half the machine from the tests.
     """
-    paths = paths_for(version, cache_root)
+    paths = paths_for(version)
     if all(is_fresh(paths, name, version) for name in ALL_BINARIES) or shutil.which("go") is None:
         return None
     log_file = paths.log_dir / "background-build.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    if cache_root is not None:
-        env["SLIPSTREAM_CACHE_DIR"] = str(cache_root)
     with open(log_file, "w") as out:
         process = subprocess.Popen(["nice", "-n", "19", sys.executable, __file__,
                                     "--version", version],
-                                   stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   process_group=0)
+                                   stdout=out, stderr=subprocess.STDOUT, process_group=0)
     return process, log_file
 
 

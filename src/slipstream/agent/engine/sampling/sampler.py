@@ -77,10 +77,10 @@ class Sampler:
         finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
         if masks is None and all(plain_greedy(option) for option in options):
             # The common path: the tokens and the finite flags come back in one copy.
-            rows = torch.stack([torch.argmax(logits, dim=-1), finite.long()], dim=1).tolist()
-            return SampleResult([token for token, _ in rows], [None] * len(rows),
-                                {row: NON_FINITE_ERROR for row, (_, ok) in enumerate(rows)
-                                 if not ok})
+            token_list, finite_list, logprobs = _read_back(torch.argmax(logits, dim=-1),
+                                                           finite, None, options)
+            return SampleResult(token_list, logprobs, {row: NON_FINITE_ERROR for row, ok
+                                                       in enumerate(finite_list) if not ok})
         # On a CPU the finite flags cost nothing to read now; on a GPU they come back with the
         # tokens, in the step's one copy.
         on_host = logits.device.type == "cpu"
@@ -128,13 +128,13 @@ class Sampler:
         """One uniform in [0, 1) per row, made on ``device`` (a draw never crosses to the
         host). The rows without a seed take theirs from the sampler's generator in one call;
         a seeded row from its own generator, so its token does not depend on the batch."""
-        uniforms = torch.empty(len(seeds), dtype=torch.float32, device=device)
         unseeded = [row for row, seed in enumerate(seeds) if seed is None]
-        if unseeded:
-            drawn = torch.rand(len(unseeded), generator=self._generator(None, 0, device),
-                               device=device)
-            if len(unseeded) == len(seeds):
-                return drawn
+        drawn = torch.rand(len(unseeded), generator=self._generator(None, 0, device),
+                           device=device) if unseeded else None
+        if drawn is not None and len(unseeded) == len(seeds):
+            return drawn
+        uniforms = torch.empty(len(seeds), dtype=torch.float32, device=device)
+        if drawn is not None:
             uniforms[unseeded] = drawn
         for row, seed in enumerate(seeds):
             if seed is not None:
