@@ -17,7 +17,7 @@ import pytest
 from slipstream.agent.server import cli_flags
 
 NUM_STREAMS = 16  # all on one of the two processes: probability 2**-15
-OUTPUT_TOKENS = 200  # still streaming while the test counts the connections
+OUTPUT_TOKENS = 200  # every stream still open (or kept alive) while the connections are counted
 LONG_OUTPUT_TOKENS = 1500  # still running when the core is killed
 START_TIMEOUT_S = 120.0
 EXIT_TIMEOUT_S = 60.0
@@ -33,13 +33,48 @@ def _family(server) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _connections(process: psutil.Process, port: int, status: str) -> int:
+def _peers(process: psutil.Process, port: int, status: str) -> set[int]:
+    """The client ports of ``process``'s connections on ``port`` in ``status``."""
     try:
-        return sum(1 for connection in process.net_connections(kind="tcp")
-                   if connection.status == status and connection.laddr
-                   and connection.laddr.port == port)
+        return {connection.raddr.port if connection.raddr else 0
+                for connection in process.net_connections(kind="tcp")
+                if connection.status == status and connection.laddr
+                and connection.laddr.port == port}
     except psutil.Error:
-        return 0
+        return set()
+
+
+def _connections(process: psutil.Process, port: int, status: str) -> int:
+    return len(_peers(process, port, status))
+
+
+class _Accepted:
+    """Which API process holds each client connection, sampled until ``stop``. A stream whose
+    200 tokens all fit in the socket buffers is finished on the server's side while its client
+    waits at the barrier, and after the keep-alive timeout the server closes that connection:
+    one look at the end would miss it, so the connections are collected while they open."""
+
+    def __init__(self, api: list[psutil.Process], port: int) -> None:
+        self.peers: list[set[int]] = [set() for _ in api]
+        self._api, self._port = api, port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            last = self._stop.is_set()
+            for seen, process in zip(self.peers, self._api):
+                seen |= _peers(process, self._port, psutil.CONN_ESTABLISHED)
+            if last:
+                return
+            self._stop.wait(0.02)
+
+    def stop(self) -> list[int]:
+        """Stop sampling (after one last look); the connections each process held."""
+        self._stop.set()
+        self._thread.join(timeout=START_TIMEOUT_S)
+        return [len(seen) for seen in self.peers]
 
 
 def _api_processes(server) -> list[psutil.Process]:
@@ -125,10 +160,6 @@ class _Streams:
         for thread in self._threads:
             thread.join(timeout=START_TIMEOUT_S)
 
-    def join(self) -> None:
-        for thread in self._threads:
-            thread.join(timeout=START_TIMEOUT_S)
-
 
 def test_streams_through_both_api_processes_complete_and_metrics_add_up(start_server):
     server = start_server("--api-processes", "2")
@@ -137,9 +168,10 @@ def test_streams_through_both_api_processes_complete_and_metrics_add_up(start_se
     finished_before = server.metric("slipstream_requests_total", finish_reason="length")
     generated_before = server.metric("slipstream_generation_tokens_total")
 
+    accepted = _Accepted(api, port)
     streams = _Streams(server, OUTPUT_TOKENS)
     streams.wait_for_first_chunks()  # every stream is open and has its first chunk
-    established = [_connections(process, port, psutil.CONN_ESTABLISHED) for process in api]
+    established = accepted.stop()
     assert all(count > 0 for count in established), established
     assert sum(established) >= NUM_STREAMS
     streams.join()
