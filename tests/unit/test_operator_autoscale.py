@@ -1,6 +1,7 @@
 """The operator's side of autoscaling, without a cluster: draining instances are seen and kept
 out of reconcile's plan (their indices held), the count reconcile aims at, the signals the
-autoscaler builds, its status, and the rebalancer holding while the count changes."""
+autoscaler builds, its status, the end of a drain (said once), and the rebalancer holding while
+the count changes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from slipstream.crds.servingreplica import ServingReplicaSpec
 from slipstream.decisions.autoscale import SCALE_DOWN, WITHIN_TARGETS
 from slipstream.decisions.scale_signals import InstanceLoad, ScaleDecision, ScaleHistory
 from slipstream.operator import builders, naming
-from slipstream.operator.handle_autoscale import scale_signals, with_autoscaling
+from slipstream.operator.handle_autoscale import finish_drains, scale_signals, with_autoscaling
 from slipstream.operator.handle_rebalance import every_period, scaling_in_progress
 from slipstream.operator.instances import observe_pods, plan_instances, target_count
 from slipstream.operator.placement import NodeShare
@@ -34,7 +35,7 @@ AUTO = spec({"minInstances": 1, "maxInstances": 5})
 
 
 def agent_pod(index: int, *, ready: bool = True, draining_since: str | None = None,
-              pool: str = "unified") -> dict:
+              pool: str = "unified", deleting: bool = False) -> dict:
     manifest = builders.build_agent_pod_spec(
         "r", "ns", AUTO, instance=naming.instance_name("r", index), index=index,
         incarnation="aaaaa", share=NodeShare(node="node-0", gpus=8, first_rank=0), rank=0,
@@ -46,6 +47,8 @@ def agent_pod(index: int, *, ready: bool = True, draining_since: str | None = No
         manifest["metadata"]["labels"][naming.ROLE_LABEL] = naming.ROLE_DRAINING
         manifest["metadata"].setdefault("annotations", {})[
             naming.DRAINING_SINCE_ANNOTATION] = draining_since
+    if deleting:
+        manifest["metadata"]["deletionTimestamp"] = "2026-12-02T00:00:00Z"
     return manifest
 
 
@@ -90,6 +93,42 @@ def test_a_scale_up_places_its_instances_in_the_pools_the_autoscaler_chose():
     # A pool that does not exist is not followed.
     assert plan_instances(pooled, live, {}, "r", count=3, new_pools=["decode"]).create == \
         ((2, "long"),)
+
+
+class RecordingKube:
+    def __init__(self) -> None:
+        self.deleted: list[tuple[str, str]] = []
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.deleted.append((kind, name))
+
+
+def test_a_finished_drain_is_said_once_while_its_pods_terminate():
+    """The pass that finds nothing in flight deletes the pods; the agent's SIGTERM drain keeps
+    them terminating for a while, and the passes after it see them deleting (which counts as
+    failed): no second InstanceDrained event, and no second delete of the pods."""
+    kube, said = RecordingKube(), []
+    body = {"metadata": {"name": "r", "namespace": "ns"}}
+    def event(_body, _kind, reason, message):
+        said.append((reason, message))
+    def idle(_instance):
+        return (None, 0)
+    def passes(*pods):
+        finish_drains(kube, body, AUTO, observe_pods(list(pods), GPU), 100.0, idle, event)
+
+    passes(agent_pod(0), agent_pod(1, draining_since="1"))
+    assert [reason for reason, _ in said] == ["InstanceDrained"]
+    assert "nothing in flight" in said[0][1]
+    pods_deleted = sum(kind == "Pod" for kind, _ in kube.deleted)
+    assert pods_deleted == 1 and ("Service", "r-1") in kube.deleted, kube.deleted
+    for _ in range(3):
+        passes(agent_pod(0), agent_pod(1, draining_since="1", deleting=True))
+    assert [reason for reason, _ in said] == ["InstanceDrained"]
+    assert sum(kind == "Pod" for kind, _ in kube.deleted) == pods_deleted
+    # A draining instance whose pod failed (not deleted) is still finished, once.
+    passes(agent_pod(0), agent_pod(2, draining_since="1", ready=False) | {
+        "status": {"phase": "Failed"}})
+    assert said[-1] == ("InstanceDrained", "r-2 removed: its pods had already stopped")
 
 
 def test_status_keeps_the_chosen_pools_until_the_count_changes_again():

@@ -123,6 +123,11 @@ def finish_drains(kube: Kube, body: dict, spec: ServingReplicaSpec,
         since = instance.draining_since_s
         if since is None:
             continue
+        if all(pod.deleting for pod in instance.pods):
+            # Removed already (by an earlier pass, or by hand): the pods are in the agent's
+            # SIGTERM drain. Said once: no second event or count, only the Service made sure of.
+            kube.delete("Service", namespace, instance.name)
+            continue
         elapsed_s = now_s - since
         reading = read_load(instance) if not instance.failed else None
         in_flight = reading[1] if reading is not None else None
