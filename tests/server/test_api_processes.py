@@ -33,19 +33,14 @@ def _family(server) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _peers(process: psutil.Process, port: int, status: str) -> set[int]:
-    """The client ports of ``process``'s connections on ``port`` in ``status``."""
+def _sockets(process: psutil.Process, port: int, status: str) -> list:
+    """``process``'s TCP sockets on local ``port`` in ``status``."""
     try:
-        return {connection.raddr.port if connection.raddr else 0
-                for connection in process.net_connections(kind="tcp")
+        return [connection for connection in process.net_connections(kind="tcp")
                 if connection.status == status and connection.laddr
-                and connection.laddr.port == port}
+                and connection.laddr.port == port]
     except psutil.Error:
-        return set()
-
-
-def _connections(process: psutil.Process, port: int, status: str) -> int:
-    return len(_peers(process, port, status))
+        return []
 
 
 class _Accepted:
@@ -65,7 +60,8 @@ class _Accepted:
         while True:
             last = self._stop.is_set()
             for seen, process in zip(self.peers, self._api):
-                seen |= _peers(process, self._port, psutil.CONN_ESTABLISHED)
+                seen.update(connection.raddr.port for connection
+                            in _sockets(process, self._port, psutil.CONN_ESTABLISHED))
             if last:
                 return
             self._stop.wait(0.02)
@@ -83,7 +79,7 @@ def _api_processes(server) -> list[psutil.Process]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         listening = [process for process in _family(server)
-                     if _connections(process, _port(server), psutil.CONN_LISTEN)]
+                     if _sockets(process, _port(server), psutil.CONN_LISTEN)]
         if len(listening) == 2:
             return listening
         time.sleep(0.25)
