@@ -16,7 +16,7 @@ LIVE_ARGS ?=
 
 BENCHMARKS := $(patsubst bench-%:,%,$(filter bench-%:,$(shell sed -n 's/^\(bench-[a-z-]*:\).*/\1/p' $(firstword $(MAKEFILE_LIST)))))
 
-.PHONY: setup default-model serve test test-unit test-e2e test-gpu device-wheels device-check lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
+.PHONY: setup default-model serve test test-unit test-e2e test-gpu kernel-check device-wheels device-check lint-imports typecheck bench $(BENCHMARKS:%=bench-%) \
 	clean prometheus-tools transfer-engine-libs dashboards generate dev-cluster dev-cluster-status dev-cluster-stop
 
 setup: $(STAMP)
@@ -73,6 +73,13 @@ test-e2e: setup
 # every engine a test builds without naming a device runs on the GPU. CI has no GPU.
 test-gpu: setup
 	$(BIN)/pytest tests/engine
+
+# Without a GPU: every Triton kernel compiled to a cubin for H100/H200, A100 and L40S at the
+# shapes of the model families served; fails on a kernel that does not compile or wants more
+# shared memory than the chip grants, and lists registers, spills and blocks per SM.
+kernel-check: setup
+	$(BIN)/python -m slipstream.kernels.compile_check --arch 90 80 89 \
+	  --json $(RESULTS)/kernel-compile/compile_check.json
 
 # The device check: on a bare GPU machine whose python3 already has torch, triton,
 # transformers, safetensors, tokenizers, numpy, grpcio, httpx and prometheus-client, the rest

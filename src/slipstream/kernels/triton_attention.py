@@ -43,6 +43,8 @@ Log-sum-exp values are natural-log (``lse_natural``), as everywhere in our API.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +76,33 @@ class KernelOptions:
 def _soft_cap(scores, softcap):
     # cap * tanh(scores / cap), with tanh(x) = 2 sigmoid(2x) - 1 (portable to the interpreter).
     return softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+
+
+# Set (to a compute capability x10) while compile_check.py compiles the CUDA kernels on a
+# machine without a GPU: the launches then pick that chip's tiles, though their tensors are
+# on the CPU.
+COMPILE_ARCH = contextvars.ContextVar("compile_arch", default=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def tile_arch(tensor: torch.Tensor) -> int:
+    """The compute capability x10 a launch over ``tensor`` picks its tiles for: its GPU's,
+    or 0 under the interpreter (small tiles)."""
+    if tensor.device.type == "cuda":
+        return _device_arch(tensor.device.index if tensor.device.index is not None
+                            else torch.cuda.current_device())
+    return COMPILE_ARCH.get()
+
+
+def merge_warps(head_dim: int) -> int:
+    """Warps of a segment merge: its ``[32 segments, head_dim]`` float32 tile fits one warp's
+    registers up to 128 wide; 256-wide heads spill there, so two."""
+    return max(1, triton.next_power_of_2(head_dim) // 128)
 
 
 def _pow2_at_least(value: int, floor: int = MIN_DOT) -> int:
@@ -270,8 +299,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_out = torch.empty(scratch_rows * head_dim, dtype=torch.float32,
                                   device=query.device)
         partial_lse = torch.empty(scratch_rows, dtype=torch.float32, device=query.device)
-    on_gpu = query.device.type == "cuda"
-    block_n = 64 if on_gpu else MIN_DOT
+    block_n = 64 if tile_arch(query) else MIN_DOT
     _decode_partial_kernel[(num_decodes, num_kv_heads, num_segments)](
         query, k_cache, v_cache, seq_info, block_indices, partial_out, partial_lse, scale,
         num_segments, options.window, options.softcap, query.stride(0), query.stride(1),
@@ -284,7 +312,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         partial_out, partial_lse, seq_info, out, lse if lse is not None else out,
         num_segments, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, SEGMENTS_PAD=MAX_DECODE_SEGMENTS, HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim), WRITE_LSE=lse is not None, num_warps=1)
+        DIM_PAD=triton.next_power_of_2(head_dim), WRITE_LSE=lse is not None,
+        num_warps=merge_warps(head_dim))
 
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:

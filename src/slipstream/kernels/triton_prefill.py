@@ -20,7 +20,7 @@ import triton.language as tl
 from slipstream.kernels.triton_attention import (MAX_DECODE_SEGMENTS, MIN_DOT, SEQ_INFO,
                                                  KernelOptions, _check_cache, _dot_precision,
                                                  _last_dim_contiguous, _pow2_at_least,
-                                                 _soft_cap)
+                                                 _soft_cap, merge_warps, tile_arch)
 
 
 # -- prefill -----------------------------------------------------------------------------------
@@ -213,6 +213,25 @@ def prefill_segments(query_tiles: int, num_heads: int, longest_kv: int, num_toke
                       longest_kv // min_segment_tokens, by_scratch))
 
 
+def prefill_tiles(longest_query: int, head_dim: int, arch: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a prefill launch on a chip of compute
+    capability ``arch`` (x10; 0: the interpreter).
+
+    Chosen so that no configuration spills registers (compile_check.py compiles them all
+    and reads the cubins): 256-wide heads (Gemma) spill 300+ bytes per thread with 64x64
+    tiles on 4 warps; before Hopper (no wgmma), 128-wide heads spill with those too and with
+    128-row tiles on 8 warps. Those are the register and shared-memory counts; which tiles
+    run fastest has been measured on no chip yet."""
+    if not arch:  # the interpreter: small tiles, so tests stay quick
+        return MIN_DOT, MIN_DOT, 1, 1
+    if head_dim > 128:  # 96 KB of shared memory: an L40S grants a block 99 KB
+        return 64, 32, 8, 2
+    if arch < 90:
+        return 64, 64, 8, 2
+    block_m = 128 if longest_query > 64 else 64
+    return block_m, 64, (8 if block_m == 128 else 4), 2
+
+
 def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   seq_info: torch.Tensor, block_indices: torch.Tensor, scale: float,
                   out: torch.Tensor, lse: torch.Tensor | None, longest_query: int,
@@ -234,12 +253,8 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_kv_heads = k_cache.shape[2]
     query = _last_dim_contiguous(query)
     _check_cache(k_cache, v_cache)
-    on_gpu = query.device.type == "cuda"
-    if on_gpu:
-        block_m = 128 if longest_query > 64 else 64
-        block_n, num_warps, num_stages = 64, (8 if block_m == 128 else 4), 2
-    else:  # the interpreter: small tiles, so tests stay quick
-        block_m, block_n, num_warps, num_stages = MIN_DOT, MIN_DOT, 1, 1
+    block_m, block_n, num_warps, num_stages = prefill_tiles(longest_query, head_dim,
+                                                            tile_arch(query))
     query_tiles = triton.cdiv(longest_query, block_m)
     if num_segments is None:
         busy_tiles = num_seqs * query_tiles if query_lens is None else sum(
@@ -274,4 +289,5 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             partial_out, partial_lse, out, lse if lse is not None else out, num_segments,
             first_token, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
             SEGMENTS_PAD=MAX_DECODE_SEGMENTS, HEAD_DIM=head_dim,
-            DIM_PAD=triton.next_power_of_2(head_dim), WRITE_LSE=lse is not None, num_warps=1)
+            DIM_PAD=triton.next_power_of_2(head_dim), WRITE_LSE=lse is not None,
+            num_warps=merge_warps(head_dim))
