@@ -242,10 +242,12 @@ def test_select_backend_names_the_choices():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
-def test_triton_on_cuda_equals_torch_ref(dtype, atol):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (16, 8, 256)])
+def test_triton_on_cuda_equals_torch_ref(dtype, atol, heads, kv_heads, dim):
+    # 256-wide heads (Gemma) take their own prefill tiles (prefill_tiles).
     seqs = [(1000, 1), (5, 1), (4000, 1), (700, 300), (0, 517)]
-    case = paged_case(seqs, 32, 8, 128, "cuda", dtype, seed=11)
-    scale = 1 / math.sqrt(128)
+    case = paged_case(seqs, heads, kv_heads, dim, "cuda", dtype, seed=11)
+    scale = 1 / math.sqrt(dim)
     triton_result, triton_k, _ = run_backend(TritonBackend("cuda"), case, scale)
     torch_result, torch_k, _ = run_backend(TorchReferenceBackend(), case, scale)
     assert torch.equal(triton_k, torch_k)

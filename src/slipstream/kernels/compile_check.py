@@ -309,6 +309,22 @@ def _table(results: list[Compiled]) -> str:
     return "\n".join(lines)
 
 
+UNAVAILABLE = 3  # the exit status when this Triton cannot compile for CUDA here
+
+
+def unavailable() -> str | None:
+    """Why this Triton cannot build cubins on this machine, or None when it can."""
+    if not hasattr(knobs, "runtime") or not hasattr(knobs.runtime, "jit_cache_hook"):
+        return f"Triton {triton.__version__} has no jit_cache_hook (3.4 and later do)"
+    if not hasattr(triton.runtime.driver, "_active"):
+        return f"Triton {triton.__version__}'s driver cannot be swapped"
+    try:
+        tool = knobs.nvidia.cuobjdump.path
+    except Exception as error:  # noqa: BLE001 - the CUDA backend is missing or broken
+        return f"Triton's CUDA backend is not usable ({error})"
+    return None if tool and Path(tool).exists() else "Triton's wheel carries no cuobjdump"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m slipstream.kernels.compile_check",
@@ -324,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print only the problems")
     args = parser.parse_args(argv)
     shapes = tuple(s for s in SHAPES if not args.shapes or s.name in args.shapes)
+    reason = unavailable()
+    if reason:
+        print(f"cannot compile for CUDA here: {reason}", file=sys.stderr)
+        return UNAVAILABLE
     everything: list[Compiled] = []
     for arch in args.arch:
         chip = CHIPS[arch]
