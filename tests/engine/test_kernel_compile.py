@@ -46,6 +46,14 @@ def test_every_kernel_compiles_for_hopper_and_ada_without_spilling(tmp_path: Pat
         for kernel in compiled:
             assert not kernel["problems"] and not kernel["error"], kernel
             assert kernel["registers"] > 0 and kernel["blocks_per_sm"] >= 1, kernel
+    # Prefill is compute-bound: on Hopper its dots must be warpgroup MMAs (a tile shape or
+    # warp count that loses them costs most of the tensor cores' rate); Ada has mma.sync.
+    by_arch = {(k["arch"], k["kernel"]): set() for k in kernels}
+    for k in kernels:
+        by_arch[k["arch"], k["kernel"]].add(k["tensor_cores"])
+    assert by_arch[90, "_prefill_kernel"] == {"wgmma"}
+    assert by_arch[89, "_prefill_kernel"] == {"mma"}
+    assert by_arch[90, "_decode_partial_kernel"] <= {"mma", "wgmma"}
     spilling = [(k["arch"], k["case"], k["kernel"], k["spill_bytes"]) for k in kernels
                 if k["spill_bytes"]]
     assert not spilling, f"kernels spill registers to local memory: {spilling}"

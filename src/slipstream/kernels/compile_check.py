@@ -14,7 +14,7 @@ Each case calls the engine's own launch function (``paged_decode``, ``paged_pref
 of a model's shape; Triton's launch is stopped after its specialisation, and the kernel it
 would have compiled is compiled for the chosen chip instead and never run. From the cubin:
 registers per thread, local memory (spills), and with the dynamic shared memory the blocks
-one multiprocessor can hold. A kernel that fails to compile, or asks for more shared memory
+one multiprocessor can hold; from the PTX, whether the tensor cores are Hopper's (wgmma). A kernel that fails to compile, or asks for more shared memory
 than the chip grants a block, fails the check (exit status 1); spills are reported.
 
 What it cannot see: speed, and anything that needs the chip itself (driver, graph capture).
@@ -117,6 +117,7 @@ class Compiled:
     registers: int = 0
     spill_bytes: int = 0  # local memory per thread: registers spilled (0 is the goal)
     blocks_per_sm: int = 0
+    tensor_cores: str = ""  # "wgmma" (Hopper's), "mma" (Ampere's, also on Hopper) or none
     seconds: float = 0.0
     error: str = ""
     problems: list[str] = field(default_factory=list)
@@ -187,6 +188,7 @@ def _compile(chip: Chip, case: str, jit_function, spec: dict) -> Compiled:
     result.seconds = round(time.perf_counter() - started, 2)
     result.shared_bytes = kernel.metadata.shared
     result.registers, result.spill_bytes = _resources(kernel.asm["cubin"])
+    result.tensor_cores = tensor_cores(kernel.asm["ptx"])
     result.blocks_per_sm = blocks_per_sm(chip, result.num_warps, result.registers,
                                          result.shared_bytes)
     if result.shared_bytes > chip.shared_per_block:
@@ -208,6 +210,14 @@ def _resources(cubin: bytes) -> tuple[int, int]:
     if registers is None or local is None:
         raise RuntimeError(f"cuobjdump gave no resource usage: {report!r}")
     return int(registers.group(1)), int(local.group(1)) + int(stack.group(1) if stack else 0)
+
+
+def tensor_cores(ptx: str) -> str:
+    """Which matrix instructions the kernel's PTX issues: Hopper's warpgroup ``wgmma``, the
+    warp-level ``mma.sync``, or none."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma" if "mma.sync" in ptx else ""
 
 
 def blocks_per_sm(chip: Chip, num_warps: int, registers: int, shared: int) -> int:
@@ -301,11 +311,12 @@ def check(chip: Chip, shapes: tuple[Shape, ...] = SHAPES,
 
 def _table(results: list[Compiled]) -> str:
     lines = [f"{'case':<44} {'kernel':<24} {'warps':>5} {'shared':>8} {'regs':>4} "
-             f"{'spill':>5} {'blocks/SM':>9}"]
+             f"{'spill':>5} {'blocks/SM':>9} {'MMA':>5}"]
     for r in results:
         status = "; ".join(r.problems) if r.problems else ""
         lines.append(f"{r.case:<44} {r.kernel:<24} {r.num_warps:>5} {r.shared_bytes:>8} "
-                     f"{r.registers:>4} {r.spill_bytes:>5} {r.blocks_per_sm:>9}  {status}")
+                     f"{r.registers:>4} {r.spill_bytes:>5} {r.blocks_per_sm:>9} {r.tensor_cores:>5}  "
+                     f"{status}")
     return "\n".join(lines)
 
 
