@@ -1,9 +1,15 @@
-"""Slipstream's AVX-512 BF16 kernels for quantized CPU layers (kernels/cpu_quant_gemm.cpp):
+"""Slipstream's AVX-512 kernels for quantized CPU layers (kernels/cpu_quant_gemm.cpp):
 against the weights' float formula in float64, rows independent of the batch they are in,
 the tied embedding read from the LM head's packed copy, compiled decode steps, and the
-refusals. Skipped, with the reason, on a CPU without AVX-512 BF16."""
+refusals. They run with whichever products this CPU has (vdpbf16ps with AVX-512 BF16,
+float32 multiply-adds without); a test builds the other one too where the CPU has both.
+Skipped, with the reason, on a CPU without AVX-512."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +24,7 @@ from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8Group
 from slipstream.kernels import cpu_quant_gemm
 
 pytestmark = pytest.mark.skipif(not native_cpu_kernels(),
-                                reason="this CPU has no AVX-512 BF16, or no C++ compiler")
+                                reason="this CPU has no AVX-512, or no C++ compiler")
 
 
 def int4_weight(rows: int, width: int, group: int, seed: int = 0) -> Int4Weight:
@@ -155,4 +161,47 @@ def test_the_kernel_benchmark_writes_its_report(tmp_path):
                                                           cpu_quant_bench.SHAPES}
     assert all(row["ours_us"] > 0 and row["aten_us"] > 0 for row in report["shapes"])
     assert report["forward"]["1"]["ours_ms"] > 0
+    assert report["settings"]["instructions"] == cpu_quant_gemm.instructions()
     assert (tmp_path / "cpu_quant.png").stat().st_size > 0
+
+
+def _has_avx512_bf16() -> bool:
+    from slipstream.kernels import cpp_build
+
+    return "avx512_bf16" in cpp_build.cpu_flags().split()
+
+
+def test_the_products_are_the_cpus_own():
+    """vdpbf16ps where the CPU has AVX-512 BF16, float32 multiply-adds where it does not."""
+    expected_products = "avx512_bf16" if _has_avx512_bf16() else "avx512f"
+    if os.environ.get(cpu_quant_gemm.DISABLE_ENV) == "avx512f":
+        expected_products = "avx512f"
+    assert cpu_quant_gemm.instructions() == expected_products
+    assert expected_products in Int4AVX512(int4_weight(16, 64, 32)).name
+
+
+@pytest.mark.skipif(not _has_avx512_bf16(),
+                    reason="this CPU has no AVX-512 BF16: the float32 path is the only one")
+def test_the_float32_path_equals_the_bf16_path(tmp_path):
+    """Built without vdpbf16ps (SLIPSTREAM_CPU_QUANT_KERNEL=avx512f) in another process, the
+    kernels give this process's results: the same exact products, summed in the same order."""
+    weights = {"int4": int4_weight(48, 576, 32, seed=11), "int8": int8_weight(48, 576, 32)}
+    x = torch.randn(5, 576)
+    torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
+    script = f"""
+import torch
+from slipstream.agent.engine.models.cpu_quant import Int4AVX512, Int8GroupAVX512
+from slipstream.kernels import cpu_quant_gemm
+data = torch.load({str(tmp_path / "in.pt")!r}, weights_only=False)
+assert Int4AVX512(data["weights"]["int4"]).name.startswith("int4 avx512f"), \
+    cpu_quant_gemm.instructions()
+torch.save({{"int4": Int4AVX512(data["weights"]["int4"])(data["x"]),
+             "int8": Int8GroupAVX512(data["weights"]["int8"])(data["x"])}},
+           {str(tmp_path / "out.pt")!r})
+"""
+    environment = {**os.environ, cpu_quant_gemm.DISABLE_ENV: "avx512f"}
+    subprocess.run([sys.executable, "-c", script], env=environment, check=True, timeout=600)
+    other = torch.load(tmp_path / "out.pt")
+    for name, kernel in (("int4", Int4AVX512), ("int8", Int8GroupAVX512)):
+        ours = kernel(weights[name])(x)
+        assert float((other[name] - ours).abs().max() / ours.abs().max()) < 1e-6, name

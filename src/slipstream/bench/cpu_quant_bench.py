@@ -1,4 +1,4 @@
-"""Quantized CPU matmuls, Slipstream's AVX-512 BF16 kernels against ATen's packed int4 kernel,
+"""Quantized CPU matmuls, Slipstream's AVX-512 kernels against ATen's packed int4 kernel,
 side by side in one run, on the default model's projection shapes (``make bench-cpu-quant``).
 
 For each row count (1 is a one-stream decode step, 256 a prefill chunk) it times every
@@ -7,7 +7,9 @@ its Q4_1 blocks are served; the tied LM head: int8 in groups of 32, as its Q8_0 
 which ATen runs as two int4 planes) on random weights of those shapes, each kernel's best of
 ``--trials`` runs, interleaved so that a busy moment hits both. It reports per shape and for
 one whole forward (30 layers plus the LM head) and writes ``cpu_quant.json`` and
-``cpu_quant.png`` under ``--out``.
+``cpu_quant.png`` under ``--out``. The report names the products the kernels used here:
+``avx512_bf16`` or, on a CPU without AVX-512 BF16 (or with
+``SLIPSTREAM_CPU_QUANT_KERNEL=avx512f``), ``avx512f``.
 
 The weights here stay in cache between calls; in a real step they come from memory, which
 bounds one-row products on a CPU (``decode_step_bench --gguf --gguf-aten`` times the step).
@@ -35,6 +37,7 @@ from slipstream.agent.engine.models.cpu_quant import (Int4AVX512, Int8GroupAVX51
 from slipstream.agent.engine.models.quant_kernels import Int4PackedCPU, TwoInt4Planes
 from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8GroupWeight,
                                                            pack_nibbles)
+from slipstream.kernels import cpu_quant_gemm
 
 # SmolLM2-135M: (name, outputs, inputs, how many per forward)
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
@@ -102,7 +105,7 @@ def forwards(results: list[dict]) -> dict[int, dict]:
     return totals
 
 
-def plot(totals: dict[int, dict], path: Path) -> None:
+def plot(totals: dict[int, dict], path: Path, instructions: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +117,7 @@ def plot(totals: dict[int, dict], path: Path) -> None:
     axis.bar([p - 0.2 for p in positions], [totals[r]["aten_ms"] for r in rows], 0.4,
              label="ATen packed int4 (Q8_0 as two int4 planes)")
     axis.bar([p + 0.2 for p in positions], [totals[r]["ours_ms"] for r in rows], 0.4,
-             label="Slipstream AVX-512 BF16")
+             label=f"Slipstream ({instructions})")
     for p, r in zip(positions, rows):
         axis.annotate(f"{totals[r]['speedup']:.2f}x", (p + 0.2, totals[r]["ours_ms"]),
                       ha="center", va="bottom", fontsize=9)
@@ -127,6 +130,16 @@ def plot(totals: dict[int, dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,23 +149,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=5, help="interleaved runs per kernel")
     args = parser.parse_args(argv)
     if not native_cpu_kernels():
-        parser.error("Slipstream's kernels do not run here (no AVX-512 BF16, no C++ compiler, "
+        parser.error("Slipstream's kernels do not run here (no AVX-512, no C++ compiler, "
                      "or SLIPSTREAM_CPU_QUANT_KERNEL=aten)")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     results = measure([int(r) for r in args.rows.split(",")], args.trials)
     totals = forwards(results)
+    print(f"Slipstream's kernels multiply with {cpu_quant_gemm.instructions()} here")
     for rows, total in sorted(totals.items()):
         print(f"one forward at {rows} rows: ours {total['ours_ms']:.2f} ms, ATen "
               f"{total['aten_ms']:.2f} ms: {total['speedup']:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"settings": {"threads": args.threads, "trials": args.trials,
                            "machine": platform.processor() or platform.machine(),
+                           "cpu": _cpu_model(),
                            "torch": torch.__version__,
+                           "instructions": cpu_quant_gemm.instructions(),
                            "load_average": os.getloadavg()},
               "shapes": results, "forward": {str(r): t for r, t in totals.items()}}
     (args.out / "cpu_quant.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(totals, args.out / "cpu_quant.png")
+    plot(totals, args.out / "cpu_quant.png", cpu_quant_gemm.instructions())
     print(f"wrote {args.out / 'cpu_quant.json'} and {args.out / 'cpu_quant.png'}")
     return 0
 

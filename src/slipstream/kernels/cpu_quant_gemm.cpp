@@ -1,14 +1,21 @@
-// Quantized linear layers on x86 CPUs with AVX-512 BF16: slipstream::q4_linear (4-bit weights
-// in groups, GGUF's Q4_0/Q4_1/Q4_K and --quantization int4) and slipstream::q8_linear (8-bit
+// Quantized linear layers on x86 CPUs with AVX-512: slipstream::q4_linear (4-bit weights in
+// groups, GGUF's Q4_0/Q4_1/Q4_K and --quantization int4) and slipstream::q8_linear (8-bit
 // weights in groups, GGUF's Q8_0). cpu_quant_gemm.py defines the operators, packs the weights
 // for them and builds this file at start-up (torch.utils.cpp_extension); where it does not
-// build, or the CPU lacks the instructions, the engine keeps ATen's packed int4 kernel.
+// build, or the CPU lacks AVX-512, the engine keeps ATen's packed int4 kernel.
 //
 // Why a kernel of our own. ATen's _weight_int4pack_mm_for_cpu turns every weight into a
 // float32 and multiplies it in float32, so a one-row decode step of the default model is bound
 // by arithmetic rather than by the memory it reads. Here 32 weights become bfloat16 in one or
 // two integer instructions (kLowWord below) and one vdpbf16ps multiplies them (32 products,
 // summed in float32).
+//
+// Two instruction sets. With AVX-512 BF16 (Zen 4, Sapphire Rapids and later) the products are
+// vdpbf16ps. Without it (Skylake-SP, Cascade Lake, Ice Lake: most cloud x86 machines before
+// 2023), each weight becomes a float32 with one shift and one ternary-logic instruction and is
+// multiplied by vfmadd231ps (see "float32 multiply-adds" below). The activations are the same
+// bfloat16 values, and every product of a weight and a bfloat16 value is exact in float32, so
+// the two paths differ only in the order and grouping of their float32 sums.
 //
 // Tiles of 16 output rows. A float32 vector's 16 lanes are 16 output rows: one vdpbf16ps takes
 // two weights of each row against one broadcast pair of activations, so a group's scale (one
@@ -38,12 +45,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
-    defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SLIPSTREAM_QGEMM 1
 #include <immintrin.h>
+#if defined(__AVX512BF16__) && !defined(SLIPSTREAM_QGEMM_NO_BF16)
+#define SLIPSTREAM_QGEMM_BF16 1
+#endif
 #endif
 
 namespace {
@@ -56,39 +66,107 @@ bool q_gemm_supported() {
 #endif
 }
 
+// Which products this build makes: "avx512_bf16" (vdpbf16ps), "avx512f" (vfmadd231ps on
+// widened words) or "none".
+std::string q_gemm_instructions() {
+#if defined(SLIPSTREAM_QGEMM_BF16)
+  return "avx512_bf16";
+#elif defined(SLIPSTREAM_QGEMM)
+  return "avx512f";
+#else
+  return "none";
+#endif
+}
+
 #ifdef SLIPSTREAM_QGEMM
 
 constexpr int64_t kTile = 16;  // output rows per tile: the lanes of a float32 vector
 
-// Activations rounded to bfloat16 (round to nearest even, as Tensor.to(torch.bfloat16)) and,
-// per group, the float32 sum of the rounded values (for the minimum term). The buffers belong
-// to the calling thread and are reused from call to call.
-void round_rows(const at::Tensor& x, int64_t group, std::vector<uint16_t>& rounded,
+#ifdef SLIPSTREAM_QGEMM_BF16
+// An activation as the product instruction takes it: the bfloat16 bits.
+using Activation = uint16_t;
+#else
+// An activation as the product instruction takes it: the bfloat16 value widened to float32.
+using Activation = float;
+#endif
+
+// 16 float32 values rounded to bfloat16 (round to nearest even, as Tensor.to(torch.bfloat16)),
+// in the low half of each 32-bit lane.
+inline __m512i to_bfloat16(__m512 values) {
+#ifdef SLIPSTREAM_QGEMM_BF16
+  return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(values));
+#else
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  // NaNs stay quiet NaNs rather than rounding into the exponent
+  const __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), nan,
+                               _mm512_or_si512(_mm512_srli_epi32(bits, 16),
+                                               _mm512_set1_epi32(0x0040)));
+#endif
+}
+
+// Activations rounded to bfloat16 and, per group, the float32 sum of the rounded values (for
+// the minimum term). The buffers belong to the calling thread and are reused from call to call.
+void round_rows(const at::Tensor& x, int64_t group, std::vector<Activation>& rounded,
                 std::vector<float>& sums) {
   const int64_t rows = x.size(0), width = x.size(1), groups = width / group;
   rounded.resize(rows * width);
   sums.resize(rows * groups);
+  // 16 values (the bfloat16 bits in each 32-bit lane) as they are stored, and as float32
+  auto store = [&](int64_t i, __m512i words) {
+#ifdef SLIPSTREAM_QGEMM_BF16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded.data() + i),
+                        _mm512_cvtepi32_epi16(words));
+#else
+    _mm512_storeu_ps(rounded.data() + i, _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)));
+#endif
+  };
   if (x.scalar_type() == at::kBFloat16) {
-    std::memcpy(rounded.data(), x.const_data_ptr(), rows * width * 2);
+    const uint16_t* source = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+    for (int64_t i = 0; i < rows * width; i += 16)
+      store(i, _mm512_cvtepu16_epi32(
+                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source + i))));
   } else {  // width is a multiple of 32
     const float* source = x.const_data_ptr<float>();
-    for (int64_t i = 0; i < rows * width; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rounded.data() + i),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(source + i)));
+    for (int64_t i = 0; i < rows * width; i += 16) store(i, to_bfloat16(_mm512_loadu_ps(source + i)));
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* row = rounded.data() + r * width;
+    const Activation* row = rounded.data() + r * width;
     for (int64_t g = 0; g < groups; ++g) {
       __m512 total = _mm512_setzero_ps();
       for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+#ifdef SLIPSTREAM_QGEMM_BF16
         const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
         total = _mm512_add_ps(total, _mm512_castsi512_ps(
                                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+#else
+        total = _mm512_add_ps(total, _mm512_loadu_ps(row + k));
+#endif
       }
       sums[r * groups + g] = _mm512_reduce_add_ps(total);
     }
   }
 }
+
+constexpr int kAndOr = 0xEA;  // ternary logic: (a & b) | c
+
+// A row's 16 lanes += scale * (its four chains of partial sums) + coefficient * x_sum.
+inline void add_group(float* lanes, __m512 scale, __m512 coefficient, const __m512 (&p)[4],
+                      float x_sum) {
+  __m512 total = _mm512_loadu_ps(lanes);
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+  total = _mm512_fmadd_ps(scale, sum, total);
+  total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sum), total);
+  _mm512_storeu_ps(lanes, total);
+}
+
+inline __m512 group_scale(const at::Half* scale16) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale16)));
+}
+
+#ifdef SLIPSTREAM_QGEMM_BF16
 
 // The words of 4-bit values: a value v (0..15) under 0x4300 is bfloat16 128 + v, exactly,
 // and under 0x4500 it is 16 (128 + v). So a shift and one ternary-logic instruction
@@ -97,13 +175,14 @@ void round_rows(const at::Tensor& x, int64_t group, std::vector<uint16_t>& round
 // -2304 scale, since 16 (128 + h) + 128 + l = q + 2304 for the byte q + 128 = 16 h + l).
 constexpr int16_t kLowWord = 0x4300;   // 128 + v
 constexpr int16_t kHighWord = 0x4500;  // 16 (128 + v)
-constexpr int kAndOr = 0xEA;           // ternary logic: (a & b) | c
 
 inline __m512i plane(__m512i shifted, __m512i nibble, __m512i word) {
   return _mm512_ternarylogic_epi32(shifted, nibble, word, kAndOr);
 }
 
-inline __m512 dot(__m512 acc, __m512i weights, const uint16_t* pair) {
+// acc += the two weights of each row (word 2 i: row i's even input, word 2 i + 1: its odd
+// input) times the pair of activations.
+inline __m512 dot(__m512 acc, __m512i weights, const Activation* pair) {
   int32_t bits;
   std::memcpy(&bits, pair, 4);
   return _mm512_dpbf16_ps(acc, (__m512bh)weights, (__m512bh)_mm512_set1_epi32(bits));
@@ -127,7 +206,8 @@ struct Q4Slice {
     }
   }
   // Four chains of partial sums, pair p into chain p % 4.
-  static inline void multiply(const __m512i (&v)[kVectors], const uint16_t* x, __m512 (&p)[4]) {
+  static inline void multiply(const __m512i (&v)[kVectors], const Activation* x,
+                              __m512 (&p)[4]) {
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) p[i & 3] = dot(p[i & 3], v[i], x + 2 * i);
   }
@@ -149,38 +229,26 @@ struct Q8Slice {
       v[4 * l + 3] = plane(_mm512_srli_epi16(w, 8), nibble, low);
     }
   }
-  static inline void multiply(const __m512i (&v)[kVectors], const uint16_t* x, __m512 (&p)[4]) {
+  static inline void multiply(const __m512i (&v)[kVectors], const Activation* x,
+                              __m512 (&p)[4]) {
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i)
       p[i & 3] = dot(dot(p[i & 3], v[2 * i], x + 2 * i), v[2 * i + 1], x + 2 * i);
   }
 };
 
-// A row's 16 lanes += scale * (its four chains of partial sums) + coefficient * x_sum.
-inline void add_group(float* lanes, __m512 scale, __m512 coefficient, const __m512 (&p)[4],
-                      float x_sum) {
-  __m512 total = _mm512_loadu_ps(lanes);
-  const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
-  total = _mm512_fmadd_ps(scale, sum, total);
-  total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sum), total);
-  _mm512_storeu_ps(lanes, total);
-}
-
 // out[r, 16 t ..] for every activation row r, from tile t. acc holds the rows' 16 lanes.
 template <class Slice>
 void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* min16,
-              const uint16_t* x, const float* x_sums, int64_t rows, int64_t width,
+              const Activation* x, const float* x_sums, int64_t rows, int64_t width,
               int64_t group, float* acc) {
   const int64_t slices_per_group = group / 32, groups = width / group;
   const __m512 offset = _mm512_set1_ps(Slice::kOffset);
   for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(acc + kTile * r, _mm512_setzero_ps());
   __m512i v[Slice::kVectors];
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 scale = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale16 + kTile * g)));
-    const __m512 minimum = min16 == nullptr
-        ? _mm512_setzero_ps()
-        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min16 + kTile * g)));
+    const __m512 scale = group_scale(scale16 + kTile * g);
+    const __m512 minimum = min16 == nullptr ? _mm512_setzero_ps() : group_scale(min16 + kTile * g);
     const __m512 coefficient = _mm512_fmadd_ps(offset, scale, minimum);
     if (slices_per_group == 1) {  // the slice stays in registers for every row
       Slice::unpack(weights + Slice::kBytes * g, v);
@@ -205,16 +273,179 @@ void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* m
   }
 }
 
+#else  // float32 multiply-adds
+
+// Without vdpbf16ps a group's weights are widened to float32 once, into a buffer that stays in
+// L1 (16 rows x up to 128 inputs: 8 KB), and every activation row multiplies them from there,
+// four rows at a time so that each weight vector loaded serves four multiply-adds (one row
+// alone multiplies them straight from registers, in the same order). A value placed in the
+// mantissa under an exponent is an exact float: 0x41800000 | v << 19 is 16 + v for a nibble,
+// 0x43800000 | u << 15 is 256 + u for a byte. So one shift and one ternary-logic instruction
+// widen 16 weights; the offset (16 for q4, 256 + 128 = 384 for q8's stored q + 128) is undone
+// by the group's coefficient, as in the bfloat16 path. The smaller offsets cancel less there
+// than the bfloat16 words' 128 and 2304 do.
+
+// Slice s of a q4 tile -> use(n, 16 rows of input 32 s + n), n = 8 l + 2 p + e
+// (nibble p of word 2 row + e of load l: bits 16 e + 4 p of the row's 32-bit lane).
+struct Q4Slice {
+  static constexpr int64_t kBytes = 256;
+  static constexpr float kOffset = -16.0f;
+  template <class Use>
+  static inline void widen(const uint8_t* bytes, Use&& use) {
+    const __m512i mask = _mm512_set1_epi32(0x00780000), magic = _mm512_set1_epi32(0x41800000);
+    auto put = [&](int n, __m512i shifted) {
+      use(n, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, kAndOr)));
+    };
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {  // nibble at bit 16 e + 4 p -> bits 19..22
+      const __m512i w = _mm512_loadu_si512(bytes + 64 * l);
+      put(8 * l + 0, _mm512_slli_epi32(w, 19));
+      put(8 * l + 1, _mm512_slli_epi32(w, 3));
+      put(8 * l + 2, _mm512_slli_epi32(w, 15));
+      put(8 * l + 3, _mm512_srli_epi32(w, 1));
+      put(8 * l + 4, _mm512_slli_epi32(w, 11));
+      put(8 * l + 5, _mm512_srli_epi32(w, 5));
+      put(8 * l + 6, _mm512_slli_epi32(w, 7));
+      put(8 * l + 7, _mm512_srli_epi32(w, 9));
+    }
+  }
+};
+
+// Slice s of a q8 tile -> use(n, 16 rows of input 32 s + n): byte b of word 2 row + e of load
+// l (byte 2 e + b of the row's lane) is input 32 s + 4 l + 2 b + e.
+struct Q8Slice {
+  static constexpr int64_t kBytes = 512;
+  static constexpr float kOffset = -384.0f;
+  template <class Use>
+  static inline void widen(const uint8_t* bytes, Use&& use) {
+    const __m512i mask = _mm512_set1_epi32(0x007F8000), magic = _mm512_set1_epi32(0x43800000);
+    auto put = [&](int n, __m512i shifted) {
+      use(n, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, kAndOr)));
+    };
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      const __m512i w = _mm512_loadu_si512(bytes + 64 * l);
+      put(4 * l + 0, _mm512_slli_epi32(w, 15));  // byte 0: e = 0, b = 0
+      put(4 * l + 2, _mm512_slli_epi32(w, 7));   // byte 1: e = 0, b = 1
+      put(4 * l + 1, _mm512_srli_epi32(w, 1));   // byte 2: e = 1, b = 0
+      put(4 * l + 3, _mm512_srli_epi32(w, 9));   // byte 3: e = 1, b = 1
+    }
+  }
+};
+
+// p[r][n % 4] += weights[n] * x[r][n] for n < inputs: R rows against one widened group. A
+// row's chains and their order are the same whatever R, so its result is too.
+template <int R>
+inline void multiply_rows(const float* weights, int64_t inputs, const Activation* const* x,
+                          __m512 (&p)[R][4]) {
+  for (int64_t n = 0; n < inputs; n += 4) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512 w = _mm512_load_ps(weights + 16 * (n + c));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        p[r][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r][n + c]), p[r][c]);
+    }
+  }
+}
+
+template <int R>
+inline void run_rows(const float* weights, int64_t group, const Activation* x, int64_t first,
+                     int64_t width, int64_t g, __m512 scale, __m512 coefficient,
+                     const float* x_sums, int64_t groups, float* acc) {
+  const Activation* rows_x[R];
+  __m512 p[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    rows_x[r] = x + (first + r) * width + group * g;
+    for (int c = 0; c < 4; ++c) p[r][c] = _mm512_setzero_ps();
+  }
+  multiply_rows<R>(weights, group, rows_x, p);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    add_group(acc + kTile * (first + r), scale, coefficient, p[r],
+              x_sums[(first + r) * groups + g]);
+}
+
+// Group g of all R rows (R < 4), each weight vector multiplied as it is widened: the same
+// chains in the same order as run_rows.
+template <class Slice, int R>
+inline void run_direct(const uint8_t* weights, int64_t slices_per_group, const Activation* x,
+                       int64_t width, int64_t g, __m512 scale, __m512 coefficient,
+                       const float* x_sums, int64_t groups, float* acc) {
+  const int64_t group = 32 * slices_per_group;
+  __m512 p[R][4];
+  const Activation* rows_x[R];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+    rows_x[r] = x + r * width + group * g;
+    for (int c = 0; c < 4; ++c) p[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t s = 0; s < slices_per_group; ++s)
+    Slice::widen(weights + Slice::kBytes * (g * slices_per_group + s), [&](int n, __m512 w) {
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r)
+        p[r][n & 3] = _mm512_fmadd_ps(w, _mm512_set1_ps(rows_x[r][32 * s + n]), p[r][n & 3]);
+    });
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+    add_group(acc + kTile * r, scale, coefficient, p[r], x_sums[r * groups + g]);
+}
+
+// out[r, 16 t ..] for every activation row r, from tile t. acc holds the rows' 16 lanes.
+template <class Slice>
+void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* min16,
+              const Activation* x, const float* x_sums, int64_t rows, int64_t width,
+              int64_t group, float* acc) {
+  alignas(64) float widened[128 * kTile];
+  const int64_t slices_per_group = group / 32, groups = width / group;
+  const __m512 offset = _mm512_set1_ps(Slice::kOffset);
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(acc + kTile * r, _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 scale = group_scale(scale16 + kTile * g);
+    const __m512 minimum = min16 == nullptr ? _mm512_setzero_ps() : group_scale(min16 + kTile * g);
+    const __m512 coefficient = _mm512_fmadd_ps(offset, scale, minimum);
+    if (rows < 4) {  // up to three rows: multiplied as they are widened, from registers
+      if (rows == 3)
+        run_direct<Slice, 3>(weights, slices_per_group, x, width, g, scale, coefficient, x_sums,
+                             groups, acc);
+      else if (rows == 2)
+        run_direct<Slice, 2>(weights, slices_per_group, x, width, g, scale, coefficient, x_sums,
+                             groups, acc);
+      else
+        run_direct<Slice, 1>(weights, slices_per_group, x, width, g, scale, coefficient, x_sums,
+                             groups, acc);
+      continue;
+    }
+    for (int64_t s = 0; s < slices_per_group; ++s) {
+      float* out = widened + 32 * kTile * s;
+      Slice::widen(weights + Slice::kBytes * (g * slices_per_group + s),
+                   [out](int n, __m512 w) { _mm512_store_ps(out + 16 * n, w); });
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      run_rows<4>(widened, group, x, r, width, g, scale, coefficient, x_sums, groups, acc);
+    if (rows - r == 3)
+      run_rows<3>(widened, group, x, r, width, g, scale, coefficient, x_sums, groups, acc);
+    else if (rows - r == 2)
+      run_rows<2>(widened, group, x, r, width, g, scale, coefficient, x_sums, groups, acc);
+    else if (rows - r == 1)
+      run_rows<1>(widened, group, x, r, width, g, scale, coefficient, x_sums, groups, acc);
+  }
+}
+
+#endif  // SLIPSTREAM_QGEMM_BF16
+
 // out [m, n] = x [m, k] times the weight, tiles of 16 rows split between threads.
 template <class Slice>
 void run_tiles(const at::Tensor& x, const uint8_t* weights, const at::Half* scale16,
                const at::Half* min16, int64_t group, int64_t n, float* out) {
-  thread_local std::vector<uint16_t> rounded;
+  thread_local std::vector<Activation> rounded;
   thread_local std::vector<float> sums;
   const int64_t m = x.size(0), width = x.size(1), groups = width / group;
   const int64_t tiles = (n + kTile - 1) / kTile;
   round_rows(x, group, rounded, sums);
-  const uint16_t* xs = rounded.data();
+  const Activation* xs = rounded.data();
   const float* ss = sums.data();
   const int64_t tile_bytes = Slice::kBytes * (width / 32);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -235,7 +466,7 @@ void run_tiles(const at::Tensor& x, const uint8_t* weights, const at::Half* scal
 
 void check_common(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& scales,
                   int64_t group, int64_t n, int64_t slice_bytes, const char* name) {
-  TORCH_CHECK(q_gemm_supported(), name, ": built without AVX-512 BF16");
+  TORCH_CHECK(q_gemm_supported(), name, ": built without AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x is a contiguous [rows, in]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
               ": x is float32 or bfloat16");
@@ -282,6 +513,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& values, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(slipstream_cpu_quant, m) {
   m.def("supported() -> bool", &q_gemm_supported);
+  m.def("instructions() -> str", &q_gemm_instructions);
 }
 
 TORCH_LIBRARY_IMPL(slipstream, CPU, m) {

@@ -1,10 +1,12 @@
-"""Quantized linear layers on x86 CPUs with AVX-512 BF16: the operators
-``slipstream::q4_linear`` and ``slipstream::q8_linear``, their weight layouts, and the build of
-their C++ kernels (``cpu_quant_gemm.cpp``, which says why they exist and how they compute).
+"""Quantized linear layers on x86 CPUs with AVX-512: the operators ``slipstream::q4_linear``
+and ``slipstream::q8_linear``, their weight layouts, and the build of their C++ kernels
+(``cpu_quant_gemm.cpp``, which says why they exist and how they compute).
 
 ``available(build_dir)`` builds the kernels once per process (seconds, then loaded from
-``build_dir``) and answers whether they run on this CPU. Where they do not (no compiler, no
-AVX-512 BF16, ``SLIPSTREAM_CPU_QUANT_KERNEL=aten``), the engine keeps ATen's packed int4 kernel
+``build_dir``) and answers whether they run on this CPU. They multiply with AVX-512 BF16's
+``vdpbf16ps`` where the CPU has it, else with AVX-512F's float32 multiply-adds on the same
+bfloat16 weights (``instructions()`` says which). Where they do not run (no compiler, no
+AVX-512, ``SLIPSTREAM_CPU_QUANT_KERNEL=aten``), the engine keeps ATen's packed int4 kernel
 (``agent/engine/models/quant_kernels.py``). The operators are registered with
 ``torch.library`` with shape functions, so compiled decode steps (inductor) call them as they
 call any ATen kernel.
@@ -45,7 +47,9 @@ def _q8_shape(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
 torch.library.register_fake("slipstream::q4_linear", _q4_shape, lib=_LIBRARY)
 torch.library.register_fake("slipstream::q8_linear", _q8_shape, lib=_LIBRARY)
 
-DISABLE_ENV = "SLIPSTREAM_CPU_QUANT_KERNEL"  # "aten": keep ATen's kernel (to compare the two)
+# "aten": keep ATen's kernel; "avx512f": the float32 multiply-adds even where the CPU has
+# AVX-512 BF16 (to compare the kernels, and to test both paths on one machine)
+DISABLE_ENV = "SLIPSTREAM_CPU_QUANT_KERNEL"
 _SOURCE = Path(__file__).with_name("cpu_quant_gemm.cpp")
 _state: dict[str, bool] = {}
 _lock = threading.Lock()
@@ -61,9 +65,11 @@ def available(build_dir: Path | None) -> bool:
             if os.environ.get(DISABLE_ENV) == "aten":
                 log.info("%s=aten: quantized CPU layers run ATen's int4 kernel", DISABLE_ENV)
             elif build_dir is not None and platform.machine() in ("x86_64", "AMD64") \
-                    and _cpu_has_avx512_bf16():
+                    and _cpu_has_avx512():
+                flags = ["-DSLIPSTREAM_QGEMM_NO_BF16"] \
+                    if os.environ.get(DISABLE_ENV) == "avx512f" else []
                 try:
-                    cpp_build.build("slipstream_cpu_quant_gemm", _SOURCE, build_dir, [],
+                    cpp_build.build("slipstream_cpu_quant_gemm", _SOURCE, build_dir, flags,
                                     openmp=True)
                     _state["ok"] = bool(torch.ops.slipstream_cpu_quant.supported())
                 except Exception as error:  # noqa: BLE001 - ATen's kernel serves instead
@@ -73,9 +79,17 @@ def available(build_dir: Path | None) -> bool:
         return _state["ok"]
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _cpu_has_avx512() -> bool:
     flags = set(cpp_build.cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags
+
+
+def instructions() -> str:
+    """The products of the loaded kernels: ``"avx512_bf16"`` (``vdpbf16ps``), ``"avx512f"``
+    (float32 multiply-adds) or ``"none"`` (not loaded: call ``available`` first)."""
+    if not _state.get("ok"):
+        return "none"
+    return str(torch.ops.slipstream_cpu_quant.instructions())
 
 
 TILE = 16  # output rows per tile (cpu_quant_gemm.cpp)

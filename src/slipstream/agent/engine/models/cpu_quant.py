@@ -1,5 +1,6 @@
-"""Quantized projections on x86 CPUs with AVX-512 BF16, through Slipstream's own kernels
-(``kernels/cpu_quant_gemm.cpp``: ``slipstream::q4_linear`` and ``slipstream::q8_linear``).
+"""Quantized projections on x86 CPUs with AVX-512 (with or without BF16), through Slipstream's
+own kernels (``kernels/cpu_quant_gemm.cpp``: ``slipstream::q4_linear`` and
+``slipstream::q8_linear``).
 
 ``native_cpu_kernel(weight)`` packs a weight for them where they are built and take its shape,
 and answers None otherwise, so that ``quant_kernels.select_kernel`` keeps ATen's packed int4
@@ -24,9 +25,8 @@ from slipstream.kernels import cpu_quant_gemm
 class Int4AVX512:
     """int4 group-wise (scale and minimum per group of 32, 64 or 128)."""
 
-    name = "int4 AVX-512 BF16 (slipstream::q4_linear)"
-
     def __init__(self, weight: Int4Weight) -> None:
+        self.name = f"int4 {cpu_quant_gemm.instructions()} (slipstream::q4_linear)"
         self.out_features = weight.shape[0]
         self.packed = cpu_quant_gemm.pack_q4(weight.unpacked())
         self.scales = cpu_quant_gemm.pack_scales(weight.scale)
@@ -42,9 +42,8 @@ class Int8GroupAVX512:
     """int8 with a scale per group of 32, 64 or 128 (GGUF's Q8_0). A tied embedding looks
     its rows up here too (``rows``), so the matrix is held once."""
 
-    name = "int8 AVX-512 BF16 (slipstream::q8_linear)"
-
     def __init__(self, weight: Int8GroupWeight) -> None:
+        self.name = f"int8 {cpu_quant_gemm.instructions()} (slipstream::q8_linear)"
         self.shape = weight.shape
         self.values = cpu_quant_gemm.pack_q8(weight.values)
         self.scales = cpu_quant_gemm.pack_scales(weight.scale)

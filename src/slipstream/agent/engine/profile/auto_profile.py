@@ -60,11 +60,13 @@ log = logging.getLogger(__name__)
 #    on every device, and CPU steps that reuse their freed temporaries (step/cpu_heap.py): the
 #    fitted per-sequence overhead no longer holds temperature draws, first-shape costs, page
 #    faults and other processes' time; the runner's fit has a term per prefill token
-# 9: quantized CPU layers on Slipstream's AVX-512 BF16 kernels (about 2x ATen's int4 kernel)
+# 9: quantized CPU layers on Slipstream's AVX-512 kernels (about 2x ATen's int4 kernel with BF16)
 #    and compiled decodes that attend short contexts without SDPA
 # 10: on CUDA, steps that mix prefills with decodes (up to 512 tokens) replay piecewise
 #     graphs (step/mixed_graphs.py); prefill tiles past their chunk skip the KV
-PROFILER_VERSION = "10"
+# 11: CPUs with AVX-512 but no BF16 run Slipstream's quantized kernels too (float32
+#     multiply-adds), where they ran ATen's; a forced kernel choice is part of the key
+PROFILER_VERSION = "11"
 GRID = "quick"
 GPU_GRID = "quick-gpu"
 
@@ -113,6 +115,8 @@ def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
     resolved = resolve_dtype(dtype, model_config, torch_device)
     matmul = resolve_cpu_matmul(cpu_matmul, torch_device, resolved)
     attention = backend_name(torch_device, attention_backend)
+    # the kernel a CPU gets by itself follows from its device name; a forced one is keyed
+    kernel_choice = os.environ.get(cpu_quant_gemm.DISABLE_ENV, "")
     return ProfileKey(model=str(model_dir.resolve()),
                       model_files=_model_files_hash(model_dir, gguf_file),
                       dtype=str(resolved).removeprefix("torch."),
@@ -121,8 +125,8 @@ def profile_key(model_dir: Path, dtype: str, device: str, threads: int,
                                      f"torch {torch.__version__}, grid {grid}"
                                      + (", cpu matmul onednn" if matmul == "onednn" else "")
                                      + f", attention {attention}"
-                                     + (", cpu quant kernel aten"
-                                        if os.environ.get(cpu_quant_gemm.DISABLE_ENV) == "aten"
+                                     + (f", cpu quant kernel {kernel_choice}"
+                                        if kernel_choice in ("aten", "avx512f")
                                         and weights != "dense" else ""),
                       weights=weights)
 
