@@ -184,9 +184,10 @@ def test_the_products_are_the_cpus_own():
                     reason="this CPU has no AVX-512 BF16: the float32 path is the only one")
 def test_the_float32_path_equals_the_bf16_path(tmp_path):
     """Built without vdpbf16ps (SLIPSTREAM_CPU_QUANT_KERNEL=avx512f) in another process, the
-    kernels give this process's results: the same exact products, summed in the same order."""
+    kernels give this process's results to float32 rounding: the same exact products, summed
+    in another order (a wrong layout would be off by the size of the outputs)."""
     weights = {"int4": int4_weight(48, 576, 32, seed=11), "int8": int8_weight(48, 576, 32)}
-    x = torch.randn(5, 576)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(11))
     torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
     script = f"""
 import torch
@@ -204,4 +205,4 @@ torch.save({{"int4": Int4AVX512(data["weights"]["int4"])(data["x"]),
     other = torch.load(tmp_path / "out.pt")
     for name, kernel in (("int4", Int4AVX512), ("int8", Int8GroupAVX512)):
         ours = kernel(weights[name])(x)
-        assert float((other[name] - ours).abs().max() / ours.abs().max()) < 1e-6, name
+        assert float((other[name] - ours).abs().max() / ours.abs().max()) < 1e-5, name
