@@ -177,7 +177,8 @@ def test_the_products_are_the_cpus_own():
     if os.environ.get(cpu_quant_gemm.DISABLE_ENV) == "avx512f":
         expected_products = "avx512f"
     assert cpu_quant_gemm.instructions() == expected_products
-    assert expected_products in Int4AVX512(int4_weight(16, 64, 32)).name
+    label = {"avx512_bf16": "AVX-512 BF16", "avx512f": "AVX-512F"}[expected_products]
+    assert Int4AVX512(int4_weight(16, 64, 32)).name.startswith(f"int4 {label} ")
 
 
 @pytest.mark.skipif(not _has_avx512_bf16(),
@@ -194,7 +195,7 @@ import torch
 from slipstream.agent.engine.models.cpu_quant import Int4AVX512, Int8GroupAVX512
 from slipstream.kernels import cpu_quant_gemm
 data = torch.load({str(tmp_path / "in.pt")!r}, weights_only=False)
-assert Int4AVX512(data["weights"]["int4"]).name.startswith("int4 avx512f"), \
+assert Int4AVX512(data["weights"]["int4"]).name.startswith("int4 AVX-512F "), \
     cpu_quant_gemm.instructions()
 torch.save({{"int4": Int4AVX512(data["weights"]["int4"])(data["x"]),
              "int8": Int8GroupAVX512(data["weights"]["int8"])(data["x"])}},

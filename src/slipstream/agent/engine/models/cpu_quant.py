@@ -22,11 +22,17 @@ from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8Group
 from slipstream.kernels import cpu_quant_gemm
 
 
+def _label() -> str:
+    """The loaded kernels' products, for layer names: AVX-512 BF16 or AVX-512F."""
+    return {"avx512_bf16": "AVX-512 BF16", "avx512f": "AVX-512F"}.get(
+        cpu_quant_gemm.instructions(), "AVX-512")
+
+
 class Int4AVX512:
     """int4 group-wise (scale and minimum per group of 32, 64 or 128)."""
 
     def __init__(self, weight: Int4Weight) -> None:
-        self.name = f"int4 {cpu_quant_gemm.instructions()} (slipstream::q4_linear)"
+        self.name = f"int4 {_label()} (slipstream::q4_linear)"
         self.out_features = weight.shape[0]
         self.packed = cpu_quant_gemm.pack_q4(weight.unpacked())
         self.scales = cpu_quant_gemm.pack_scales(weight.scale)
@@ -43,7 +49,7 @@ class Int8GroupAVX512:
     its rows up here too (``rows``), so the matrix is held once."""
 
     def __init__(self, weight: Int8GroupWeight) -> None:
-        self.name = f"int8 {cpu_quant_gemm.instructions()} (slipstream::q8_linear)"
+        self.name = f"int8 {_label()} (slipstream::q8_linear)"
         self.shape = weight.shape
         self.values = cpu_quant_gemm.pack_q8(weight.values)
         self.scales = cpu_quant_gemm.pack_scales(weight.scale)
