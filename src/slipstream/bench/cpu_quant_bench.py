@@ -37,7 +37,7 @@ from slipstream.agent.engine.models.cpu_quant import (Int4AVX512, Int8GroupAVX51
 from slipstream.agent.engine.models.quant_kernels import Int4PackedCPU, TwoInt4Planes
 from slipstream.agent.engine.models.weight_formats import (Int4Weight, Int8GroupWeight,
                                                            pack_nibbles)
-from slipstream.kernels import cpu_quant_gemm
+from slipstream.kernels import cpp_build, cpu_quant_gemm
 
 # SmolLM2-135M: (name, outputs, inputs, how many per forward)
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
@@ -130,16 +130,6 @@ def plot(totals: dict[int, dict], path: Path, instructions: str) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"settings": {"threads": args.threads, "trials": args.trials,
                            "machine": platform.processor() or platform.machine(),
-                           "cpu": _cpu_model(),
+                           "cpu": cpp_build.cpu_model(),
                            "torch": torch.__version__,
                            "instructions": cpu_quant_gemm.instructions(),
                            "load_average": os.getloadavg()},

@@ -5,20 +5,31 @@ PyTorch version, so that a cache shared with another kind of machine is never lo
 from __future__ import annotations
 
 import hashlib
+import platform
 from pathlib import Path
 
 import torch
 
 
-def cpu_flags() -> str:
-    """The instruction-set flags of this CPU (``/proc/cpuinfo``; empty where unreadable)."""
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of ``/proc/cpuinfo`` (empty where unreadable or absent)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags of this CPU (``/proc/cpuinfo``; empty where unreadable)."""
+    return _cpuinfo("flags")
+
+
+def cpu_model() -> str:
+    """This CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def build(name: str, source: Path, build_dir: Path, cflags: list[str],

@@ -285,6 +285,17 @@ void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* m
 // by the group's coefficient, as in the bfloat16 path. The smaller offsets cancel less there
 // than the bfloat16 words' 128 and 2304 do.
 
+// put(n, shifted): the value under kMask in each lane of `shifted`, ORed into the float kMagic
+// (exact), handed to use(n, floats).
+template <int32_t kMask, int32_t kMagic, class Use>
+struct ExactFloats {
+  Use& use;
+  inline void operator()(int n, __m512i shifted) const {
+    use(n, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+               shifted, _mm512_set1_epi32(kMask), _mm512_set1_epi32(kMagic), kAndOr)));
+  }
+};
+
 // Slice s of a q4 tile -> use(n, 16 rows of input 32 s + n), n = 8 l + 2 p + e
 // (nibble p of word 2 row + e of load l: bits 16 e + 4 p of the row's 32-bit lane).
 struct Q4Slice {
@@ -292,10 +303,7 @@ struct Q4Slice {
   static constexpr float kOffset = -16.0f;
   template <class Use>
   static inline void widen(const uint8_t* bytes, Use&& use) {
-    const __m512i mask = _mm512_set1_epi32(0x00780000), magic = _mm512_set1_epi32(0x41800000);
-    auto put = [&](int n, __m512i shifted) {
-      use(n, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, kAndOr)));
-    };
+    const ExactFloats<0x00780000, 0x41800000, Use> put{use};  // 16 + v, v at bits 19..22
 #pragma GCC unroll 4
     for (int l = 0; l < 4; ++l) {  // nibble at bit 16 e + 4 p -> bits 19..22
       const __m512i w = _mm512_loadu_si512(bytes + 64 * l);
@@ -318,10 +326,7 @@ struct Q8Slice {
   static constexpr float kOffset = -384.0f;
   template <class Use>
   static inline void widen(const uint8_t* bytes, Use&& use) {
-    const __m512i mask = _mm512_set1_epi32(0x007F8000), magic = _mm512_set1_epi32(0x43800000);
-    auto put = [&](int n, __m512i shifted) {
-      use(n, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, mask, magic, kAndOr)));
-    };
+    const ExactFloats<0x007F8000, 0x43800000, Use> put{use};  // 256 + u, u at bits 15..22
 #pragma GCC unroll 8
     for (int l = 0; l < 8; ++l) {
       const __m512i w = _mm512_loadu_si512(bytes + 64 * l);

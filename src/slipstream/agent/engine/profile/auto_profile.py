@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import time
 from collections.abc import Iterator
@@ -43,7 +42,7 @@ from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.models.loader import resolve_dtype, weight_source
 from slipstream.agent.engine.step.model_runner import resolve_device
 from slipstream.agent.engine.models.cpu_matmul import resolve_cpu_matmul
-from slipstream.kernels import cpu_quant_gemm
+from slipstream.kernels import cpp_build, cpu_quant_gemm
 from slipstream.kernels.attention import backend_name
 
 log = logging.getLogger(__name__)
@@ -142,15 +141,7 @@ def _model_files_hash(model_dir: Path, gguf_file: Path | None = None) -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{_cpu_model()} x{os.cpu_count()}"
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return f"cpu:{cpp_build.cpu_model()} x{os.cpu_count()}"
 
 
 def cache_root() -> Path:
