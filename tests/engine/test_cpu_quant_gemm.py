@@ -192,8 +192,10 @@ def test_the_float32_path_equals_the_bf16_path(tmp_path):
     torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
     script = f"""
 import torch
-from slipstream.agent.engine.models.cpu_quant import Int4AVX512, Int8GroupAVX512
+from slipstream.agent.engine.models.cpu_quant import (Int4AVX512, Int8GroupAVX512,
+                                                      native_cpu_kernels)
 from slipstream.kernels import cpu_quant_gemm
+assert native_cpu_kernels()
 data = torch.load({str(tmp_path / "in.pt")!r}, weights_only=False)
 assert Int4AVX512(data["weights"]["int4"]).name.startswith("int4 AVX-512F "), \
     cpu_quant_gemm.instructions()
