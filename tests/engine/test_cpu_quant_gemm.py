@@ -1,8 +1,9 @@
 """Slipstream's AVX-512 kernels for quantized CPU layers (kernels/cpu_quant_gemm.cpp):
 against the weights' float formula in float64, rows independent of the batch they are in,
 the tied embedding read from the LM head's packed copy, compiled decode steps, and the
-refusals. They run with whichever products this CPU has (vdpbf16ps with AVX-512 BF16,
-float32 multiply-adds without); a test builds the other one too where the CPU has both.
+refusals. They run with whichever products this CPU has (AMX's tdpbf16ps, vdpbf16ps with
+AVX-512 BF16, float32 multiply-adds with neither); a test builds the others too where the CPU
+has them.
 Skipped, with the reason, on a CPU without AVX-512."""
 
 from __future__ import annotations
@@ -165,30 +166,55 @@ def test_the_kernel_benchmark_writes_its_report(tmp_path):
     assert (tmp_path / "cpu_quant.png").stat().st_size > 0
 
 
-def _has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     from slipstream.kernels import cpp_build
 
-    return "avx512_bf16" in cpp_build.cpu_flags().split()
+    return set(cpp_build.cpu_flags().split())
+
+
+LABELS = {"amx_bf16": "AMX BF16", "avx512_bf16": "AVX-512 BF16", "avx512f": "AVX-512F"}
+
+
+def _best_products() -> str:
+    flags = _cpu_flags()
+    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        return "amx_bf16"
+    return "avx512_bf16" if "avx512_bf16" in flags else "avx512f"
 
 
 def test_the_products_are_the_cpus_own():
-    """vdpbf16ps where the CPU has AVX-512 BF16, float32 multiply-adds where it does not."""
-    expected_products = "avx512_bf16" if _has_avx512_bf16() else "avx512f"
-    if os.environ.get(cpu_quant_gemm.DISABLE_ENV) == "avx512f":
+    """AMX's tdpbf16ps where the CPU has AMX, vdpbf16ps where it has AVX-512 BF16, float32
+    multiply-adds where it has neither, unless SLIPSTREAM_CPU_QUANT_KERNEL picks one."""
+    expected_products = {"avx512f": "avx512f", "avx512_bf16": "avx512_bf16"}.get(
+        os.environ.get(cpu_quant_gemm.DISABLE_ENV, ""), _best_products())
+    if expected_products == "avx512_bf16" and "avx512_bf16" not in _cpu_flags():
         expected_products = "avx512f"
     assert cpu_quant_gemm.instructions() == expected_products
-    label = {"avx512_bf16": "AVX-512 BF16", "avx512f": "AVX-512F"}[expected_products]
-    assert Int4AVX512(int4_weight(16, 64, 32)).name.startswith(f"int4 {label} ")
+    assert Int4AVX512(int4_weight(16, 64, 32)).name.startswith(
+        f"int4 {LABELS[expected_products]} ")
 
 
-@pytest.mark.skipif(not _has_avx512_bf16(),
-                    reason="this CPU has no AVX-512 BF16: the float32 path is the only one")
-def test_the_float32_path_equals_the_bf16_path(tmp_path):
-    """Built without vdpbf16ps (SLIPSTREAM_CPU_QUANT_KERNEL=avx512f) in another process, the
-    kernels give this process's results to float32 rounding: the same exact products, summed
-    in another order (a wrong layout would be off by the size of the outputs)."""
-    weights = {"int4": int4_weight(48, 576, 32, seed=11), "int8": int8_weight(48, 576, 32)}
-    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(11))
+def _other_paths() -> list[str]:
+    """The kernels this CPU runs besides this process's (each is forced in a subprocess)."""
+    paths = {"amx_bf16": ["avx512_bf16", "avx512f"], "avx512_bf16": ["avx512f"]}
+    return [path for path in paths.get(cpu_quant_gemm.instructions(), [])
+            if path == "avx512f" or "avx512_bf16" in _cpu_flags()]
+
+
+@pytest.mark.parametrize("path", ["avx512_bf16", "avx512f"])
+def test_every_path_gives_the_same_products(path, tmp_path):
+    """Built without AMX (SLIPSTREAM_CPU_QUANT_KERNEL=avx512_bf16) or without vdpbf16ps
+    (=avx512f) in another process, the kernels give this process's results to float32
+    rounding: the same exact products, summed in another order (a wrong layout would be off by
+    the size of the outputs). 21 rows: an AMX block of 16 and one of 5."""
+    if path not in _other_paths():
+        pytest.skip(f"this CPU runs {cpu_quant_gemm.instructions()}: {path} is not another "
+                    "path here")
+    weights = {"int4": int4_weight(48, 576, 32, seed=11), "int8": int8_weight(48, 576, 32),
+               "int4-g128": int4_weight(48, 512, 128, seed=12)}
+    x = {"int4": torch.randn(21, 576, generator=torch.Generator().manual_seed(11))}
+    x["int8"] = x["int4"]
+    x["int4-g128"] = x["int4"][:, :512].contiguous()
     torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
     script = f"""
 import torch
@@ -196,16 +222,16 @@ from slipstream.agent.engine.models.cpu_quant import (Int4AVX512, Int8GroupAVX51
                                                       native_cpu_kernels)
 from slipstream.kernels import cpu_quant_gemm
 assert native_cpu_kernels()
+assert cpu_quant_gemm.instructions() == {path!r}, cpu_quant_gemm.instructions()
 data = torch.load({str(tmp_path / "in.pt")!r}, weights_only=False)
-assert Int4AVX512(data["weights"]["int4"]).name.startswith("int4 AVX-512F "), \
-    cpu_quant_gemm.instructions()
-torch.save({{"int4": Int4AVX512(data["weights"]["int4"])(data["x"]),
-             "int8": Int8GroupAVX512(data["weights"]["int8"])(data["x"])}},
+kernels = {{"int4": Int4AVX512, "int8": Int8GroupAVX512, "int4-g128": Int4AVX512}}
+torch.save({{name: kernels[name](data["weights"][name])(data["x"][name]) for name in kernels}},
            {str(tmp_path / "out.pt")!r})
 """
-    environment = {**os.environ, cpu_quant_gemm.DISABLE_ENV: "avx512f"}
+    environment = {**os.environ, cpu_quant_gemm.DISABLE_ENV: path}
     subprocess.run([sys.executable, "-c", script], env=environment, check=True, timeout=600)
     other = torch.load(tmp_path / "out.pt")
-    for name, kernel in (("int4", Int4AVX512), ("int8", Int8GroupAVX512)):
-        ours = kernel(weights[name])(x)
+    for name, kernel in (("int4", Int4AVX512), ("int8", Int8GroupAVX512),
+                         ("int4-g128", Int4AVX512)):
+        ours = kernel(weights[name])(x[name])
         assert float((other[name] - ours).abs().max() / ours.abs().max()) < 1e-5, name

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from slipstream.bench.llamacpp import bin_dir, ensure_built
-from slipstream.bench.local_process import running
+from slipstream.bench.llamacpp import bin_dir, ensure_built, llama_server
 from slipstream.agent.parallel.launch import free_port
 
 CHATS = [
@@ -66,7 +65,7 @@ def llamacpp_greedy(gguf: Path, prompts: list[list[int]], new_tokens: int, threa
             "-c", "4096", "--no-webui"]
     base = f"http://127.0.0.1:{port}"
     outputs = []
-    with running(argv, log, f"{base}/health", timeout_s=300), \
+    with llama_server(argv, log, f"{base}/health", timeout_s=300), \
             httpx.Client(timeout=300) as client:
         for ids in prompts:
             reply = client.post(f"{base}/completion", json={

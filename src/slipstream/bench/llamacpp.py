@@ -12,18 +12,22 @@ The build takes about 10 minutes on 2 cores and is never part of ``make test``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from slipstream.agent.engine.models.tiny_model import slipstream_cache_dir
+from slipstream.bench.local_process import ExitedDuringStartup, running
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TARGETS = ("llama-server", "llama-quantize")
@@ -63,6 +67,36 @@ def ensure_built(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = Non
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+# llama.cpp repacks Q4_0/Q4_1/Q8_0 weights for its AMX matmuls on CPUs with AMX-INT8, and
+# those crash (SIGSEGV in ggml_backend_amx_mul_mat) at the first inference on some
+# Sapphire-Rapids-class machines (ggml-org/llama.cpp#20824, closed as stale without a fix).
+# Where llama-server dies so during start-up, it starts again with --no-repack (no extra
+# buffer types: its AVX-512 dot products), and the caller is told.
+NO_REPACK = "--no-repack"
+
+
+@contextlib.contextmanager
+def llama_server(argv: list[str], log: Path, ready_url: str, *,
+                 env: dict[str, str] | None = None, timeout_s: float = 300.0
+                 ) -> Iterator[list[str]]:
+    """``llama-server`` (``argv``) running and answering ``ready_url``; yields the arguments it
+    runs with: ``argv``, or ``argv`` plus ``--no-repack`` where its AMX path crashed."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(running(argv, log, ready_url, env=env, timeout_s=timeout_s))
+        except ExitedDuringStartup as error:
+            if error.returncode != -signal.SIGSEGV or NO_REPACK in argv:
+                raise
+            crash_log = log.with_suffix(".crash.log")
+            shutil.copyfile(log, crash_log)
+            logger.warning("llama-server crashed during start-up (SIGSEGV; its AMX matmuls "
+                               "on this CPU, ggml-org/llama.cpp#20824); starting it again with "
+                               "%s, its log in %s", NO_REPACK, crash_log.name)
+            argv = [*argv, NO_REPACK]
+            stack.enter_context(running(argv, log, ready_url, env=env, timeout_s=timeout_s))
+        yield argv
 
 
 def main(argv: list[str] | None = None) -> int:

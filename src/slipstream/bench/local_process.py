@@ -21,6 +21,15 @@ import httpx
 LOG_TAIL_CHARS = 4000  # of the process's output, in the error when it does not come up
 
 
+class ExitedDuringStartup(RuntimeError):
+    """The process ended before it answered; ``returncode`` is its exit status (negative: the
+    signal that ended it)."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float,
                period_s: float = 0.25) -> None:
     """Poll ``url`` until it answers 200; raise, with the log's tail, if the process exits
@@ -28,8 +37,8 @@ def wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout_s: f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args!r} exited with {process.returncode}:\n"
-                               f"{_tail(log_path)}")
+            raise ExitedDuringStartup(f"{process.args!r} exited with {process.returncode}:\n"
+                                      f"{_tail(log_path)}", process.returncode)
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(url, timeout=2).status_code == 200:
                 return

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from slipstream.bench.gguf_agreement import agreement
-from slipstream.bench.llamacpp import bin_dir, ensure_built
+from slipstream.bench.llamacpp import NO_REPACK, bin_dir, ensure_built, llama_server
 from slipstream.bench.local_process import running
 from slipstream.bench.serve_bench import LoadConfig, run_load
 from slipstream.bench.serve_metrics import RequestTiming, serving_metrics
@@ -60,6 +60,8 @@ from slipstream.sim.traces import TraceRequest
 MODEL_NAME = "peer"
 CONTEXT_TOKENS = 8192  # SmolLM2-135M's trained context
 SLOTS = 32
+# The llama.cpp servers that ran with --no-repack: their AMX path crashed here (llamacpp.py)
+WITHOUT_REPACKING: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,15 @@ def serving(system: System, threads: int, profiles: dict[str, Path | None], log:
                 "--max-space-share-fraction", space_share,
                 "--long-request-threshold-tokens", str(long_threshold_tokens),
                 "--log-level", "warning"]
-    with running(argv, log, f"http://127.0.0.1:{port}/health", env=env, timeout_s=600):
-        yield f"http://127.0.0.1:{port}/v1"
+    ready = f"http://127.0.0.1:{port}/health"
+    if system.kind == "llama.cpp":
+        with llama_server(argv, log, ready, env=env, timeout_s=600) as ran:
+            if NO_REPACK in ran:
+                WITHOUT_REPACKING.add(system.name)
+            yield f"http://127.0.0.1:{port}/v1"
+    else:
+        with running(argv, log, ready, env=env, timeout_s=600):
+            yield f"http://127.0.0.1:{port}/v1"
 
 
 def runtime_profile(choice: str, gguf: Path, quantization: str, threads: int) -> Path | None:
@@ -349,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {**{k: v for k, v in vars(args).items() if k != "out"},
                           "model": quantized.name, "f32_model": full.name,
                           "llama_cpp": str(bin_dir().parent.name), "slots": SLOTS,
+                          "llama_cpp_without_repacking": sorted(WITHOUT_REPACKING),
                           # names only: a report is shared, this machine's paths stay here
                           "profile_dirs": {k: Path(v).name if v else None
                                            for k, v in profiles.items()},

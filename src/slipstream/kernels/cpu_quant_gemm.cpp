@@ -53,6 +53,11 @@
 #include <immintrin.h>
 #if defined(__AVX512BF16__) && !defined(SLIPSTREAM_QGEMM_NO_BF16)
 #define SLIPSTREAM_QGEMM_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && !defined(SLIPSTREAM_QGEMM_NO_AMX)
+#define SLIPSTREAM_QGEMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
@@ -66,10 +71,25 @@ bool q_gemm_supported() {
 #endif
 }
 
-// Which products this build makes: "avx512_bf16" (vdpbf16ps), "avx512f" (vfmadd231ps on
-// widened words) or "none".
+#ifdef SLIPSTREAM_QGEMM_AMX
+// Whether this process may use the AMX tiles: Linux hands out their 8 KB of register state
+// only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, Linux
+// 5.16 and later). Asked once; where it is refused, the vdpbf16ps path serves.
+bool amx_ready() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+#endif
+
+// Which products this build makes: "amx_bf16" (tdpbf16ps), "avx512_bf16" (vdpbf16ps),
+// "avx512f" (vfmadd231ps on widened words) or "none".
 std::string q_gemm_instructions() {
-#if defined(SLIPSTREAM_QGEMM_BF16)
+#if defined(SLIPSTREAM_QGEMM_AMX)
+  return amx_ready() ? "amx_bf16" : "avx512_bf16";
+#elif defined(SLIPSTREAM_QGEMM_BF16)
   return "avx512_bf16";
 #elif defined(SLIPSTREAM_QGEMM)
   return "avx512f";
@@ -108,11 +128,14 @@ inline __m512i to_bfloat16(__m512 values) {
 }
 
 // Activations rounded to bfloat16 and, per group, the float32 sum of the rounded values (for
-// the minimum term). The buffers belong to the calling thread and are reused from call to call.
-void round_rows(const at::Tensor& x, int64_t group, std::vector<Activation>& rounded,
-                std::vector<float>& sums) {
+// the minimum term), the rows padded with zeros to a multiple of `pad_to`. The buffers belong
+// to the calling thread and are reused from call to call.
+void round_rows(const at::Tensor& x, int64_t group, int64_t pad_to,
+                std::vector<Activation>& rounded, std::vector<float>& sums) {
   const int64_t rows = x.size(0), width = x.size(1), groups = width / group;
-  rounded.resize(rows * width);
+  const int64_t padded = (rows + pad_to - 1) / pad_to * pad_to;
+  rounded.resize(padded * width);
+  std::fill(rounded.begin() + rows * width, rounded.end(), Activation{0});
   sums.resize(rows * groups);
   // 16 values (the bfloat16 bits in each 32-bit lane) as they are stored, and as float32
   auto store = [&](int64_t i, __m512i words) {
@@ -211,6 +234,14 @@ struct Q4Slice {
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) p[i & 3] = dot(p[i & 3], v[i], x + 2 * i);
   }
+  // The slice as tdpbf16ps's B operand (below): row p is vector p, 1 KB.
+  static constexpr int kTiles = 1;
+  static inline void to_tiles(const uint8_t* bytes, uint16_t* tiles) {
+    __m512i v[kVectors];
+    unpack(bytes, v);
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(tiles + 32 * p, v[p]);
+  }
 };
 
 struct Q8Slice {
@@ -234,6 +265,17 @@ struct Q8Slice {
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i)
       p[i & 3] = dot(dot(p[i & 3], v[2 * i], x + 2 * i), v[2 * i + 1], x + 2 * i);
+  }
+  // Two B operands: the high parts' 16 pairs, then the low parts'.
+  static constexpr int kTiles = 2;
+  static inline void to_tiles(const uint8_t* bytes, uint16_t* tiles) {
+    __m512i v[kVectors];
+    unpack(bytes, v);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      _mm512_store_si512(tiles + 32 * i, v[2 * i]);
+      _mm512_store_si512(tiles + 512 + 32 * i, v[2 * i + 1]);
+    }
   }
 };
 
@@ -272,6 +314,114 @@ void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* m
     }
   }
 }
+
+#ifdef SLIPSTREAM_QGEMM_AMX
+
+// AMX (Sapphire Rapids and later): one tdpbf16ps multiplies 16 activation rows by 32 inputs of
+// 16 output rows, 8192 products where vdpbf16ps makes 32. The slice's bfloat16 words above are
+// already its B operand (row p: the pairs 2p, 2p + 1 of 16 outputs), so they are stored to L1
+// once per tile and group and loaded as a tile; the A operand is 16 rows of the rounded
+// activations, loaded in place (the rows padded with zeros to a multiple of 16). The products
+// are the same exact float32 products as vdpbf16ps's, summed inside the instruction. Every row
+// count runs here, one row as 16, so a row's result still does not depend on its batch.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// `rows` activation rows per A and C tile: 16, or fewer when the whole batch is fewer (a
+// decode step of one sequence loads and stores one row, not 16; the products per row are the
+// same).
+inline void configure_tiles(int rows) {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.rows[i] = i < 4 ? rows : 16;  // C in 0-1, A in 2-3; B in 4-7
+    config.bytes_per_row[i] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Groups two at a time, each with its own C, A and B tiles (0, 2, 4-5 and 1, 3, 6-7), so that
+// one group's products run while the other's are stored and scaled: one tile's chain of
+// store, load, multiply and store would otherwise leave the AMX unit idle most of the time.
+template <class Slice, int kGroups>
+inline void multiply_groups(const Activation* x, int64_t stride, const uint16_t* b,
+                            int64_t first_slice, int64_t slices_per_group) {
+  constexpr int kB = Slice::kTiles;
+  _tile_zero(0);
+  if constexpr (kGroups == 2) _tile_zero(1);
+  for (int64_t s = 0; s < slices_per_group; ++s) {
+    _tile_loadd(2, x + 32 * (first_slice + s), stride);
+    _tile_loadd(4, b + 512 * kB * s, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (kB == 2) {
+      _tile_loadd(5, b + 512 * (kB * s + 1), 64);
+      _tile_dpbf16ps(0, 2, 5);
+    }
+    if constexpr (kGroups == 2) {
+      const uint16_t* b1 = b + 512 * kB * slices_per_group;
+      _tile_loadd(3, x + 32 * (first_slice + slices_per_group + s), stride);
+      _tile_loadd(6, b1 + 512 * kB * s, 64);
+      _tile_dpbf16ps(1, 3, 6);
+      if constexpr (kB == 2) {
+        _tile_loadd(7, b1 + 512 * (kB * s + 1), 64);
+        _tile_dpbf16ps(1, 3, 7);
+      }
+    }
+  }
+}
+
+template <class Slice>
+void run_tile_amx(const uint8_t* weights, const at::Half* scale16, const at::Half* min16,
+                  const Activation* x, const float* x_sums, int64_t rows, int64_t width,
+                  int64_t group, float* acc) {
+  constexpr int kB = Slice::kTiles;
+  const int64_t slices_per_group = group / 32, groups = width / group;
+  const int64_t blocks = (rows + 15) / 16, stride = width * sizeof(Activation);
+  // two groups' B operands (up to 4 slices each), twice: the next pair is unpacked while the
+  // tiles still read this one
+  alignas(64) uint16_t b[2][2 * 4 * kB * 512];
+  alignas(64) float c[2][16 * kTile];
+  const __m512 offset = _mm512_set1_ps(Slice::kOffset);
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(acc + kTile * r, _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; g += 2) {
+    const int pair = g == groups - 1 ? 1 : 2;
+    uint16_t* operands = b[(g / 2) & 1];
+    for (int64_t s = 0; s < pair * slices_per_group; ++s)
+      Slice::to_tiles(weights + Slice::kBytes * (g * slices_per_group + s),
+                      operands + 512 * kB * s);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const Activation* block_x = x + 16 * block * width;
+      if (pair == 2)
+        multiply_groups<Slice, 2>(block_x, stride, operands, g * slices_per_group,
+                                  slices_per_group);
+      else
+        multiply_groups<Slice, 1>(block_x, stride, operands, g * slices_per_group,
+                                  slices_per_group);
+      _tile_stored(0, c[0], 64);
+      if (pair == 2) _tile_stored(1, c[1], 64);
+      const int64_t live = std::min<int64_t>(16, rows - 16 * block);
+      for (int h = 0; h < pair; ++h) {
+        const __m512 scale = group_scale(scale16 + kTile * (g + h));
+        const __m512 minimum =
+            min16 == nullptr ? _mm512_setzero_ps() : group_scale(min16 + kTile * (g + h));
+        const __m512 coefficient = _mm512_fmadd_ps(offset, scale, minimum);
+        for (int64_t r = 0; r < live; ++r) {
+          const int64_t row = 16 * block + r;
+          float* lanes = acc + kTile * row;
+          __m512 total = _mm512_fmadd_ps(scale, _mm512_load_ps(c[h] + kTile * r),
+                                         _mm512_loadu_ps(lanes));
+          total = _mm512_fmadd_ps(coefficient, _mm512_set1_ps(x_sums[row * groups + g + h]),
+                                  total);
+          _mm512_storeu_ps(lanes, total);
+        }
+      }
+    }
+  }
+}
+
+#endif  // SLIPSTREAM_QGEMM_AMX
 
 #else  // float32 multiply-adds
 
@@ -449,21 +599,38 @@ void run_tiles(const at::Tensor& x, const uint8_t* weights, const at::Half* scal
   thread_local std::vector<float> sums;
   const int64_t m = x.size(0), width = x.size(1), groups = width / group;
   const int64_t tiles = (n + kTile - 1) / kTile;
-  round_rows(x, group, rounded, sums);
+#ifdef SLIPSTREAM_QGEMM_AMX
+  const bool amx = amx_ready();
+#else
+  constexpr bool amx = false;
+#endif
+  round_rows(x, group, amx ? 16 : 1, rounded, sums);
   const Activation* xs = rounded.data();
   const float* ss = sums.data();
   const int64_t tile_bytes = Slice::kBytes * (width / 32);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> acc;
     acc.resize(kTile * m);
+#ifdef SLIPSTREAM_QGEMM_AMX
+    if (amx) configure_tiles(static_cast<int>(std::min<int64_t>(m, 16)));  // per chunk: other libraries' kernels (oneDNN) set their own
+#endif
     for (int64_t t = begin; t < end; ++t) {
-      run_tile<Slice>(weights + tile_bytes * t, scale16 + kTile * groups * t,
-                      min16 == nullptr ? nullptr : min16 + kTile * groups * t, xs, ss, m, width,
-                      group, acc.data());
+      const at::Half* tile_mins = min16 == nullptr ? nullptr : min16 + kTile * groups * t;
+#ifdef SLIPSTREAM_QGEMM_AMX
+      if (amx)
+        run_tile_amx<Slice>(weights + tile_bytes * t, scale16 + kTile * groups * t, tile_mins,
+                            xs, ss, m, width, group, acc.data());
+      else
+#endif
+        run_tile<Slice>(weights + tile_bytes * t, scale16 + kTile * groups * t, tile_mins, xs,
+                        ss, m, width, group, acc.data());
       const int64_t live = std::min(kTile, n - kTile * t);
       for (int64_t r = 0; r < m; ++r)
         std::memcpy(out + r * n + kTile * t, acc.data() + kTile * r, live * sizeof(float));
     }
+#ifdef SLIPSTREAM_QGEMM_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 

@@ -48,7 +48,8 @@ torch.library.register_fake("slipstream::q4_linear", _q4_shape, lib=_LIBRARY)
 torch.library.register_fake("slipstream::q8_linear", _q8_shape, lib=_LIBRARY)
 
 # "aten": keep ATen's kernel; "avx512f": the float32 multiply-adds even where the CPU has
-# AVX-512 BF16 (to compare the kernels, and to test both paths on one machine)
+# AVX-512 BF16; "avx512_bf16": vdpbf16ps even where it has AMX (to compare the kernels, and to
+# test every path on one machine)
 DISABLE_ENV = "SLIPSTREAM_CPU_QUANT_KERNEL"
 _SOURCE = Path(__file__).with_name("cpu_quant_gemm.cpp")
 _state: dict[str, bool] = {}
@@ -66,8 +67,9 @@ def available(build_dir: Path | None) -> bool:
                 log.info("%s=aten: quantized CPU layers run ATen's int4 kernel", DISABLE_ENV)
             elif build_dir is not None and platform.machine() in ("x86_64", "AMD64") \
                     and _cpu_has_avx512():
-                flags = ["-DSLIPSTREAM_QGEMM_NO_BF16"] \
-                    if os.environ.get(DISABLE_ENV) == "avx512f" else []
+                flags = {"avx512f": ["-DSLIPSTREAM_QGEMM_NO_BF16"],
+                         "avx512_bf16": ["-DSLIPSTREAM_QGEMM_NO_AMX"]}.get(
+                             os.environ.get(DISABLE_ENV, ""), [])
                 try:
                     cpp_build.build("slipstream_cpu_quant_gemm", _SOURCE, build_dir, flags,
                                     openmp=True)
@@ -85,8 +87,9 @@ def _cpu_has_avx512() -> bool:
 
 
 def instructions() -> str:
-    """The products of the loaded kernels: ``"avx512_bf16"`` (``vdpbf16ps``), ``"avx512f"``
-    (float32 multiply-adds) or ``"none"`` (not loaded: call ``available`` first)."""
+    """The products of the loaded kernels: ``"amx_bf16"`` (AMX's ``tdpbf16ps``),
+    ``"avx512_bf16"`` (``vdpbf16ps``), ``"avx512f"`` (float32 multiply-adds) or ``"none"``
+    (not loaded: call ``available`` first)."""
     if not _state.get("ok"):
         return "none"
     return str(torch.ops.slipstream_cpu_quant.instructions())

@@ -65,7 +65,9 @@ log = logging.getLogger(__name__)
 #     graphs (step/mixed_graphs.py); prefill tiles past their chunk skip the KV
 # 11: CPUs with AVX-512 but no BF16 run Slipstream's quantized kernels too (float32
 #     multiply-adds), where they ran ATen's; a forced kernel choice is part of the key
-PROFILER_VERSION = "11"
+# 12: CPUs with AMX multiply quantized layers with tdpbf16ps (several times vdpbf16ps from
+#     8 rows up)
+PROFILER_VERSION = "12"
 GRID = "quick"
 GPU_GRID = "quick-gpu"
 
