@@ -235,3 +235,19 @@ torch.save({{name: kernels[name](data["weights"][name])(data["x"][name]) for nam
                          ("int4-g128", Int4AVX512)):
         ours = kernel(weights[name])(x[name])
         assert float((other[name] - ours).abs().max() / ours.abs().max()) < 1e-5, name
+
+
+@pytest.mark.skipif(_best_products() != "amx_bf16", reason="this CPU has no AMX")
+def test_amx_can_be_turned_off_and_on_in_one_process():
+    """The kernel benchmark times AMX and vdpbf16ps side by side: turned off, the kernels
+    report and run vdpbf16ps; the two agree to float32 rounding; turned on again, AMX."""
+    weight = int4_weight(64, 576, 32, seed=3)
+    x = torch.randn(20, 576, generator=torch.Generator().manual_seed(3))
+    run = Int4AVX512(weight)
+    with_amx = run(x)
+    with cpu_quant_gemm.amx(False) as running_amx:
+        assert not running_amx and cpu_quant_gemm.instructions() == "avx512_bf16"
+        without = run(x)
+    assert cpu_quant_gemm.instructions() == "amx_bf16"
+    assert not torch.equal(with_amx, without)  # summed in another order: another path ran
+    assert float((with_amx - without).abs().max() / with_amx.abs().max()) < 1e-5

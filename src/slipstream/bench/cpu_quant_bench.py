@@ -8,7 +8,8 @@ which ATen runs as two int4 planes) on random weights of those shapes, each kern
 ``--trials`` runs, interleaved so that a busy moment hits both. It reports per shape and for
 one whole forward (30 layers plus the LM head) and writes ``cpu_quant.json`` and
 ``cpu_quant.png`` under ``--out``. The report names the products the kernels used here:
-``avx512_bf16`` or, on a CPU without AVX-512 BF16 (or with
+``amx_bf16`` on a CPU with AMX (then the same kernels with ``vdpbf16ps`` are timed too,
+interleaved, as a third column), ``avx512_bf16``, or, on a CPU without AVX-512 BF16 (or with
 ``SLIPSTREAM_CPU_QUANT_KERNEL=avx512f``), ``avx512f``.
 
 The weights here stay in cache between calls; in a real step they come from memory, which
@@ -68,7 +69,10 @@ def _best_us(run: Callable[[], torch.Tensor], calls: int, trials: int) -> list[f
 
 
 def measure(rows_list: list[int], trials: int) -> list[dict]:
+    """Per row count and shape, the best time of each kernel; on a CPU with AMX also the same
+    kernels with vdpbf16ps instead (``vdpbf16ps_us``), interleaved with the other two."""
     results = []
+    with_amx = cpu_quant_gemm.instructions() == "amx_bf16"
     for rows in rows_list:
         for name, outputs, inputs, per_forward in SHAPES:
             ours: Callable[[torch.Tensor], torch.Tensor]
@@ -81,16 +85,24 @@ def measure(rows_list: list[int], trials: int) -> list[dict]:
                 ours, aten = Int4AVX512(weight4), Int4PackedCPU(weight4)
             x = torch.randn(rows, inputs)
             calls = max(3, int(2e8 / (rows * outputs * inputs + 1e6)))
-            ours_us, aten_us = [], []
+            ours_us, vector_us, aten_us = [], [], []
             for _ in range(trials):  # interleaved
                 ours_us += _best_us(lambda: ours(x), calls, 1)
+                if with_amx:
+                    with cpu_quant_gemm.amx(False):
+                        vector_us += _best_us(lambda: ours(x), calls, 1)
                 aten_us += _best_us(lambda: aten(x), calls, 1)
-            results.append({"rows": rows, "shape": name, "outputs": outputs, "inputs": inputs,
-                            "per_forward": per_forward, "ours_us": min(ours_us),
-                            "aten_us": min(aten_us), "speedup": min(aten_us) / min(ours_us)})
+            row = {"rows": rows, "shape": name, "outputs": outputs, "inputs": inputs,
+                   "per_forward": per_forward, "ours_us": min(ours_us),
+                   "aten_us": min(aten_us), "speedup": min(aten_us) / min(ours_us)}
+            vector = ""
+            if with_amx:
+                row["vdpbf16ps_us"] = min(vector_us)
+                vector = f"  (vdpbf16ps {min(vector_us):9.1f} us)"
+            results.append(row)
             print(f"rows {rows:4d} {name:15s} {outputs:6d}x{inputs:<5d} ours "
                   f"{min(ours_us):9.1f} us  ATen {min(aten_us):9.1f} us  "
-                  f"{min(aten_us) / min(ours_us):.2f}x", flush=True)
+                  f"{min(aten_us) / min(ours_us):.2f}x{vector}", flush=True)
     return results
 
 
@@ -100,8 +112,13 @@ def forwards(results: list[dict]) -> dict[int, dict]:
         total = totals.setdefault(row["rows"], {"ours_ms": 0.0, "aten_ms": 0.0})
         total["ours_ms"] += row["ours_us"] * row["per_forward"] / 1000
         total["aten_ms"] += row["aten_us"] * row["per_forward"] / 1000
+        if "vdpbf16ps_us" in row:
+            total["vdpbf16ps_ms"] = total.get("vdpbf16ps_ms", 0.0) + \
+                row["vdpbf16ps_us"] * row["per_forward"] / 1000
     for total in totals.values():
         total["speedup"] = total["aten_ms"] / total["ours_ms"]
+        if "vdpbf16ps_ms" in total:
+            total["amx_speedup"] = total["vdpbf16ps_ms"] / total["ours_ms"]
     return totals
 
 
@@ -114,13 +131,18 @@ def plot(totals: dict[int, dict], path: Path, instructions: str) -> None:
     rows = sorted(totals)
     figure, axis = plt.subplots(figsize=(7, 4))
     positions = range(len(rows))
-    axis.bar([p - 0.2 for p in positions], [totals[r]["aten_ms"] for r in rows], 0.4,
-             label="ATen packed int4 (Q8_0 as two int4 planes)")
-    axis.bar([p + 0.2 for p in positions], [totals[r]["ours_ms"] for r in rows], 0.4,
-             label=f"Slipstream ({instructions})")
-    for p, r in zip(positions, rows):
-        axis.annotate(f"{totals[r]['speedup']:.2f}x", (p + 0.2, totals[r]["ours_ms"]),
-                      ha="center", va="bottom", fontsize=9)
+    bars = [("aten_ms", "ATen packed int4 (Q8_0 as two int4 planes)")]
+    if all("vdpbf16ps_ms" in totals[r] for r in rows):
+        bars.append(("vdpbf16ps_ms", "Slipstream (avx512_bf16)"))
+    bars.append(("ours_ms", f"Slipstream ({instructions})"))
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        axis.bar([p + offset for p in positions], [totals[r][key] for r in rows], width,
+                 label=label)
+    for p, r in zip(positions, rows):  # over ATen's kernel, above the last bar
+        axis.annotate(f"{totals[r]['speedup']:.2f}x", (p + 0.4 - width / 2, totals[r]["ours_ms"]),
+                      ha="center", va="bottom", fontsize=8)
     axis.set_xticks(list(positions), [f"{r} row{'s' if r > 1 else ''}" for r in rows])
     axis.set_yscale("log")
     axis.set_ylabel("matmul time of one forward (ms, log)")
@@ -147,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     totals = forwards(results)
     print(f"Slipstream's kernels multiply with {cpu_quant_gemm.instructions()} here")
     for rows, total in sorted(totals.items()):
+        vector = (f"; vdpbf16ps {total['vdpbf16ps_ms']:.2f} ms, AMX "
+                  f"{total['amx_speedup']:.2f}x that" if "vdpbf16ps_ms" in total else "")
         print(f"one forward at {rows} rows: ours {total['ours_ms']:.2f} ms, ATen "
-              f"{total['aten_ms']:.2f} ms: {total['speedup']:.2f}x")
+              f"{total['aten_ms']:.2f} ms: {total['speedup']:.2f}x{vector}")
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"settings": {"threads": args.threads, "trials": args.trials,
                            "machine": platform.processor() or platform.machine(),

@@ -3,9 +3,10 @@ and ``slipstream::q8_linear``, their weight layouts, and the build of their C++ 
 (``cpu_quant_gemm.cpp``, which says why they exist and how they compute).
 
 ``available(build_dir)`` builds the kernels once per process (seconds, then loaded from
-``build_dir``) and answers whether they run on this CPU. They multiply with AVX-512 BF16's
-``vdpbf16ps`` where the CPU has it, else with AVX-512F's float32 multiply-adds on the same
-bfloat16 weights (``instructions()`` says which). Where they do not run (no compiler, no
+``build_dir``) and answers whether they run on this CPU. They multiply with AMX's
+``tdpbf16ps`` where the CPU has AMX (Sapphire Rapids and later), else with AVX-512 BF16's
+``vdpbf16ps``, else with AVX-512F's float32 multiply-adds on the same bfloat16 weights
+(``instructions()`` says which). Where they do not run (no compiler, no
 AVX-512, ``SLIPSTREAM_CPU_QUANT_KERNEL=aten``), the engine keeps ATen's packed int4 kernel
 (``agent/engine/models/quant_kernels.py``). The operators are registered with
 ``torch.library`` with shape functions, so compiled decode steps (inductor) call them as they
@@ -14,10 +15,12 @@ call any ATen kernel.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -67,13 +70,14 @@ def available(build_dir: Path | None) -> bool:
                 log.info("%s=aten: quantized CPU layers run ATen's int4 kernel", DISABLE_ENV)
             elif build_dir is not None and platform.machine() in ("x86_64", "AMD64") \
                     and _cpu_has_avx512():
-                flags = {"avx512f": ["-DSLIPSTREAM_QGEMM_NO_BF16"],
-                         "avx512_bf16": ["-DSLIPSTREAM_QGEMM_NO_AMX"]}.get(
-                             os.environ.get(DISABLE_ENV, ""), [])
+                flags = ["-DSLIPSTREAM_QGEMM_NO_BF16"] \
+                    if os.environ.get(DISABLE_ENV) == "avx512f" else []
                 try:
                     cpp_build.build("slipstream_cpu_quant_gemm", _SOURCE, build_dir, flags,
                                     openmp=True)
                     _state["ok"] = bool(torch.ops.slipstream_cpu_quant.supported())
+                    if os.environ.get(DISABLE_ENV) == "avx512_bf16":
+                        torch.ops.slipstream_cpu_quant.use_amx(False)
                 except Exception as error:  # noqa: BLE001 - ATen's kernel serves instead
                     log.warning("the AVX-512 quantized matmul kernels did not build (%s); "
                                 "quantized layers run ATen's int4 kernel", str(error)
@@ -93,6 +97,18 @@ def instructions() -> str:
     if not _state.get("ok"):
         return "none"
     return str(torch.ops.slipstream_cpu_quant.instructions())
+
+
+@contextlib.contextmanager
+def amx(enabled: bool) -> Iterator[bool]:
+    """Inside, the kernels multiply with AMX (``enabled``, where this CPU has it) or with
+    vdpbf16ps; yields whether AMX runs. For benchmarks that time both in one process: the
+    results differ only in float32 rounding (the same products summed in another order)."""
+    previous = instructions() == "amx_bf16"
+    try:
+        yield bool(torch.ops.slipstream_cpu_quant.use_amx(enabled))
+    finally:
+        torch.ops.slipstream_cpu_quant.use_amx(previous)
 
 
 TILE = 16  # output rows per tile (cpu_quant_gemm.cpp)
