@@ -223,7 +223,7 @@ bench-first-start: setup default-model  ## how long serve's first start spends p
 bench-decode-step: setup default-model  ## one engine decode step of SmolLM2 at 1/8/32 sequences, oneDNN-reordered vs plain torch matmuls: wall, forward, the rest (docs/engine.md)
 	$(BIN)/python -m slipstream.bench.decode_step_bench --rounds 3 --gguf --gguf-aten --out $(RESULTS)/decode-step
 
-bench-cpu-quant: setup  ## quantized CPU matmuls of SmolLM2's shapes at 1-256 rows: Slipstream's AVX-512 kernels (BF16 or float32) vs ATen's int4 kernel (docs/quantization.md)
+bench-cpu-quant: setup  ## quantized CPU matmuls of SmolLM2's shapes at 1-256 rows: Slipstream's kernels (AMX, AVX-512 BF16 or float32) vs ATen's int4 kernel (docs/quantization.md)
 	$(BIN)/python -m slipstream.bench.cpu_quant_bench --out $(RESULTS)/cpu-quant
 
 bench-long-prefill-memory: setup  ## server memory growth while one 32K-token prompt is prefilled in 8,192-token chunks (CPU, tiny model; goal +512 MB)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.bench import peer_bench
+from slipstream.bench import llamacpp, peer_bench
+from slipstream.bench.local_process import ExitedDuringStartup
 
 
 def test_convoy_workload_has_steady_shorts_and_long_documents_in_the_first_half():
@@ -39,6 +40,7 @@ def test_each_server_gets_the_same_threads_and_a_full_context(monkeypatch, tmp_p
             return False
 
     monkeypatch.setattr(peer_bench, "running", Running)
+    monkeypatch.setattr(llamacpp, "running", Running)
     gguf = Path("model.gguf")
     profiles = {"none": tmp_path / "float", "auto": tmp_path / "q4_1"}
     for system in (peer_bench.System("l", "llama.cpp", gguf),
@@ -90,3 +92,38 @@ def test_agreement_counts_equal_tokens_and_the_first_divergence():
     assert result["first_divergence"] == [None, 1, 2]  # a shorter output diverges where it ends
     assert result["prompts_identical"] == 1
     assert result["tokens"] == 4 + 4 + 3 and result["share_equal"] == (4 + 3 + 2) / 11
+
+
+@pytest.mark.parametrize("returncode,restarted", [(-11, True), (1, False)])
+def test_llama_server_starts_again_without_repacking_only_after_a_crash(
+        monkeypatch, tmp_path, returncode, restarted):
+    """llama.cpp's AMX matmuls crash at start-up on some Xeons (llama.cpp #20824): after a
+    SIGSEGV, llama-server starts once more with --no-repack and the caller is told; any other
+    failure is raised as it was."""
+    started: list[list[str]] = []
+
+    class Running:
+        def __init__(self, argv, log, url, env, timeout_s):
+            self.argv = argv
+            log.write_text("the server's log")
+
+        def __enter__(self):
+            started.append(self.argv)
+            if len(started) == 1:
+                raise ExitedDuringStartup("llama-server exited", returncode)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(llamacpp, "running", Running)
+    log = tmp_path / "llama.log"
+    if not restarted:
+        with pytest.raises(ExitedDuringStartup):
+            with llamacpp.llama_server(["llama-server", "-m", "m.gguf"], log, "url"):
+                pass
+        assert len(started) == 1
+        return
+    with llamacpp.llama_server(["llama-server", "-m", "m.gguf"], log, "url") as argv:
+        assert argv == ["llama-server", "-m", "m.gguf", "--no-repack"]
+    assert started == [["llama-server", "-m", "m.gguf"], argv]
+    assert (tmp_path / "llama.crash.log").read_text() == "the server's log"

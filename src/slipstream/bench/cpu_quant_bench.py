@@ -147,7 +147,7 @@ def plot(totals: dict[int, dict], path: Path, instructions: str) -> None:
     axis.set_yscale("log")
     axis.set_ylabel("matmul time of one forward (ms, log)")
     axis.set_title("SmolLM2-135M's quantized projections on this CPU")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, title="labels: Slipstream over ATen", title_fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

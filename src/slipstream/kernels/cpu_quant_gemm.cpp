@@ -10,8 +10,9 @@
 // two integer instructions (kLowWord below) and one vdpbf16ps multiplies them (32 products,
 // summed in float32).
 //
-// Two instruction sets. With AVX-512 BF16 (Zen 4, Sapphire Rapids and later) the products are
-// vdpbf16ps. Without it (Skylake-SP, Cascade Lake, Ice Lake: most cloud x86 machines before
+// Three instruction sets. With AMX (Sapphire Rapids and later) the products are tdpbf16ps on
+// the same bfloat16 words (see "AMX" below). With AVX-512 BF16 (Zen 4 and those Xeons) they
+// are vdpbf16ps. Without it (Skylake-SP, Cascade Lake, Ice Lake: most cloud x86 machines before
 // 2023), each weight becomes a float32 with one shift and one ternary-logic instruction and is
 // multiplied by vfmadd231ps (see "float32 multiply-adds" below). The activations are the same
 // bfloat16 values, and every product of a weight and a bfloat16 value is exact in float32, so
@@ -645,7 +646,8 @@ void run_tiles(const at::Tensor& x, const uint8_t* weights, const at::Half* scal
     thread_local std::vector<float> acc;
     acc.resize(kTile * m);
 #ifdef SLIPSTREAM_QGEMM_AMX
-    if (amx) configure_tiles(static_cast<int>(std::min<int64_t>(m, 16)));  // per chunk: other libraries' kernels (oneDNN) set their own
+    // per chunk: other libraries' kernels (oneDNN's) set tiles of their own in between
+    if (amx) configure_tiles(static_cast<int>(std::min<int64_t>(m, 16)));
 #endif
     for (int64_t t = begin; t < end; ++t) {
       const at::Half* tile_mins = min16 == nullptr ? nullptr : min16 + kTile * groups * t;
