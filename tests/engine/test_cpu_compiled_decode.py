@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,16 +142,13 @@ def test_operator_writes_the_rows_and_attends_like_a_plain_softmax(table, padded
 
 
 def test_a_padded_program_serves_fewer_rows(tiny_model_dir):
-    """A size-2 program serving one row: the padding writes no KV and the row's logits are
-    the eager engine's."""
+    """A size-2 program (the only size asked for, --cpu-compile-batch-sizes 2) serving one
+    row: the padding writes no KV and the row's logits are the eager engine's."""
     eager = engine(tiny_model_dir, cpu_compile=False)
-    compiled = engine(tiny_model_dir, cpu_compile=False)
+    compiled = engine(tiny_model_dir, cpu_compile=True, cpu_compile_sizes=(2,))
     runner = compiled.runner
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, 512,
-                          runner.model_config.num_kv_heads, runner.device, sizes=(2,),
-                          cpu_attention=True)
-    graphs.compile_cpu()
-    runner.decode_graphs = graphs
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.sizes == (2,)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     before = [k.clone() for k, _ in runner.kv_caches]
     assert compiled.generate(PROMPTS[:1], params) == eager.generate(PROMPTS[:1], params)
@@ -217,6 +215,11 @@ def test_sizes_stop_at_two_rows_and_at_max_num_seqs():
     assert cpu_compile_sizes(256) == (1, 2)
     assert cpu_compile_sizes(2) == (1, 2)
     assert cpu_compile_sizes(1) == (1,)
+    # --cpu-compile-batch-sizes 1,2,4,8: all of them, or up to --max-num-seqs
+    assert cpu_compile_sizes(256, (1, 2, 4, 8)) == (1, 2, 4, 8)
+    assert cpu_compile_sizes(6, (1, 2, 4, 8)) == (1, 2, 4, 6)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        EngineConfig(model_dir=Path("m"), device="cpu", cpu_compile_sizes=(4, 2))
 
 
 def test_a_program_that_computes_other_logits_is_not_used(tiny_model_dir, monkeypatch):

@@ -43,6 +43,12 @@ def test_cuda_graph_flags_build_the_bucket_grid(tmp_path, monkeypatch):
     assert serve_configs.engine_config(_parse(["--no-cpu-compile"]).changed(
         model={"path": str(tmp_path)})).cpu_compile is False
     assert serve_configs.engine_config(
+        defaults.changed(model={"path": str(tmp_path)})).cpu_compile_sizes == (1, 2)
+    assert serve_configs.engine_config(_parse(["--cpu-compile-batch-sizes", "1,2,4,8"]).changed(
+        model={"path": str(tmp_path)})).cpu_compile_sizes == (1, 2, 4, 8)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        _parse(["--cpu-compile-batch-sizes", "8,4"])
+    assert serve_configs.engine_config(
         defaults.changed(model={"path": str(tmp_path)})).short_prefill_buckets.num_buckets == 25
     config = _parse(["--model", str(tmp_path), "--short-prefill-graphs", "--cuda-graph-lengths",
                      "16,64", "--cuda-graph-batch-sizes", "1,8",

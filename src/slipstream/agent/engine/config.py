@@ -302,6 +302,9 @@ class EngineConfig:
     # model can run them (one process, no sliding window or soft-capping, no experts); True
     # asks for them (an error where they cannot run or compile); False: eager decodes.
     cpu_compile: bool | None = None
+    # The batch sizes those programs are compiled for (increasing; up to --max-num-seqs):
+    # a batch runs padded in the next size up, a larger one eagerly.
+    cpu_compile_sizes: tuple[int, ...] = (1, 2)
     # Run batches made only of fresh short prefills through the padded static-shape path,
     # replaying one CUDA graph per bucket on CUDA (eagerly on CPU). Single process only.
     short_prefill_graphs: bool = False
@@ -355,6 +358,10 @@ class EngineConfig:
         if self.short_prefill_graphs and not self.parallel.is_single_process:
             raise ValueError("short_prefill_graphs (the bucketed short-prefill path) runs in a "
                              "single process only; it is not wired into tp/spp/kvp workers yet")
+        sizes = self.cpu_compile_sizes
+        if not sizes or min(sizes) < 1 or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"cpu_compile_sizes: positive integers, strictly increasing, "
+                             f"got {list(sizes)}")
         if self.cpu_compile and self.cuda_graphs:
             raise ValueError("cpu_compile and cuda_graphs are two ways to run decode steps; "
                              "ask for one")

@@ -97,6 +97,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         profile_dir=config.scheduler.profile,
         auto_profile=config.scheduler.profile is None and config.scheduler.auto_profile,
         cuda_graphs=engine.cuda_graphs, cpu_compile=engine.cpu_compile,
+        cpu_compile_sizes=engine.cpu_compile_batch_sizes,
         short_prefill_graphs=engine.short_prefill_graphs,
         short_prefill_buckets=ShortPrefillBuckets(
             lengths_tokens=engine.cuda_graph_lengths, batch_sizes=engine.cuda_graph_batch_sizes,

@@ -16,15 +16,19 @@ from slipstream.kernels import cpu_static_decode
 
 log = logging.getLogger(__name__)
 
-# Compiled CPU decode programs: one per batch size, compiled at start-up (about 4 s each
-# from inductor's cache, 15-20 s without, for the default model on two cores). Larger
-# batches are bound by their matmuls, where the operators around them matter less.
+# Compiled CPU decode programs: one per batch size (EngineConfig.cpu_compile_sizes, default
+# 1 and 2), compiled at start-up (about 5 s each from inductor's cache, 15-40 s without, for
+# the default model on two cores). Larger batches were bound by their matmuls, where the
+# operators around them matter less; with AMX's quantized matmuls (kernels/cpu_quant_gemm.cpp)
+# a step of 8 sequences gains 1.25x from a program of its own, 4 sequences 1.42x.
 CPU_COMPILE_SIZES = (1, 2)
 
 
-def cpu_compile_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    largest = min(max_num_seqs, CPU_COMPILE_SIZES[-1])
-    return tuple(size for size in CPU_COMPILE_SIZES if size < largest) + (largest,)
+def cpu_compile_sizes(max_num_seqs: int,
+                      sizes: tuple[int, ...] = CPU_COMPILE_SIZES) -> tuple[int, ...]:
+    """``sizes`` up to ``max_num_seqs`` (which closes the list when it is smaller)."""
+    largest = min(max_num_seqs, sizes[-1])
+    return tuple(size for size in sizes if size < largest) + (largest,)
 
 
 def cpu_compile_refusal(config: EngineConfig, model_config: ModelConfig,
@@ -76,7 +80,8 @@ def make_cpu_compiled_decodes(config: EngineConfig, model_config: ModelConfig,
         model, kv_caches, config.scheduler.max_num_seqs,
         config.max_model_len or model_config.max_position_embeddings,
         model_config.num_kv_heads, device,
-        sizes=cpu_compile_sizes(config.scheduler.max_num_seqs), cpu_attention=True)
+        sizes=cpu_compile_sizes(config.scheduler.max_num_seqs, config.cpu_compile_sizes),
+        cpu_attention=True)
     # Inductor's compiled code beside Slipstream's other generated files (a restart then
     # loads it: 6 s for the default model's two programs, 28 s compiled afresh).
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(slipstream_cache_dir() / "inductor"))
