@@ -46,12 +46,15 @@ def test_each_server_gets_the_same_threads_and_a_full_context(monkeypatch, tmp_p
     for system in (peer_bench.System("l", "llama.cpp", gguf),
                    peer_bench.System("s", "slipstream", gguf, "fcfs"),
                    peer_bench.System("q", "slipstream", gguf, quantization="auto")):
-        with peer_bench.serving(system, 2, profiles, tmp_path / "log", 2048) as url:
+        with peer_bench.serving(system, 2, profiles, tmp_path / "log", 2048,
+                                slipstream_args=("--cpu-compile-batch-sizes", "1,2,4")) as url:
             assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
     (llama, _), (ours, env), (q4_1, _) = started
     assert llama[llama.index("-t") + 1] == "2" and env["OMP_NUM_THREADS"] == "2"
     assert llama[llama.index("--parallel") + 1] == "32" and "--kv-unified" in llama
     assert int(llama[llama.index("-c") + 1]) >= peer_bench.CONTEXT_TOKENS
+    assert ours[-2:] == q4_1[-2:] == ["--cpu-compile-batch-sizes", "1,2,4"]  # Slipstream's own
+    assert "--cpu-compile-batch-sizes" not in llama
     assert ours[ours.index("--policy") + 1] == "fcfs"
     assert ours[ours.index("--max-space-share-fraction") + 1] == "0.0"  # FCFS: no sharing
     assert int(ours[ours.index("--num-kv-blocks") + 1]) * 16 >= peer_bench.CONTEXT_TOKENS

