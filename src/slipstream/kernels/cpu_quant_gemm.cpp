@@ -340,7 +340,7 @@ void run_tile(const uint8_t* weights, const at::Half* scale16, const at::Half* m
 // 16 output rows, 8192 products where vdpbf16ps makes 32. The slice's bfloat16 words above are
 // already its B operand (row p: the pairs 2p, 2p + 1 of 16 outputs), so they are stored to L1
 // once per tile and group and loaded as a tile; the A operand is 16 rows of the rounded
-// activations, loaded in place (the rows padded with zeros to a multiple of 16). The products
+// activations, loaded in place (past 16 rows, padded with zeros to a multiple of 16). The products
 // are the same exact float32 products as vdpbf16ps's, summed inside the instruction. Every row
 // count runs here, one row as 16, so a row's result still does not depend on its batch.
 struct alignas(64) TileConfig {
@@ -638,7 +638,9 @@ void run_tiles(const at::Tensor& x, const uint8_t* weights, const at::Half* scal
 #else
   constexpr bool amx = false;
 #endif
-  round_rows(x, group, amx ? 16 : 1, rounded, sums);
+  // AMX blocks of 16 rows read zero rows past the batch; a batch of up to 16 sets its tiles to
+  // its own row count (configure_tiles) and needs none
+  round_rows(x, group, amx && m > 16 ? 16 : 1, rounded, sums);
   const Activation* xs = rounded.data();
   const float* ss = sums.data();
   const int64_t tile_bytes = Slice::kBytes * (width / 32);

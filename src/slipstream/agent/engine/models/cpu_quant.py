@@ -23,7 +23,7 @@ from slipstream.kernels import cpu_quant_gemm
 
 
 def _label() -> str:
-    """The loaded kernels' products, for layer names: AVX-512 BF16 or AVX-512F."""
+    """The loaded kernels' products, for layer names: AMX BF16, AVX-512 BF16 or AVX-512F."""
     return {"amx_bf16": "AMX BF16", "avx512_bf16": "AVX-512 BF16", "avx512f": "AVX-512F"}.get(
         cpu_quant_gemm.instructions(), "AVX-512")
 
