@@ -14,7 +14,7 @@ import torch
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.parallel_config import ParallelConfig
-from slipstream.agent.engine.step.decode_graphs import DecodeGraphs
+from slipstream.agent.engine.step.decode_graphs import CPU_WRAPPER_ENV, DecodeGraphs, cpu_wrapper
 from slipstream.agent.engine.step.cpu_compile import cpu_compile_refusal, cpu_compile_sizes
 from slipstream.agent.engine.step.model_runner import ModelRunner
 from slipstream.agent.scheduler.config import SchedulerConfig
@@ -42,6 +42,7 @@ def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir):
     compiled = engine(tiny_model_dir, cpu_compile=True)
     graphs = compiled.runner.decode_graphs
     assert graphs is not None and graphs.sizes == (1, 2)
+    assert graphs.cpu_wrapper == "cpp"  # inductor's C++ wrapper, the default
     assert all(program.compiled is not None for program in graphs._programs.values())
     # The programs attend through the C++ kernel (use_implementation answers what it chose).
     assert cpu_static_decode.use_implementation(None) == cpu_static_decode.NATIVE
@@ -236,3 +237,74 @@ def test_a_program_that_computes_other_logits_is_not_used(tiny_model_dir, monkey
     monkeypatch.setattr(inductor, "compile_fx", off_by_one)
     with pytest.raises(RuntimeError, match="logits differ from the eager ones by 1"):
         engine(tiny_model_dir, cpu_compile=True)
+
+
+def test_a_failed_cpp_wrapper_falls_back_to_the_python_one(tiny_model_dir, monkeypatch, caplog):
+    import torch._inductor.compile_fx as inductor
+    from torch._inductor import config as inductor_config
+
+    real = inductor.compile_fx
+
+    def no_cpp_wrapper(graph, example_inputs):
+        if inductor_config.cpp_wrapper:
+            raise RuntimeError("g++: fatal error: killed\nmore detail")
+        return real(graph, example_inputs)
+
+    monkeypatch.setattr(inductor, "compile_fx", no_cpp_wrapper)
+    with caplog.at_level(logging.WARNING):
+        compiled = engine(tiny_model_dir, cpu_compile=True)
+    assert compiled.runner.decode_graphs.cpu_wrapper == "python"
+    assert "inductor's C++ wrapper failed for the size-1 decode program (RuntimeError: g++: " \
+        "fatal error: killed); compiling with its Python wrapper" in caplog.text
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert compiled.generate(PROMPTS, greedy) == \
+        engine(tiny_model_dir, cpu_compile=False).generate(PROMPTS, greedy)
+
+
+def test_the_wrapper_is_asked_for_by_name(monkeypatch):
+    assert cpu_wrapper() == "cpp"
+    monkeypatch.setenv(CPU_WRAPPER_ENV, "python")
+    assert cpu_wrapper() == "python"
+    monkeypatch.setenv(CPU_WRAPPER_ENV, "c++")
+    with pytest.raises(ValueError, match="SLIPSTREAM_CPU_COMPILE_WRAPPER='c\\+\\+': use one of "
+                                         "cpp, python"):
+        cpu_wrapper()
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256, 80])  # AVX-512 kernels at 64/128/256; 80 plain
+def test_many_rows_and_long_contexts_attend_like_a_plain_softmax_and_alone(dim):
+    """Enough work to split over threads: each row's output is a plain softmax's, and is the
+    same, bit for bit, when the row is alone in its call (a row does not depend on its batch)."""
+    native_kernel()
+    torch.manual_seed(1)
+    blocks, block_size, kv_heads, heads = 80, 16, 2, 6
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    lengths = [300, 1, 17, 250, 16, 33]
+    tables, start, seq_info = [], 0, torch.zeros(len(lengths), SEQ_INFO_COLUMNS, dtype=torch.int64)
+    permutation = torch.randperm(blocks).tolist()  # scattered blocks
+    for row, kv_len in enumerate(lengths):
+        count = -(-kv_len // block_size)
+        tables.append(permutation[start:start + count])
+        seq_info[row] = torch.tensor([row, 1, kv_len - 1, kv_len, 0, start])
+        start += count
+    block_indices = torch.tensor([b for table in tables for b in table])
+    slots = torch.tensor([tables[r][(n - 1) // block_size] * block_size + (n - 1) % block_size
+                          for r, n in enumerate(lengths)])
+    query = torch.randn(len(lengths), heads, dim) * 3
+    key, value = torch.randn(len(lengths), kv_heads, dim), torch.randn(len(lengths), kv_heads, dim)
+    op = torch.ops.slipstream.cpu_decode_attention
+    with kv_caches_in_use([(k_cache, v_cache)]):
+        out = op(query, key, value, 0, slots, seq_info, block_indices, 0.125)
+        alone = [op(query[r:r + 1], key[r:r + 1], value[r:r + 1], 0, slots[r:r + 1],
+                    seq_info[r:r + 1], block_indices, 0.125) for r in range(len(lengths))]
+    group = heads // kv_heads
+    for row, kv_len in enumerate(lengths):
+        assert torch.equal(out[row], alone[row][0]), row
+        tokens = k_cache[tables[row]].reshape(-1, kv_heads, dim)[:kv_len]
+        values = v_cache[tables[row]].reshape(-1, kv_heads, dim)[:kv_len]
+        for head in range(heads):
+            scores = tokens[:, head // group].double() @ query[row, head].double() * 0.125
+            want = torch.softmax(scores, dim=0) @ values[:, head // group].double()
+            assert torch.allclose(out[row, head].double(), want, atol=2e-5, rtol=1e-5), \
+                (row, head)

@@ -26,11 +26,13 @@ Usage (the default model, SmolLM2-135M-Instruct, as `slipstream serve` runs it o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,8 +41,23 @@ from slipstream.agent.engine.config import EngineConfig
 from slipstream.agent.engine.engine import LLMEngine
 from slipstream.agent.engine.models.cpu_matmul import onednn_available
 from slipstream.agent.engine.models.cpu_quant import native_kernels
+from slipstream.agent.engine.step.decode_graphs import CPU_WRAPPER_ENV, cpu_wrapper
 from slipstream.contracts.sampling import SamplingParams
 from slipstream.agent.scheduler.config import SchedulerConfig
+
+
+@contextlib.contextmanager
+def compile_wrapper(wrapper: str) -> Iterator[None]:
+    """Engines made inside compile their CPU decode programs with this inductor wrapper."""
+    previous = os.environ.get(CPU_WRAPPER_ENV)
+    os.environ[CPU_WRAPPER_ENV] = wrapper
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[CPU_WRAPPER_ENV]
+        else:
+            os.environ[CPU_WRAPPER_ENV] = previous
 
 
 def model_dir_for(name: str) -> Path:
@@ -129,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-aten", action="store_true",
                         help="with --gguf: also the default model on ATen's packed int4 kernel "
                              "instead of Slipstream's AVX-512 one (the kernels side by side)")
+    parser.add_argument("--gguf-python-wrapper", action="store_true",
+                        help="with --gguf: also the served model compiled with inductor's "
+                             "Python wrapper instead of its C++ one (gguf-pywrap; "
+                             "SLIPSTREAM_CPU_COMPILE_WRAPPER=python)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="print torch.profiler's top operators for each batch size")
     parser.add_argument("--out", type=Path, default=None, help="write decode_step.json here")
@@ -166,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                 variants += [("gguf", activations, None), ("gguf-eager", activations, False)]
         if args.gguf_aten:
             variants.append(("gguf-aten", "bf16", None))
+        if args.gguf_python_wrapper:
+            variants.append(("gguf-pywrap", "bf16", None))
         for name, activations, compiled in variants:
-            with native_kernels(name != "gguf-aten"):
+            with native_kernels(name != "gguf-aten"), compile_wrapper(
+                    "python" if name == "gguf-pywrap" else cpu_wrapper()):
                 engines[name] = LLMEngine(
                     EngineConfig(model_dir=cached_model_dir(gguf, slipstream_cache_dir(), False),
                                  device="cpu", num_kv_blocks=blocks, gguf_file=gguf,
@@ -203,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gguf on ATen's int4 kernel / on Slipstream's (as served) step time: " + ", ".join(
             f"{results['gguf-aten'][b]['step_ms_p50'] / results['gguf'][b]['step_ms_p50']:.2f} "
             f"at {b}" for b in batches))
+    if "gguf" in matmuls and "gguf-pywrap" in matmuls:
+        wrappers = {batch: results["gguf-pywrap"][batch]["step_ms_p50"]
+                    / results["gguf"][batch]["step_ms_p50"] for batch in batches}
+        print("gguf with inductor's Python wrapper / with its C++ one (as served) step time: "
+              + ", ".join(f"{ratio:.2f} at {batch}" for batch, ratio in wrappers.items()))
     if "gguf" in matmuls and "gguf-eager" in matmuls:
         compiled_ratios = {batch: results["gguf-eager"][batch]["step_ms_p50"]
                            / results["gguf"][batch]["step_ms_p50"] for batch in batches}

@@ -9,7 +9,12 @@
 // kernels/attention.py, so the two implementations cannot disagree on the layout.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -83,38 +88,144 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // (no gather, no tensors made). SDPA's CPU kernel costs tens of microseconds a call whatever
 // the context, most of a short decode's attention; this costs what the arithmetic does. Each
 // query head: scores, a two-pass softmax (max, then exp and sum), then the weighted values.
+// The cache is walked a block at a time (no division per token), and each row's arithmetic
+// is the same whichever rows share its call or thread, so a row's output does not depend on
+// its batch.
+
+// The cached token `t` of a block table, as a row pointer: blocks of block_size tokens.
+struct TokenRows {
+  const float* base;
+  const int64_t* table;
+  int64_t block_size, token_stride, head_offset;
+  const float* row(int64_t block, int64_t i) const {
+    return base + (table[block] * block_size + i) * token_stride + head_offset;
+  }
+};
+
+// Calls fn(token, row) for the first kv_len tokens, in order.
+template <typename Fn>
+inline void each_token(const TokenRows& rows, int64_t kv_len, Fn&& fn) {
+  for (int64_t start = 0, block = 0; start < kv_len; start += rows.block_size, ++block) {
+    const int64_t count = std::min(rows.block_size, kv_len - start);
+    for (int64_t i = 0; i < count; ++i) fn(start + i, rows.row(block, i));
+  }
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores less their maximum), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2,
+// e^r from Cephes' degree-6 polynomial for expf, then scaled by 2^n (vscalefps, which also
+// takes a very negative x to zero).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One query head of VECTORS * 16 dimensions over the tokens of `keys`/`values`; `weights`
+// has room for kv_len rounded up to 16.
+template <int VECTORS>
+void attend_head(const float* q, const TokenRows& keys, const TokenRows& values, int64_t kv_len,
+                 float scale, float* weights, float* out) {
+  __m512 query[VECTORS];
+  for (int v = 0; v < VECTORS; ++v)
+    query[v] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * v), _mm512_set1_ps(scale));
+  float top = -std::numeric_limits<float>::infinity();
+  each_token(keys, kv_len, [&](int64_t t, const float* k) {
+    __m512 sum = _mm512_mul_ps(query[0], _mm512_loadu_ps(k));
+    for (int v = 1; v < VECTORS; ++v) sum = _mm512_fmadd_ps(query[v], _mm512_loadu_ps(k + 16 * v), sum);
+    const float score = _mm512_reduce_add_ps(sum);
+    weights[t] = score;
+    top = std::max(top, score);
+  });
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 totals = _mm512_setzero_ps();
+  for (int64_t t = 0; t < kv_len; t += 16) {
+    const __mmask16 lanes = kv_len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (kv_len - t)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, weights + t), shift));
+    _mm512_mask_storeu_ps(weights + t, lanes, e);
+    totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(lanes, e));
+  }
+  __m512 acc[VECTORS];
+  for (int v = 0; v < VECTORS; ++v) acc[v] = _mm512_setzero_ps();
+  each_token(values, kv_len, [&](int64_t t, const float* row) {
+    const __m512 w = _mm512_set1_ps(weights[t]);
+    for (int v = 0; v < VECTORS; ++v) acc[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 16 * v), acc[v]);
+  });
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(totals));
+  for (int v = 0; v < VECTORS; ++v) _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(acc[v], inverse));
+}
+#endif
+
+// Any head size, without intrinsics.
+void attend_head_scalar(const float* q, const TokenRows& keys, const TokenRows& values,
+                        int64_t kv_len, int64_t dim, float scale, float* weights, float* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  each_token(keys, kv_len, [&](int64_t t, const float* k) {
+    weights[t] = scale * dot(q, k, dim);
+    top = std::max(top, weights[t]);
+  });
+  float total = 0.0f;
+  for (int64_t t = 0; t < kv_len; ++t) {
+    weights[t] = std::exp(weights[t] - top);
+    total += weights[t];
+  }
+  std::fill(out, out + dim, 0.0f);
+  each_token(values, kv_len, [&](int64_t t, const float* v) {
+    const float w = weights[t];
+    for (int64_t d = 0; d < dim; ++d) out[d] += w * v[d];
+  });
+  const float inverse = 1.0f / total;
+  for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+}
+
+// Query head `h` of one row: query [heads, dim], out [heads, dim].
 void attend_direct(const float* query, const float* k_base, const float* v_base,
                    const int64_t* table, int64_t kv_len, int64_t block_size, int64_t heads,
-                   int64_t kv_heads, int64_t dim, double scale, float* out) {
+                   int64_t kv_heads, int64_t dim, int64_t h, double scale, float* out) {
   thread_local std::vector<float> weights;
-  weights.resize(kv_len);
-  const int64_t token_stride = kv_heads * dim, group = heads / kv_heads;
+  weights.resize(kv_len + 16);
+  const int64_t token_stride = kv_heads * dim, head_offset = (h / (heads / kv_heads)) * dim;
+  const TokenRows keys{k_base, table, block_size, token_stride, head_offset};
+  const TokenRows values{v_base, table, block_size, token_stride, head_offset};
+  const float* q = query + h * dim;
+  float* o = out + h * dim;
   const float scale_f = static_cast<float>(scale);
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* q = query + h * dim;
-    const int64_t head_offset = (h / group) * dim;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < kv_len; ++t) {
-      const int64_t slot = table[t / block_size] * block_size + t % block_size;
-      const float score = scale_f * dot(q, k_base + slot * token_stride + head_offset, dim);
-      weights[t] = score;
-      top = std::max(top, score);
-    }
-    float total = 0.0f;
-    for (int64_t t = 0; t < kv_len; ++t) {
-      weights[t] = std::exp(weights[t] - top);
-      total += weights[t];
-    }
-    float* o = out + h * dim;
-    std::fill(o, o + dim, 0.0f);
-    for (int64_t t = 0; t < kv_len; ++t) {
-      const int64_t slot = table[t / block_size] * block_size + t % block_size;
-      const float* v = v_base + slot * token_stride + head_offset;
-      const float w = weights[t];
-      for (int64_t d = 0; d < dim; ++d) o[d] += w * v[d];
-    }
-    const float inverse = 1.0f / total;
-    for (int64_t d = 0; d < dim; ++d) o[d] *= inverse;
+#if defined(__AVX512F__)
+  switch (dim) {
+    case 64: return attend_head<4>(q, keys, values, kv_len, scale_f, weights.data(), o);
+    case 128: return attend_head<8>(q, keys, values, kv_len, scale_f, weights.data(), o);
+    case 256: return attend_head<16>(q, keys, values, kv_len, scale_f, weights.data(), o);
+    default: break;
+  }
+#endif
+  attend_head_scalar(q, keys, values, kv_len, dim, scale_f, weights.data(), o);
+}
+
+// Calls with fewer multiply-adds of scores than this (a short context, a few rows) stay on
+// the calling thread: a parallel region costs more than they do.
+constexpr int64_t kParallelProducts = 1 << 18;
+
+// Row r of key/value [rows, kv_heads, dim] into flat slot `slot` of a cache.
+void write_token(const at::Tensor& flat, int64_t slot, const at::Tensor& source, int64_t r) {
+  const int64_t width = flat.size(1) * flat.size(2);
+  if (source.scalar_type() == flat.scalar_type() && source.stride(2) == 1 &&
+      source.stride(1) == source.size(2)) {
+    const int64_t bytes = flat.element_size();
+    std::memcpy(static_cast<char*>(flat.data_ptr()) + slot * width * bytes,
+                static_cast<const char*>(source.const_data_ptr()) + r * source.stride(0) * bytes,
+                width * bytes);
+  } else {
+    flat.select(0, slot).copy_(source.select(0, r));
   }
 }
 
@@ -145,8 +256,8 @@ at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
   int64_t with_kv = 0;
   while (with_kv < rows && info[with_kv][KV_LEN] > 0) ++with_kv;
   for (int64_t r = 0; r < with_kv; ++r) {
-    k_flat.select(0, slots[r]).copy_(key.select(0, r));
-    v_flat.select(0, slots[r]).copy_(value.select(0, r));
+    write_token(k_flat, slots[r], key, r);
+    write_token(v_flat, slots[r], value, r);
   }
   // float32 throughout and short contexts: attend_direct (tests compare both paths).
   int64_t longest = 0;
@@ -154,20 +265,39 @@ at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
   const bool direct = !force_sdpa && query.scalar_type() == at::kFloat &&
                       k_flat.scalar_type() == at::kFloat && v_flat.scalar_type() == at::kFloat &&
                       query.is_contiguous() && longest <= kDirectTokens;
-  at::Tensor output;
-  if (!(rows == 1 && with_kv == 1)) output = at::zeros_like(query);
+  at::Tensor output = rows == 1 && with_kv == 1 ? at::Tensor() : at::zeros_like(query);
+  if (direct && with_kv > 0) {
+    if (!output.defined()) output = at::empty_like(query);
+    const int64_t heads = query.size(1), dim = query.size(2);
+    const float* q_base = query.const_data_ptr<float>();
+    const float* k_base = k_flat.const_data_ptr<float>();
+    const float* v_base = v_flat.const_data_ptr<float>();
+    float* out_base = output.data_ptr<float>();
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / heads;
+        attend_direct(q_base + r * heads * dim, k_base, v_base, blocks + info[r][BLOCK_START],
+                      info[r][KV_LEN], block_size, heads, k_flat.size(1), dim, item % heads,
+                      scale, out_base + r * heads * dim);
+      }
+    };
+    // (row, head) items, on every thread once a call is worth a parallel region; a head's
+    // arithmetic is the same wherever it runs.
+    int64_t tokens = 0;
+    for (int64_t r = 0; r < with_kv; ++r) tokens += info[r][KV_LEN];
+    const int64_t items = with_kv * heads;
+    if (tokens * heads * dim < kParallelProducts) {
+      run(0, items);
+    } else {
+      const int64_t per_item = std::max<int64_t>(1, tokens * dim / with_kv);
+      at::parallel_for(0, items, std::max<int64_t>(1, kParallelProducts / 4 / per_item), run);
+    }
+    return output;
+  }
   for (int64_t r = 0; r < with_kv; ++r) {
     const int64_t kv_len = info[r][KV_LEN];
     const int64_t* table = blocks + info[r][BLOCK_START];
     const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
-    if (direct) {
-      if (!output.defined()) output = at::empty_like(query);
-      attend_direct(query.select(0, r).const_data_ptr<float>(), k_flat.const_data_ptr<float>(),
-                    v_flat.const_data_ptr<float>(), table, kv_len, block_size,
-                    query.size(1), k_flat.size(1), query.size(2), scale,
-                    output.select(0, r).data_ptr<float>());
-      continue;
-    }
     bool consecutive = true;
     for (int64_t b = 1; b < num_blocks && consecutive; ++b)
       consecutive = table[b] == table[0] + b;

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,22 @@ if TYPE_CHECKING:  # Triton is imported only once decode graphs are built (CUDA,
     from slipstream.kernels.triton_backend import StaticDecodeAttention
 
 log = logging.getLogger(__name__)
+
+# How inductor's program calls its kernels on a CPU. "cpp": a C++ wrapper, compiled with the
+# program (inductor's cpp_wrapper, built apart from the kernels so it compiles in seconds);
+# "python": inductor's default Python wrapper, which pays a Python call and an allocation per
+# kernel and operator, about 270 a step for the default model's 30 layers. If the C++ wrapper
+# fails to build, compile_cpu() warns and compiles the Python one.
+CPU_WRAPPER_ENV = "SLIPSTREAM_CPU_COMPILE_WRAPPER"
+CPU_WRAPPERS = ("cpp", "python")
+
+
+def cpu_wrapper() -> str:
+    """The wrapper ``CPU_WRAPPER_ENV`` asks for (default "cpp")."""
+    value = os.environ.get(CPU_WRAPPER_ENV, "cpp")
+    if value not in CPU_WRAPPERS:
+        raise ValueError(f"{CPU_WRAPPER_ENV}={value!r}: use one of {', '.join(CPU_WRAPPERS)}")
+    return value
 
 
 
@@ -127,6 +144,7 @@ class DecodeGraphs:
         self.use_graphs = False
         self.capture_s: float | None = None
         self.compile_s: float | None = None  # compile_cpu()'s wall time
+        self.cpu_wrapper: str | None = None  # compile_cpu()'s wrapper, one of CPU_WRAPPERS
         self.runs = 0  # steps served from this path since start-up
 
     def _program(self, size: int, num_kv_heads: int, max_model_len: int) -> _Program:
@@ -180,64 +198,89 @@ class DecodeGraphs:
         operator it cannot lower); the caller decides whether decodes then stay eager."""
         if not self.cpu_attention:
             raise RuntimeError("compile_cpu() needs programs built with cpu_attention=True")
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-
         started = time.perf_counter()
+        wrapper = cpu_wrapper()
         log.info("compiling CPU decode programs for batch sizes %s with torch.compile "
-                 "(--no-cpu-compile skips it): about 15 s a size the first time for a 135M "
+                 "(--no-cpu-compile skips it): about 30 s a size the first time for a 135M "
                  "model on two cores, seconds once inductor's cache has them",
                  _describe(self.sizes))
         for size in self.sizes:
-            program = self._programs[size]
-            captured: list[tuple[Callable[..., Sequence[torch.Tensor]], list[object]]] = []
-
-            def keep(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
-                     ) -> Callable[..., Sequence[torch.Tensor]]:
-                # The size and alignment checks of every input and operator result cost a
-                # Python call each, a few hundred per step; the shapes here never change.
-                with inductor_config.patch(size_asserts=False, alignment_asserts=False,
-                                           scalar_asserts=False):
-                    compiled = cast(Callable[..., Sequence[torch.Tensor]],
-                                    compile_fx(graph, example_inputs))
-                captured.append((compiled, list(example_inputs)))
-                return compiled
-
-            traced = torch.compile(functools.partial(self._compute, program), backend=keep,
-                                   fullgraph=True, dynamic=False)
-            with kv_caches_in_use(self.kv_caches):
-                eager = self._compute(program)
-                traced()
-            if len(captured) != 1:
-                raise RuntimeError(f"compiling the size-{size} decode program gave "
-                                   f"{len(captured)} graphs, not one")
-            compiled, inputs = captured[0]
-            # Parameters and views of the static buffers: nothing that changes between steps.
-            odd = {type(value).__name__ for value in inputs
-                   if type(value) not in (torch.Tensor, torch.nn.Parameter)}
-            if odd:
-                raise RuntimeError(f"a compiled decode program took inputs of type "
-                                   f"{', '.join(sorted(odd))}, not plain tensors, so it "
-                                   "cannot be called without its guards")
-            with kv_caches_in_use(self.kv_caches):
-                outputs = compiled(*inputs)
-            if len(outputs) != 2 or any(out.shape != ref.shape
-                                        for out, ref in zip(outputs, eager)):
-                raise RuntimeError("a compiled decode program returned "
-                                   f"{[tuple(out.shape) for out in outputs]}, not its logits "
-                                   "and greedy result")
-            # The same rows (padding) as the eager run: the logits must agree, up to the
-            # rounding of fused float arithmetic.
-            error = float((outputs[0] - eager[0]).abs().max())
-            if not error <= 1e-3 * max(1.0, float(eager[0].abs().max())):
-                raise RuntimeError(f"a compiled decode program's logits differ from the eager "
-                                   f"ones by {error:.3g}")
-            program.compiled = compiled
-            program.compiled_inputs = tuple(inputs)  # type: ignore[arg-type]
+            try:
+                self._compile_cpu_program(size, wrapper)
+            except Exception as error:  # noqa: BLE001 - the Python wrapper is tried next
+                if wrapper != "cpp":
+                    raise
+                # torch.compile wraps what the backend raised (BackendCompilerFailed).
+                cause: BaseException = error
+                while isinstance(getattr(cause, "inner_exception", None), BaseException):
+                    cause = cause.inner_exception  # type: ignore[attr-defined]
+                log.warning("inductor's C++ wrapper failed for the size-%d decode program "
+                            "(%s: %s); compiling with its Python wrapper, about 1 ms a step "
+                            "slower (%s=python skips the C++ one)", size, type(cause).__name__,
+                            str(cause).splitlines()[0] if str(cause) else "", CPU_WRAPPER_ENV)
+                wrapper = "python"
+                self._compile_cpu_program(size, wrapper)
+        self.cpu_wrapper = wrapper
         torch._dynamo.reset()  # the programs are called directly from now on
         self.compile_s = time.perf_counter() - started
-        log.info("compiled %d CPU decode programs (batch sizes %s) in %.1f s",
-                 len(self.sizes), _describe(self.sizes), self.compile_s)
+        log.info("compiled %d CPU decode programs (batch sizes %s, inductor's %s wrapper) in "
+                 "%.1f s", len(self.sizes), _describe(self.sizes), wrapper, self.compile_s)
+
+    def _compile_cpu_program(self, size: int, wrapper: str) -> None:
+        """Compile the size-``size`` program with inductor and the given wrapper, check it
+        against an eager run and keep its callable and inputs."""
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        program = self._programs[size]
+        captured: list[tuple[Callable[..., Sequence[torch.Tensor]], list[object]]] = []
+
+        def keep(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]
+                 ) -> Callable[..., Sequence[torch.Tensor]]:
+            # The size and alignment checks of every input and operator result cost a
+            # Python call each, a few hundred per step; the shapes here never change.
+            # The C++ wrapper (CPU_WRAPPER_ENV) is compiled apart from the kernels: one file
+            # with both took about 40 s more per size for the default model, for no faster
+            # step.
+            with inductor_config.patch(size_asserts=False, alignment_asserts=False,
+                                       scalar_asserts=False, cpp_wrapper=wrapper == "cpp",
+                                       cpp_wrapper_build_separate=True):
+                compiled = cast(Callable[..., Sequence[torch.Tensor]],
+                                compile_fx(graph, example_inputs))
+            captured.append((compiled, list(example_inputs)))
+            return compiled
+
+        traced = torch.compile(functools.partial(self._compute, program), backend=keep,
+                               fullgraph=True, dynamic=False)
+        with kv_caches_in_use(self.kv_caches):
+            eager = self._compute(program)
+            traced()
+        if len(captured) != 1:
+            raise RuntimeError(f"compiling the size-{size} decode program gave "
+                               f"{len(captured)} graphs, not one")
+        compiled, inputs = captured[0]
+        # Parameters and views of the static buffers: nothing that changes between steps.
+        odd = {type(value).__name__ for value in inputs
+               if type(value) not in (torch.Tensor, torch.nn.Parameter)}
+        if odd:
+            raise RuntimeError(f"a compiled decode program took inputs of type "
+                               f"{', '.join(sorted(odd))}, not plain tensors, so it "
+                               "cannot be called without its guards")
+        with kv_caches_in_use(self.kv_caches):
+            outputs = compiled(*inputs)
+        if len(outputs) != 2 or any(out.shape != ref.shape
+                                    for out, ref in zip(outputs, eager)):
+            raise RuntimeError("a compiled decode program returned "
+                               f"{[tuple(out.shape) for out in outputs]}, not its logits "
+                               "and greedy result")
+        # The same rows (padding) as the eager run: the logits must agree, up to the
+        # rounding of fused float arithmetic.
+        error = float((outputs[0] - eager[0]).abs().max())
+        if not error <= 1e-3 * max(1.0, float(eager[0].abs().max())):
+            raise RuntimeError(f"a compiled decode program's logits differ from the eager "
+                               f"ones by {error:.3g}")
+        program.compiled = compiled
+        program.compiled_inputs = tuple(inputs)  # type: ignore[arg-type]
 
     def _compute(self, program: _Program) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's logits ``[size, vocab]`` and ``[size, 2]`` (greedy token, logits
