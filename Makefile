@@ -226,6 +226,9 @@ bench-decode-step: setup default-model  ## one engine decode step of SmolLM2 at 
 bench-cpu-quant: setup  ## quantized CPU matmuls of SmolLM2's shapes at 1-256 rows: Slipstream's kernels (AMX, AVX-512 BF16 or float32) vs ATen's int4 kernel (docs/quantization.md)
 	$(BIN)/python -m slipstream.bench.cpu_quant_bench --out $(RESULTS)/cpu-quant
 
+bench-cpu-attention: setup  ## the compiled CPU decode's attention operator at SmolLM2's heads: its own AVX-512 kernel vs its SDPA path, 1 and 8 rows (docs/engine.md)
+	$(BIN)/python -m slipstream.bench.cpu_attention_bench --out $(RESULTS)/cpu-attention
+
 bench-long-prefill-memory: setup  ## server memory growth while one 32K-token prompt is prefilled in 8,192-token chunks (CPU, tiny model; goal +512 MB)
 	$(BIN)/python -m slipstream.bench.long_prefill_memory --out $(RESULTS)/long-prefill-memory
 

@@ -35,7 +35,8 @@ def engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**{**settings, **overrides}))
 
 
-def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir):
+def test_compiled_decodes_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv(CPU_WRAPPER_ENV, raising=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
     eager = engine(tiny_model_dir, cpu_compile=False)
     assert eager.runner.decode_graphs is None
@@ -240,6 +241,7 @@ def test_a_program_that_computes_other_logits_is_not_used(tiny_model_dir, monkey
 
 
 def test_a_failed_cpp_wrapper_falls_back_to_the_python_one(tiny_model_dir, monkeypatch, caplog):
+    monkeypatch.delenv(CPU_WRAPPER_ENV, raising=False)
     import torch._inductor.compile_fx as inductor
     from torch._inductor import config as inductor_config
 
@@ -262,6 +264,7 @@ def test_a_failed_cpp_wrapper_falls_back_to_the_python_one(tiny_model_dir, monke
 
 
 def test_the_wrapper_is_asked_for_by_name(monkeypatch):
+    monkeypatch.delenv(CPU_WRAPPER_ENV, raising=False)
     assert cpu_wrapper() == "cpp"
     monkeypatch.setenv(CPU_WRAPPER_ENV, "python")
     assert cpu_wrapper() == "python"

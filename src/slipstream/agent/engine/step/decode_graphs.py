@@ -34,7 +34,8 @@ for a 30-layer model's hundreds of parameters). What a guard would check cannot 
 every input is a parameter or a view of the static input buffer, with the same shapes for the
 program's whole life. Attention runs as one opaque operator that reads the rows from those
 buffers and reaches the KV cache outside the graph (``kernels/cpu_static_decode.py``). On the
-default model one decode step went from 10.0 to 6.2 ms (docs/engine.md).
+default model one decode step went from 10.0 to 6.2 ms (docs/engine.md). The program calls
+its kernels from inductor's C++ wrapper (``CPU_WRAPPER_ENV``), not from Python.
 """
 
 from __future__ import annotations
