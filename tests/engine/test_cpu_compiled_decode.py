@@ -311,3 +311,81 @@ def test_many_rows_and_long_contexts_attend_like_a_plain_softmax_and_alone(dim):
             want = torch.softmax(scores, dim=0) @ values[:, head // group].double()
             assert torch.allclose(out[row, head].double(), want, atol=2e-5, rtol=1e-5), \
                 (row, head)
+
+
+def test_eager_decodes_of_a_compiled_engine_attend_in_the_cpp_kernel(tiny_model_dir):
+    """Steps the programs do not cover (here five decodes, above the compiled sizes 1 and 2)
+    run eagerly; their decodes attend in the same C++ kernel, and give the tokens and
+    log-probabilities of an engine that never compiled."""
+    compiled = engine(tiny_model_dir, cpu_compile=True)
+    eager = engine(tiny_model_dir, cpu_compile=False)
+    assert compiled.runner.backend.direct_decodes and not eager.runner.backend.direct_decodes
+    calls = []
+    real = compiled.runner.backend._run_fused
+
+    def counting(*args, **kwargs):
+        calls.append(compiled.runner.backend._direct is not None)
+        return real(*args, **kwargs)
+
+    compiled.runner.backend._run_fused = counting
+    prompts = [[7 + i, 3 * i + 1, 40, 2 + i] * (i + 1) for i in range(5)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    results = []
+    for eng in (eager, compiled):
+        for index, prompt in enumerate(prompts):
+            eng.add_request(prompt, params, f"r{index}")
+        logprobs: dict[str, list] = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                logprobs.setdefault(out.request_id, []).extend(out.logprobs or [])
+        results.append(logprobs)
+    assert any(calls), "no eager step attended its decodes in the C++ kernel"
+    want, got = results
+    for request_id in want:
+        assert [lp.token_id for lp in got[request_id]] == [lp.token_id for lp in want[request_id]]
+        for a, b in zip(want[request_id], got[request_id]):
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+
+
+def test_attend_decodes_reads_the_cache_like_the_operator_and_refuses_bad_rows():
+    native_kernel()
+    torch.manual_seed(2)
+    blocks, block_size, kv_heads, heads, dim = 10, 16, 2, 4, 64
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim)
+    tables = torch.tensor([[7, 2, 0], [4, 0, 0], [1, 5, 9]])
+    kv_lens = torch.tensor([21, 3, 40])
+    query = torch.randn(3, heads, dim)
+    out = torch.ops.slipstream_cpu.attend_decodes(query, k_cache, v_cache, tables, kv_lens, 0.2)
+    group = heads // kv_heads
+    for row in range(3):
+        keys = k_cache[tables[row]].reshape(-1, kv_heads, dim)[:kv_lens[row]]
+        values = v_cache[tables[row]].reshape(-1, kv_heads, dim)[:kv_lens[row]]
+        for head in range(heads):
+            scores = keys[:, head // group] @ query[row, head] * 0.2
+            want = torch.softmax(scores, dim=0) @ values[:, head // group]
+            assert torch.allclose(out[row, head], want, atol=1e-5)
+    # The compiled steps' operator, given the same rows (its KV write is the token already
+    # there), computes the same values bit for bit.
+    seq_info = torch.zeros(3, SEQ_INFO_COLUMNS, dtype=torch.int64)
+    for row in range(3):
+        seq_info[row] = torch.tensor([row, 1, int(kv_lens[row]) - 1, int(kv_lens[row]), 0,
+                                      3 * row])
+    last = [int(tables[r][(int(kv_lens[r]) - 1) // block_size]) * block_size
+            + (int(kv_lens[r]) - 1) % block_size for r in range(3)]
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    with kv_caches_in_use([(k_cache, v_cache)]):
+        operator = torch.ops.slipstream.cpu_decode_attention(
+            query, flat_k[last].clone(), flat_v[last].clone(), 0, torch.tensor(last), seq_info,
+            tables.flatten(), 0.2)
+    assert torch.equal(operator, out)
+    with pytest.raises(RuntimeError, match="row 1 names block 10 of 10"):
+        torch.ops.slipstream_cpu.attend_decodes(query, k_cache, v_cache,
+                                                torch.tensor([[7, 2, 0], [10, 0, 0], [1, 5, 9]]),
+                                                kv_lens, 0.2)
+    with pytest.raises(RuntimeError, match="row 2 has 49 tokens"):
+        torch.ops.slipstream_cpu.attend_decodes(query, k_cache, v_cache, tables,
+                                                torch.tensor([21, 3, 49]), 0.2)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.slipstream_cpu.attend_decodes(query.double(), k_cache, v_cache, tables,
+                                                kv_lens, 0.2)

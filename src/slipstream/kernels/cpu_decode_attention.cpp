@@ -229,6 +229,82 @@ void write_token(const at::Tensor& flat, int64_t slot, const at::Tensor& source,
   }
 }
 
+// Rows of query [rows, heads, dim] (float32, contiguous) over the flat float32 caches
+// [slots, kv_heads, dim]: row r attends to the first lengths[r] tokens of the blocks at
+// tables[r], into output's row r. (row, head) items run on every thread once a call is worth
+// a parallel region; a head's arithmetic is the same wherever it runs.
+void attend_rows(const at::Tensor& query, const at::Tensor& k_flat, const at::Tensor& v_flat,
+                 int64_t block_size, const std::vector<const int64_t*>& tables,
+                 const std::vector<int64_t>& lengths, double scale, at::Tensor& output) {
+  const int64_t rows = static_cast<int64_t>(lengths.size());
+  const int64_t heads = query.size(1), dim = query.size(2), kv_heads = k_flat.size(1);
+  const float* q_base = query.const_data_ptr<float>();
+  const float* k_base = k_flat.const_data_ptr<float>();
+  const float* v_base = v_flat.const_data_ptr<float>();
+  float* out_base = output.data_ptr<float>();
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads;
+      attend_direct(q_base + r * heads * dim, k_base, v_base, tables[r], lengths[r],
+                    block_size, heads, kv_heads, dim, item % heads, scale,
+                    out_base + r * heads * dim);
+    }
+  };
+  int64_t tokens = 0;
+  for (int64_t r = 0; r < rows; ++r) tokens += lengths[r];
+  const int64_t items = rows * heads;
+  if (tokens * heads * dim < kParallelProducts) {
+    run(0, items);
+  } else {
+    const int64_t per_item = std::max<int64_t>(1, tokens * dim / rows);
+    at::parallel_for(0, items, std::max<int64_t>(1, kParallelProducts / 4 / per_item), run);
+  }
+}
+
+// The eager CPU backend's decodes (kernels/torch_ref.py, when the engine compiled its decode
+// steps and so built this file): the step's keys and values are already in the caches
+// [blocks, block, kv_heads, dim]; row r of query [rows, heads, dim] attends to the first
+// kv_lens[r] (at most kDirectTokens) tokens of the blocks block_tables[r]. float32 only.
+at::Tensor attend_decodes(const at::Tensor& query, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& kv_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "attend_decodes: query [rows, heads, dim], caches [blocks, block, kv_heads, dim]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "attend_decodes: float32 query and caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "attend_decodes: contiguous caches");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
+                  kv_lens.numel() == query.size(0),
+              "attend_decodes: int64 block_tables [rows, blocks] and kv_lens [rows]");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "attend_decodes: query heads are a multiple of the cache's, of the same size");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables_t = block_tables.contiguous();
+  const at::Tensor lengths_t = kv_lens.contiguous();
+  const int64_t rows = q.size(0), block_size = k_cache.size(1), width = tables_t.size(1);
+  std::vector<const int64_t*> tables(rows);
+  std::vector<int64_t> lengths(lengths_t.data_ptr<int64_t>(),
+                               lengths_t.data_ptr<int64_t>() + rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lengths[r] >= 1 && lengths[r] <= kDirectTokens &&
+                    lengths[r] <= width * block_size,
+                "attend_decodes: row ", r, " has ", lengths[r], " tokens (1 to ",
+                kDirectTokens, ", within its block table)");
+    tables[r] = tables_t.const_data_ptr<int64_t>() + r * width;
+    for (int64_t b = 0; b < (lengths[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[r][b] >= 0 && tables[r][b] < k_cache.size(0), "attend_decodes: row ",
+                  r, " names block ", tables[r][b], " of ", k_cache.size(0));
+  }
+  at::Tensor output = at::empty_like(q);
+  attend_rows(q, k_cache.view({-1, k_cache.size(2), k_cache.size(3)}),
+              v_cache.view({-1, v_cache.size(2), v_cache.size(3)}), block_size, tables, lengths,
+              scale, output);
+  return output;
+}
+
 at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
                                 const at::Tensor& value, int64_t layer,
                                 const at::Tensor& slot_mapping, const at::Tensor& seq_info,
@@ -268,30 +344,13 @@ at::Tensor cpu_decode_attention(const at::Tensor& query, const at::Tensor& key,
   at::Tensor output = rows == 1 && with_kv == 1 ? at::Tensor() : at::zeros_like(query);
   if (direct && with_kv > 0) {
     if (!output.defined()) output = at::empty_like(query);
-    const int64_t heads = query.size(1), dim = query.size(2);
-    const float* q_base = query.const_data_ptr<float>();
-    const float* k_base = k_flat.const_data_ptr<float>();
-    const float* v_base = v_flat.const_data_ptr<float>();
-    float* out_base = output.data_ptr<float>();
-    auto run = [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t r = item / heads;
-        attend_direct(q_base + r * heads * dim, k_base, v_base, blocks + info[r][BLOCK_START],
-                      info[r][KV_LEN], block_size, heads, k_flat.size(1), dim, item % heads,
-                      scale, out_base + r * heads * dim);
-      }
-    };
-    // (row, head) items, on every thread once a call is worth a parallel region; a head's
-    // arithmetic is the same wherever it runs.
-    int64_t tokens = 0;
-    for (int64_t r = 0; r < with_kv; ++r) tokens += info[r][KV_LEN];
-    const int64_t items = with_kv * heads;
-    if (tokens * heads * dim < kParallelProducts) {
-      run(0, items);
-    } else {
-      const int64_t per_item = std::max<int64_t>(1, tokens * dim / with_kv);
-      at::parallel_for(0, items, std::max<int64_t>(1, kParallelProducts / 4 / per_item), run);
+    std::vector<const int64_t*> tables(with_kv);
+    std::vector<int64_t> lengths(with_kv);
+    for (int64_t r = 0; r < with_kv; ++r) {
+      tables[r] = blocks + info[r][BLOCK_START];
+      lengths[r] = info[r][KV_LEN];
     }
+    attend_rows(query, k_flat, v_flat, block_size, tables, lengths, scale, output);
     return output;
   }
   for (int64_t r = 0; r < with_kv; ++r) {
@@ -322,6 +381,8 @@ TORCH_LIBRARY_FRAGMENT(slipstream_cpu, m) {
   m.def("set_kv_caches(Tensor[] caches) -> ()", &set_kv_caches);
   m.def("clear_kv_caches() -> ()", &clear_kv_caches);
   m.def("set_force_sdpa(bool value) -> ()", &set_force_sdpa);
+  m.def("attend_decodes(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor kv_lens, float scale) -> Tensor", &attend_decodes);
 }
 
 TORCH_LIBRARY_IMPL(slipstream, CPU, m) {

@@ -164,6 +164,12 @@ _choosing = threading.Lock()
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
 
 
+def native_loaded() -> bool:
+    """Whether this process registered the C++ kernel (``use_implementation``), which also
+    brings ``slipstream_cpu::attend_decodes`` for the eager backend's decodes."""
+    return _implementation == NATIVE
+
+
 def use_implementation(build_dir: Path | None) -> str:
     """Register the operator's CPU kernel, once per process, and say which: the C++ one
     (``cpu_decode_attention.cpp``, compiled into ``build_dir`` on first use, seconds, then

@@ -150,6 +150,24 @@ def decode_groups(kv_lens: list[int] | tuple[int, ...]) -> list[list[int]]:
     return groups
 
 
+# The C++ kernel's longest context (kDirectTokens in cpu_decode_attention.cpp).
+DIRECT_DECODE_TOKENS = 4096
+
+
+def _plain_decodes(metadata: AttentionMetadata) -> bool:
+    """Whether every decode row attends to exactly its first kv_len cached tokens, all before
+    or at its query, within the C++ kernel's reach: not a KV-parallel shard, which starts
+    elsewhere or lies partly after the query."""
+    if metadata.block_tables.device.type != "cpu":
+        return False
+    for row in range(metadata.num_decodes):
+        kv_len = metadata.kv_lens[row]
+        if not (1 <= kv_len <= DIRECT_DECODE_TOKENS and metadata.kv_start_pos[row] == 0
+                and metadata.query_start_pos[row] == kv_len - 1):
+            return False
+    return True
+
+
 def _slots(block_table: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
     offsets = torch.arange(kv_len, device=block_table.device)
     return block_table[..., offsets // block_size] * block_size + offsets % block_size
@@ -170,13 +188,25 @@ class TorchReferenceBackend:
         self._prefills: list[_Prefill] = []
         self._write_slots: torch.Tensor | None = None
         self._write_rows: torch.Tensor | None = None  # rows to store, when not every row
+        # Set by the model runner when its engine compiled its decode steps, and so built
+        # the C++ decode attention kernel (kernels/cpu_decode_attention.cpp): plain decodes
+        # of float32 layers then attend in it (attend_decodes), reading the cache in place,
+        # instead of gathering it for SDPA.
+        self.direct_decodes = False
+        self._direct: tuple[torch.Tensor, torch.Tensor] | None = None  # block tables, kv_lens
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._metadata = metadata
         self._plan_writes(metadata)
         self._decodes = []
         self._prefills = []
+        self._direct = None
         num_decodes = metadata.num_decodes
+        if num_decodes and self.direct_decodes and _plain_decodes(metadata):
+            kv_lens = metadata.kv_lens[:num_decodes]
+            blocks = -(-max(kv_lens) // metadata.block_size)
+            self._direct = (metadata.block_tables[:num_decodes, :blocks],
+                            torch.tensor(kv_lens, dtype=torch.int64))
         if num_decodes:
             groups = decode_groups(metadata.kv_lens[:num_decodes])
             for group in groups:
@@ -325,7 +355,14 @@ class TorchReferenceBackend:
         """The same attention through torch's fused SDPA kernels, without the LSE."""
         output = torch.zeros_like(query)  # rows that see no key stay zero, as with the LSE
         num_heads = query.shape[1]
-        for group in self._decodes:
+        decodes = self._decodes
+        if self._direct is not None and query.dtype == k_cache.dtype == torch.float32:
+            tables, kv_lens = self._direct
+            rows = tables.shape[0]
+            output[:rows] = torch.ops.slipstream_cpu.attend_decodes(
+                query[:rows], k_cache, v_cache, tables, kv_lens, scale)
+            decodes = []
+        for group in decodes:
             if group.kv_len == 0:
                 continue
             for tile in group.row_tiles(rows_per_tile(self.max_score_elements, num_heads,

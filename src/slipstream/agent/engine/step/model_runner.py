@@ -45,7 +45,9 @@ from slipstream.agent.engine.step.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
+from slipstream.kernels import cpu_static_decode
 from slipstream.kernels.attention import AttentionMetadata, select_backend
+from slipstream.kernels.torch_ref import TorchReferenceBackend
 from slipstream.agent.engine.step.batch_io import FlatInputs, SampledToken, sample_batch
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,12 @@ class ModelRunner:
         self.last_forward_s = 0.0
         self.short_prefill = self._make_short_prefill() if config.short_prefill_graphs else None
         self.decode_graphs = self._make_decode_graphs()
+        if (self.decode_graphs is not None and self.decode_graphs.compile_s is not None
+                and isinstance(self.backend, TorchReferenceBackend)
+                and cpu_static_decode.native_loaded()):
+            # Compiling built the C++ decode attention kernel: the eager steps' decodes (more
+            # rows than the compiled sizes, or beside prefill chunks) use it too.
+            self.backend.direct_decodes = True
         self.mixed_graphs = self._make_mixed_graphs()
         self._next_seq = 0
         self._done: deque[tuple[int, dict[str, SampledToken]]] = deque()
