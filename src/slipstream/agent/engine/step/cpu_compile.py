@@ -97,3 +97,14 @@ def make_cpu_compiled_decodes(config: EngineConfig, model_config: ModelConfig,
                     str(error).splitlines()[0] if str(error) else "")
         return None
     return graphs
+
+
+def attend_eager_decodes_natively(graphs: DecodeGraphs | None, backend: object) -> None:
+    """Compiling built the C++ decode attention kernel, so the eager steps' decodes (more rows
+    than the compiled sizes, or beside prefill chunks) attend in it too
+    (``TorchReferenceBackend.direct_decodes``). Engines that did not compile keep SDPA."""
+    from slipstream.kernels.torch_ref import TorchReferenceBackend
+
+    if (graphs is not None and graphs.compile_s is not None
+            and isinstance(backend, TorchReferenceBackend) and cpu_static_decode.native_loaded()):
+        backend.direct_decodes = True

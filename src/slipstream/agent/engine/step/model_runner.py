@@ -28,7 +28,8 @@ from typing import TypeVar
 import torch
 
 from slipstream.agent.engine.config import EngineConfig, ModelConfig
-from slipstream.agent.engine.step.cpu_compile import make_cpu_compiled_decodes
+from slipstream.agent.engine.step.cpu_compile import (attend_eager_decodes_natively,
+                                                      make_cpu_compiled_decodes)
 from slipstream.agent.engine.step.cpu_heap import keep_step_buffers_mapped
 from slipstream.agent.engine.step.decode_graphs import DecodeGraphs, graph_friendly, greedy_only
 from slipstream.agent.engine.step.mixed_graphs import MixedGraphs
@@ -45,9 +46,7 @@ from slipstream.agent.engine.step.short_prefill import ShortPrefillExecutor
 from slipstream.agent.scheduler.batch import Batch, BlockCopy
 from slipstream.agent.scheduler.block_manager import BLOCK_SIZE
 from slipstream.agent.scheduler.kv_tiers import KVTierConfig, TierResults
-from slipstream.kernels import cpu_static_decode
 from slipstream.kernels.attention import AttentionMetadata, select_backend
-from slipstream.kernels.torch_ref import TorchReferenceBackend
 from slipstream.agent.engine.step.batch_io import FlatInputs, SampledToken, sample_batch
 
 log = logging.getLogger(__name__)
@@ -117,12 +116,7 @@ class ModelRunner:
         self.last_forward_s = 0.0
         self.short_prefill = self._make_short_prefill() if config.short_prefill_graphs else None
         self.decode_graphs = self._make_decode_graphs()
-        if (self.decode_graphs is not None and self.decode_graphs.compile_s is not None
-                and isinstance(self.backend, TorchReferenceBackend)
-                and cpu_static_decode.native_loaded()):
-            # Compiling built the C++ decode attention kernel: the eager steps' decodes (more
-            # rows than the compiled sizes, or beside prefill chunks) use it too.
-            self.backend.direct_decodes = True
+        attend_eager_decodes_natively(self.decode_graphs, self.backend)
         self.mixed_graphs = self._make_mixed_graphs()
         self._next_seq = 0
         self._done: deque[tuple[int, dict[str, SampledToken]]] = deque()
